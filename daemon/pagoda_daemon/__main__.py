@@ -1,0 +1,5 @@
+import sys
+
+from pagoda_daemon.cli import main
+
+sys.exit(main())

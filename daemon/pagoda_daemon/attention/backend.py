@@ -1,0 +1,73 @@
+"""The attention-backend interface: what the model runner hands every attention layer.
+
+A step is one flattened, variable-length batch: the new tokens of every scheduled
+sequence laid end to end. Backends write the step's K/V into the paged cache
+(slot_mapping) and attend over each sequence's whole context (block_tables).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # device tensors
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    # host copies, so backends never sync to learn shapes
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    # True when no sequence has cached context: attention may run on the fresh K/V only
+    is_prefill_only: bool = False
+    # False only in the memory-profiling pass, which runs without a cache
+    has_kv_cache: bool = True
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """One instance per model; layers call forward() with their own cache slice."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    """auto: the Triton backend on GPU once it exists, the pure-torch one otherwise."""
+    from pagoda_daemon.attention.torch_paged import TorchPagedAttention
+
+    if name in ("auto", "torch"):
+        return TorchPagedAttention
+    raise ValueError(f"attention backend {name!r} is not available in this build (known: torch)")

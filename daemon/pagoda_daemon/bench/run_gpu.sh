@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: set up, check, benchmark. Results land in $OUT (the device
+# tool's output folder) or ./.out, to be copied into docs/benchmarks/.
+#
+#   bash daemon/pagoda_daemon/bench/run_gpu.sh [all|parity|overhead|topology|tests] ...
+#
+# The GPU image has torch, transformers, safetensors and tokenizers; anything else the
+# steps need travels as wheels in .whl/ (see docs/benchmarks/README.md).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-$PWD/.out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/daemon:$PWD/kernels:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+step() { echo; echo "=== $1 ($(date -u +%T))"; }
+status=0
+
+step device
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.version.cuda)'
+  python3 -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || true
+} | tee "$OUT/device.txt"
+
+want() { [ "$#" -eq 0 ] && return 0; }
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+
+if has parity; then
+  step "parity with transformers on CUDA (float32 must be identical; bfloat16 reported)"
+  python3 -m pagoda_daemon.bench.parity --device cuda --dtypes float32 bfloat16 | tee "$OUT/parity.jsonl" || status=1
+fi
+if has tests; then
+  step "pytest on the GPU machine (GPU tests and the CPU suite on this host)"
+  if python3 -c 'import pytest' 2>/dev/null; then
+    python3 -m pytest -q -p no:cacheprovider tests/gpu tests/engine tests/models 2>&1 | tee "$OUT/pytest.txt" || status=1
+  else
+    echo "pytest is not installed here: carry it in .whl/" | tee "$OUT/pytest.txt"
+  fi
+fi
+if has overhead; then
+  step "engine CPU overhead per step at 256 running requests"
+  python3 -m pagoda_daemon.bench.step_overhead --num-requests 256 --steps 200 | tee "$OUT/step_overhead.json" || status=1
+fi
+if has topology; then
+  step "node topology and pinning"
+  python3 -m pagoda_daemon.topology --json > "$OUT/topology.json" 2> "$OUT/topology.stderr" || status=1
+  head -c 3000 "$OUT/topology.json"; echo
+  if [ -f daemon/pagoda_daemon/topology/bench_pinning.py ]; then
+    python3 -m pagoda_daemon.topology.bench_pinning | tee "$OUT/pinning.json" || status=1
+  fi
+fi
+echo; echo "run_gpu.sh finished with status $status"
+exit $status

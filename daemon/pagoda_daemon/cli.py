@@ -1,0 +1,126 @@
+"""The `pagoda` command. Subcommands import their machinery lazily, so `pagoda topology`
+and `pagoda operator` never import torch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPTS = ["The capital of France is", "Paged attention means"]
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64, 128])
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="CPU KV cache budget in bytes")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        seed=args.seed,
+    )
+
+
+def _tiny_model_dir(arch: str) -> Path:
+    from pagoda_daemon.models.tiny import build_tiny_model
+
+    root = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "tiny-models" / arch
+    if not (root / "config.json").is_file():
+        print(f"building a tiny random {arch} model in {root} ...", file=sys.stderr)
+        build_tiny_model(arch, root)
+    return root
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagoda_daemon import LLM, SamplingParams
+
+    if (args.model is None) == (args.tiny is None):
+        print("pagoda generate: give a MODEL_DIR or --tiny ARCH (not both)", file=sys.stderr)
+        return 2
+    model = str(_tiny_model_dir(args.tiny)) if args.tiny else args.model
+    prompts = args.prompt or DEFAULT_PROMPTS
+    try:
+        llm = LLM(model, **_engine_kwargs(args))
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+            seed=args.sampling_seed, ignore_eos=args.ignore_eos,
+        )
+        outputs = llm.generate(prompts, params)
+    except ValueError as e:
+        print(f"pagoda generate: {e}", file=sys.stderr)
+        return 2
+    for out in outputs:
+        c = out.outputs[0]
+        print(f"prompt: {out.prompt!r}\n  -> {c.text!r}\n     ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+    stats = llm.get_stats()
+    print(
+        f"engine: {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
+        f"prefix-cache hit rate {stats.prefix_cache.hit_rate:.0%}, {stats.num_kv_blocks} KV blocks"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda: LLM serving on Kubernetes.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation with the engine (no server)")
+    gen.add_argument("model", nargs="?", help="a Hugging Face-format model directory")
+    gen.add_argument("--tiny", choices=["llama", "qwen3", "qwen3_moe"], help="build and use a tiny random model")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    topo = sub.add_parser("topology", help="node topology report and NodeTopology agent", add_help=False)
+    topo.set_defaults(func=None, delegate="pagoda_daemon.topology.cli")
+    op = sub.add_parser("operator", help="run the Kubernetes operator", add_help=False)
+    op.set_defaults(func=None, delegate="pagoda_operator.cli")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # Delegated subcommands own their flags: pass everything after the name through.
+    for name in ("topology", "operator"):
+        if name in argv:
+            i = argv.index(name)
+            head = parser.parse_args(argv[: i + 1])
+            logging.basicConfig(level=head.log_level.upper())
+            import importlib
+
+            return importlib.import_module(head.delegate).main(argv[i + 1 :])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Engine core: requests, the paged KV cache with prefix caching, and the scheduler."""

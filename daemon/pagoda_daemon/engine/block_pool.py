@@ -1,0 +1,99 @@
+"""The pool of KV-cache blocks: reference counts, an LRU free queue, and the prefix-cache index."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pagoda_daemon.engine.block_hash import BlockHash
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set once the block is full and registered in the cache
+
+
+class BlockPool:
+    """Blocks with ref_cnt == 0 sit in the free queue in eviction order (oldest first).
+
+    A free block may still hold a cached prefix: it is only evicted (its hash dropped)
+    when it is handed out again, so freed prefixes stay reusable as long as possible.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool, record_events: bool = False) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        # KV events (BlockStored/BlockRemoved) are only collected when someone drains them.
+        self.record_events = record_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.stored_events: list[tuple[BlockHash, int]] = []  # (hash, block id) registered since last drain
+        self.removed_events: list[BlockHash] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by live requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks with {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on cache hits, pulling free ones out of the eviction queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference each; pass blocks tail-first so a sequence's tail is evicted first."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"KV block {block.block_id} freed more often than taken")
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already indexed; this one stays anonymous
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        if self.record_events:
+            self.stored_events.append((block_hash, block.block_id))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only possible when no request holds a block."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+                if self.record_events:
+                    self.removed_events.append(block.block_hash)
+            block.block_hash = None

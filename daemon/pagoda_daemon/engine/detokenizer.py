@@ -1,0 +1,72 @@
+"""Incremental detokenisation with stop strings.
+
+Text is released only when the decoded tail is complete UTF-8 (no U+FFFD from a
+multi-byte character split across tokens), and, while stop strings are set, the last
+few characters that could still start a stop string are held back.
+"""
+
+from __future__ import annotations
+
+# Prompt tokens decoded with the first output tokens, so word boundaries come out right.
+_PROMPT_CONTEXT = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 stop: list[str], include_stop_str_in_output: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = prompt_token_ids[-_PROMPT_CONTEXT:]
+        self.token_ids: list[int] = list(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        self.text = ""
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.emitted = 0  # characters of self.text already handed out as deltas
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(
+            self.token_ids[start:end],
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def update(self, new_token_ids: list[int], check_stop: bool) -> str | None:
+        """Add tokens; return the stop string if one now appears in the text (text is cut there)."""
+        old_len = len(self.text)
+        for token in new_token_ids:
+            self.token_ids.append(token)
+            full = self._decode(self.prefix_offset, len(self.token_ids))
+            if full.endswith("\ufffd") or len(full) <= len(self.prefix_text):
+                continue  # an incomplete character, or a token that prints nothing yet
+            self.text += full[len(self.prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            self.prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        if check_stop and self.stop and len(self.text) > old_len:
+            # Only the new text, and what a stop string could straddle, needs searching.
+            return self._check_stop(max(0, old_len - self.holdback))
+        return None
+
+    def _check_stop(self, search_from: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.emitted = min(self.emitted, len(self.text))
+        return s
+
+    def take_delta(self, finished: bool) -> str:
+        """New text since the last call; holds back a possible stop-string prefix unless finished."""
+        end = len(self.text) if finished or not self.stop else max(self.emitted, len(self.text) - self.holdback)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,199 @@
+"""The engine core: scheduler, KV cache manager and model runner, one step at a time.
+
+Works in token ids only; text (detokenisation, stop strings) is the frontend's job,
+so this loop can later run in its own process behind a socket unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pagoda_daemon.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pagoda_daemon.engine.request import Request, RequestStatus
+from pagoda_daemon.engine.scheduler import Scheduler
+from pagoda_daemon.models import loader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request (never a reference to the Request itself)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_steps: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prefix_cache: PrefixCacheStats
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, model_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return loader.DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = loader.checkpoint_dtype(model_config)
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_config=None) -> None:
+        from pagoda_daemon.attention import get_attention_backend
+        from pagoda_daemon.worker.model_runner import ModelRunner
+
+        self.config = config
+        self.model_config = model_config or loader.load_config(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.max_model_len = self._max_model_len()
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                f"must be at least max_model_len ({self.max_model_len})"
+            )
+        torch.manual_seed(config.seed)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        model = loader.load_model(
+            config.model, self.model_config, self.dtype, self.device, backend, self.max_model_len
+        )
+        self.runner = ModelRunner(model, self.model_config, config, self.device, self.dtype, self.max_model_len)
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.enable_chunked_prefill,
+        )
+        log.info(
+            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            type(model).__name__, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len,
+        )
+
+    def _max_model_len(self) -> int:
+        limit = getattr(self.model_config, "max_position_embeddings", None) or 2048
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        per_block = self.runner.kv_block_bytes()
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_gpu_blocks(per_block)
+        else:
+            budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            num_blocks = budget // per_block
+        needed = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.config.block_size} tokens, fewer than one "
+                f"sequence of max_model_len {self.max_model_len} needs ({needed}); give the cache more memory "
+                f"or lower max_model_len"
+            )
+        return num_blocks
+
+    def _profile_gpu_blocks(self, per_block: int) -> int:
+        """KV budget = gpu_memory_utilization x the memory left free after a profiling forward pass."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.profile_peak_memory()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        free_after_profile = total - non_torch - peak
+        budget = int(free_after_profile * self.config.gpu_memory_utilization)
+        log.info("memory profile: total %.1f GiB, peak torch %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+                 total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
+        torch.cuda.empty_cache()
+        return max(budget // per_block, 0)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_request(self, request_id: str, stop_reason: int | str | None) -> None:
+        """Stop a request the frontend decided is done (a stop string)."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        result = self.runner.execute(sched)
+        finished = self.scheduler.update_from_output(sched, result.sampled)
+        finished_ids = {r.request_id for r in finished}
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            token = result.sampled.get(req.request_id)
+            if token is None and req.request_id not in finished_ids:
+                continue
+            lp = result.logprobs.get(req.request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[token] if token is not None else [],
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    new_logprobs=[lp] if lp is not None else [],
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_steps=s.stats.num_steps,
+            num_preemptions=s.stats.num_preemptions,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=self.kv_cache.usage(),
+            num_kv_blocks=self.kv_cache.num_blocks,
+            num_free_kv_blocks=self.kv_cache.num_free_blocks,
+            prefix_cache=self.kv_cache.stats,
+        )

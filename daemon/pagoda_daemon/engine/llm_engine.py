@@ -1,0 +1,71 @@
+"""The in-process engine: input processing, the engine core, and output processing.
+
+The offline `LLM` drives it directly; the server puts the core in its own process
+and keeps the two processing ends in the API server.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.engine_core import EngineCore, EngineStats
+from pagoda_daemon.engine.input_processor import InputProcessor, PromptType
+from pagoda_daemon.engine.output_processor import OutputProcessor
+from pagoda_daemon.engine.request import Request
+from pagoda_daemon.models import loader
+from pagoda_daemon.outputs import RequestOutput
+from pagoda_daemon.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = loader.load_config(config.model)
+        self.tokenizer = loader.load_tokenizer(config.tokenizer or config.model)
+        self.core = EngineCore(config, self.model_config)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_id = self._eos_token_id()
+        self._ids = itertools.count()
+
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Validate and enqueue; raises ValueError on bad input without touching other requests."""
+        if params.n != 1:
+            raise ValueError("n > 1 is served by fanning out into n requests; pass n=1 to the engine")
+        text, token_ids = self.input_processor.process(prompt, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        extra_keys = (("salt", cache_salt),) if cache_salt else ()
+        request = Request(rid, token_ids, params, self.eos_token_id, self.config.block_size, extra_keys)
+        self.core.add_request(request)
+        self.output_processor.add_request(rid, text, token_ids, params)
+        return rid
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.core.abort_requests([request_id])
+        return self.output_processor.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or self.output_processor.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        processed = self.output_processor.process(self.core.step())
+        for rid, stop_str in processed.stop_string_finished:
+            self.core.finish_request(rid, stop_str)
+        return processed.outputs
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()

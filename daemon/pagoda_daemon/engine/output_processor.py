@@ -1,0 +1,100 @@
+"""Frontend bookkeeping per request: text, stop strings, and the RequestOutput callers see."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagoda_daemon.engine.detokenizer import IncrementalDetokenizer
+from pagoda_daemon.engine.engine_core import EngineCoreOutput
+from pagoda_daemon.outputs import CompletionOutput, RequestOutput
+from pagoda_daemon.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput]
+    # requests a stop string finished, which the core must stop: (request id, stop string)
+    stop_string_finished: list[tuple[str, str]]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+            params.include_stop_str_in_output,
+        )
+        self.states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, detok, time.monotonic(),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self.states.pop(request_id, None)
+        return None if state is None else self._make_output(state, "abort", None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        results, stopped = [], []
+        for out in core_outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue  # aborted by the caller meanwhile
+            if state.first_token_time is None and out.new_token_ids:
+                state.first_token_time = time.monotonic()
+            state.num_cached_tokens = out.num_cached_tokens
+            state.token_ids.extend(out.new_token_ids)
+            if state.logprobs is not None:
+                state.logprobs.extend(out.new_logprobs)
+            check_stop = len(state.token_ids) > state.params.min_tokens
+            stop_str = state.detokenizer.update(out.new_token_ids, check_stop)
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if stop_str is not None and finish_reason in (None, "length", "stop"):
+                if finish_reason is None:
+                    stopped.append((out.request_id, stop_str))
+                finish_reason, stop_reason = "stop", stop_str
+            results.append(self._make_output(state, finish_reason, stop_reason))
+            if finish_reason is not None:
+                del self.states[out.request_id]
+        return ProcessedOutputs(results, stopped)
+
+    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason) -> RequestOutput:
+        finished = finish_reason is not None
+        state.detokenizer.take_delta(finished)
+        text = state.detokenizer.text if finished else state.detokenizer.text[: state.detokenizer.emitted]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(state.token_ids),
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+        )
+        metrics = {"arrival_time": state.arrival_time}
+        if state.first_token_time is not None:
+            metrics["first_token_time"] = state.first_token_time
+        return RequestOutput(
+            state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
+            state.num_cached_tokens, metrics,
+        )

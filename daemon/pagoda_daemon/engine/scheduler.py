@@ -1,0 +1,208 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+One token budget per step is shared by running requests (decodes and unfinished
+prefill chunks, served first, in FCFS order) and then by waiting ones. When blocks
+run out, the latest-arrived running request is preempted: its blocks are freed and
+it goes back to the front of the queue, to be recomputed (cheaply, from the prefix
+cache where its blocks survive).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
+from pagoda_daemon.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # Block ids added this step; the full list when the runner sees the request afresh.
+    new_block_ids: list[int]
+    is_new: bool  # first schedule, or resumed after preemption: the runner rebuilds its state
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: runner drops state
+    preempted_request_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.stats = SchedulerStats()
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests first: decodes and the next chunk of partial prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv_cache.allocate_slots(req, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()  # latest arrival loses its blocks
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+                new_blocks = self.kv_cache.allocate_slots(req, num_new)
+            if new_blocks is None:
+                break  # req itself was preempted; everything after it already was too
+            out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in new_blocks], False))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, in order, unless this step had to preempt.
+        while self.waiting and budget > 0 and not out.preempted_request_ids:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            req = self.waiting[0]
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv_cache.allocate_slots(req, num_new, computed_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            self.running.append(req)
+            all_ids = self.kv_cache.block_ids(req.request_id)
+            out.scheduled.append(ScheduledRequest(req, num_new, all_ids, True))
+            budget -= num_new
+
+        out.num_scheduled_tokens = self.max_num_batched_tokens - budget
+        self.stats.num_steps += 1
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_request_ids.append(req.request_id)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advance each scheduled request; append sampled tokens; return those that finished."""
+        finished = []
+        for sched in scheduler_output.scheduled:
+            req = sched.request
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += sched.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            req.append_output_token(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == req.eos_token_id:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish from outside the core (a stop string seen by the detokenizer)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.stop_reason = stop_reason
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv_cache.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)

@@ -1,0 +1,67 @@
+"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.engine_core import EngineStats
+from pagoda_daemon.engine.input_processor import PromptType
+from pagoda_daemon.engine.llm_engine import LLMEngine
+from pagoda_daemon.outputs import RequestOutput
+from pagoda_daemon.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known - {'model'})}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order.
+
+        All prompts are validated before any is queued, so a bad one raises ValueError
+        and nothing is left half-submitted.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(
+            sampling_params
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        for prompt, p in zip(prompts, params):
+            self.engine.input_processor.process(prompt, p)
+            if p.n != 1:
+                raise ValueError("LLM.generate supports n=1 per prompt; repeat the prompt for more samples")
+
+        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                missing = [i for i in ids if i not in finished]
+                raise RuntimeError(f"requests {missing} ended without a final output")
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.stats()

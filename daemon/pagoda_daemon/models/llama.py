@@ -1,0 +1,137 @@
+"""Llama-family decoder (Llama 2/3, and Qwen3 which adds per-head q/k RMSNorm).
+
+Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up
+are merged into one matmul each; `stacked_params` tells the loader how to fill them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagoda_daemon.attention.backend import AttentionBackend, AttentionMetadata
+from pagoda_daemon.models.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    rope_parameters,
+)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, config, backend: type[AttentionBackend], rotary: RotaryEmbedding, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary  # one cos/sin table shared by every layer
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
+        self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
+
+    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
+        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, backend, rotary: RotaryEmbedding, qk_norm: bool, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend, rotary, qk_norm)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor | None], meta) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+    stacked_params = (
+        ("qkv_proj", "q_proj"),
+        ("qkv_proj", "k_proj"),
+        ("qkv_proj", "v_proj"),
+        ("gate_up_proj", "gate_proj"),
+        ("gate_up_proj", "up_proj"),
+    )
+
+    def __init__(self, config, backend: type[AttentionBackend], max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope_parameters(config))
+        layers = [self.make_layer(config, backend, rotary, i) for i in range(config.num_hidden_layers)]
+        self.model = DecoderModel(config, layers)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_layer(self, config, backend, rotary: RotaryEmbedding, index: int) -> DecoderLayer:
+        mlp = MLP(config.hidden_size, config.intermediate_size)
+        return DecoderLayer(config, backend, rotary, self.qk_norm, mlp)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

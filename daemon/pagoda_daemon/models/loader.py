@@ -1,0 +1,174 @@
+"""Load a Hugging Face-format model directory: config.json, *.safetensors, tokenizer.
+
+Every parameter is created uninitialised and must be filled from the checkpoint; a
+missing, unexpected or mis-shaped tensor is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagoda_daemon.models.layers import MergedLinear
+from pagoda_daemon.models.registry import resolve_model_class
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def check_model_dir(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"model path {str(path)!r} does not exist or is not a directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model path {str(path)!r} has no config.json")
+    return p
+
+
+def load_config(path: str | Path):
+    from transformers import AutoConfig
+
+    p = check_model_dir(path)
+    try:
+        config = AutoConfig.from_pretrained(str(p), trust_remote_code=False)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the model config in {str(p)!r}: {e}") from e
+    resolve_model_class(config)  # fail early on unsupported architectures
+    return config
+
+
+def checkpoint_dtype(config) -> torch.dtype:
+    name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    if isinstance(name, torch.dtype):
+        return name
+    return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files, sorted, from the index when there is one."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({p / f for f in weight_map.values()})
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise WeightLoadError(f"{index.name} lists weight files that do not exist: {missing}")
+        return files
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no .safetensors files in {str(p)!r}")
+    return files
+
+
+def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, st.get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the model, merging stacked and expert tensors."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    pending = _expected_pieces(model, params)
+    stacked = getattr(model, "stacked_params", ())
+    expert_param = getattr(model, "expert_param", None)
+
+    for name, tensor in weights:
+        if tied and name == "lm_head.weight":
+            continue  # tied checkpoints may still carry a copy of the embedding
+        if "rotary_emb.inv_freq" in name:
+            continue
+        target, piece, dest = _locate(model, params, name, stacked, expert_param)
+        if dest.shape != tensor.shape:
+            raise WeightLoadError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(dest.shape)} for {target!r}"
+            )
+        with torch.no_grad():
+            dest.copy_(tensor)
+        pending[target].discard(piece)
+
+    missing = sorted(f"{t}{'' if p is None else f'[{p}]'}" for t, pieces in pending.items() for p in pieces)
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise WeightLoadError(f"the checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+def _expected_pieces(model, params) -> dict[str, set]:
+    """Per parameter, the checkpoint pieces that must fill it."""
+    pending: dict[str, set] = {}
+    modules = dict(model.named_modules())
+    for name, p in params.items():
+        owner = modules[name.rsplit(".", 1)[0]]
+        if isinstance(owner, MergedLinear):
+            pending[name] = set(owner.shard_offsets)
+        elif name.endswith(".w13"):
+            pending[name] = {(e, proj) for e in range(p.shape[0]) for proj in ("gate_proj", "up_proj")}
+        elif name.endswith(".w2"):
+            pending[name] = {(e, "down_proj") for e in range(p.shape[0])}
+        else:
+            pending[name] = {None}
+    if getattr(model.config, "tie_word_embeddings", False):
+        pending.pop("lm_head.weight", None)
+    return pending
+
+
+def _locate(model, params, name, stacked, expert_param):
+    """Map a checkpoint tensor name to (parameter name, piece key, destination view)."""
+    if expert_param is not None and (hit := expert_param(name)) is not None:
+        target, expert, proj = hit
+        if target not in params or expert >= params[target].shape[0]:
+            raise WeightLoadError(f"checkpoint tensor {name!r} does not match any model parameter")
+        p = params[target]
+        if proj == "down_proj":
+            return target, (expert, proj), p.data[expert]
+        inter = p.shape[1] // 2
+        rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+        return target, (expert, proj), p.data[expert, rows]
+    for merged, shard in stacked:
+        if f".{shard}." in name:
+            target = name.replace(f".{shard}.", f".{merged}.")
+            if target not in params:
+                break
+            module = model.get_submodule(target.rsplit(".", 1)[0])
+            offset, size = module.shard_offsets[shard]
+            return target, shard, params[target].data[offset : offset + size]
+    if name not in params:
+        raise WeightLoadError(f"checkpoint tensor {name!r} does not match any model parameter")
+    return name, None, params[name].data
+
+
+def load_model(path: str | Path, config, dtype: torch.dtype, device: torch.device, backend, max_positions: int):
+    model_cls = resolve_model_class(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config, backend, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    load_weights(model, iterate_weights(path))
+    log.info("loaded %s from %s (%s on %s)", model_cls.__name__, path, dtype, device)
+    return model.eval()
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {e}") from e

@@ -1,0 +1,137 @@
+"""Tiny random-weight checkpoints, written in Hugging Face format and loaded like real ones.
+
+Used by the tests, the README's demo and the GPU benchmarks: nothing is downloaded.
+The tokenizer is a byte-level BPE trained here on a small embedded text, so any
+string (including multi-byte UTF-8) round-trips.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+
+_CORPUS = """
+Pagoda serves large language models on Kubernetes. A user writes one InferenceService and
+runs kubectl apply; an operator turns it into pods, and each pod runs a paged-attention engine.
+The capital of France is Paris. The quick brown fox jumps over the lazy dog. Paged attention
+stores the key and value cache in fixed-size blocks, so memory is never fragmented and
+prefixes can be shared between requests. Continuous batching lets new requests join a running
+batch at every step. Chunked prefill splits long prompts so that decodes keep flowing.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1024 4096. Punctuation: , . ; : ! ? ( ) [ ] { } " ' -
+Accents and scripts: café, naïve, Straße, déjà vu, 東京, 日本語, Москва, Ελλάδα, 🚀 🐍 ✨.
+def main():\n    return "hello, world"\n
+"""
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([line for line in _CORPUS.splitlines() if line] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    fast.chat_template = _CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    """A small config of each supported family, exercising what makes each family differ."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    if arch == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        cfg = dict(common, tie_word_embeddings=False, rope_parameters=rope)
+        cfg.update(overrides)
+        return LlamaConfig(**cfg)
+    if arch == "qwen3":
+        cfg = dict(common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cfg.update(overrides)
+        return Qwen3Config(**cfg)
+    if arch == "qwen3_moe":
+        cfg = dict(
+            common,
+            tie_word_embeddings=False,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+        cfg.update(overrides)
+        return Qwen3MoeConfig(**cfg)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+
+
+def build_tiny_model(
+    arch: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    weight_std: float = 0.08,
+    **config_overrides,
+) -> Path:
+    """Write config.json, *.safetensors and the tokenizer for a random `arch` model to out_dir.
+
+    Weights are drawn wider than the usual 0.02 so that next-token logits are well
+    separated and greedy decoding is a sharp test of numerical parity.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = tiny_config(arch, len(tokenizer), **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, weight_std)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, weight_std)
+    model = model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **kwargs)
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,1 @@
+"""The worker side of a step: input preparation, the forward pass, and sampling."""

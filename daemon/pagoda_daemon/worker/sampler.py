@@ -1,0 +1,115 @@
+"""Turn logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+
+Seeded rows draw from their own generator one row at a time, so a request with a
+seed samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of one step's sampling, built by the model runner."""
+
+    temperature: torch.Tensor  # [B] float32; 0 means greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] int64, 0 = off
+    top_p: torch.Tensor | None = None  # [B] float32, 1.0 = off
+    min_p: torch.Tensor | None = None  # [B] float32, 0.0 = off
+    generators: dict[int, torch.Generator] | None = None  # row -> generator, for seeded rows
+    # penalties (None when no row uses them)
+    presence_penalty: torch.Tensor | None = None  # [B]
+    frequency_penalty: torch.Tensor | None = None  # [B]
+    repetition_penalty: torch.Tensor | None = None  # [B]
+    prompt_token_ids: torch.Tensor | None = None  # [B, P] padded with vocab_size
+    output_token_ids: torch.Tensor | None = None  # [B, O] padded with vocab_size
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] int64
+    sampled_logprob: torch.Tensor | None = None  # [B]
+    top_logprobs: torch.Tensor | None = None  # [B, N]
+    top_ids: torch.Tensor | None = None  # [B, N]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens; presence/frequency over output tokens."""
+    bsz, vocab = logits.shape
+    out_counts = torch.zeros(bsz, vocab + 1, dtype=logits.dtype, device=logits.device)
+    out_counts.scatter_add_(1, batch.output_token_ids, torch.ones_like(batch.output_token_ids, dtype=logits.dtype))
+    out_counts = out_counts[:, :vocab]
+    prompt_mask = torch.zeros(bsz, vocab + 1, dtype=torch.bool, device=logits.device)
+    prompt_mask.scatter_(1, batch.prompt_token_ids, True)
+    seen = prompt_mask[:, :vocab] | (out_counts > 0)
+    rep = batch.repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * out_counts
+    logits = logits - batch.presence_penalty.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep the k highest logits and the smallest top set whose probability reaches p."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | None) -> torch.Tensor:
+    """Exponential race (argmax p/q, q ~ Exp(1)): one draw per row, seeded rows by their own generator."""
+    q = torch.empty_like(probs).exponential_()
+    for row, gen in (generators or {}).items():
+        q[row].exponential_(generator=gen)
+    return probs.div(q).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.to(torch.float32)
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
+        if batch.repetition_penalty is not None:
+            logits = apply_penalties(logits, batch)
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            sampled = greedy
+        else:
+            temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+            scaled = logits / temp.unsqueeze(1)
+            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+            if batch.min_p is not None:
+                scaled = apply_min_p(scaled, batch.min_p)
+            sampled = random_sample(scaled.softmax(dim=-1), batch.generators)
+            sampled = torch.where(batch.temperature > 0, sampled, greedy)
+        out = SamplerOutput(sampled=sampled)
+        if raw_logprobs is not None:
+            out.sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+            if batch.max_num_logprobs > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
+        return out

@@ -1,0 +1,145 @@
+"""Loading Hugging Face-format directories: sharded and single files, dtypes, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagoda_daemon import LLM, SamplingParams
+from pagoda_daemon.attention.torch_paged import TorchPagedAttention
+from pagoda_daemon.models import loader
+from pagoda_daemon.models.layers import compute_inv_freq, rope_parameters
+
+
+def copy_model(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_single_file(path: Path, edit) -> None:
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def load(path) -> torch.nn.Module:
+    config = loader.load_config(path)
+    return loader.load_model(path, config, torch.float32, torch.device("cpu"), TorchPagedAttention, 128)
+
+
+def test_sharded_checkpoint_loads_every_tensor_in_sorted_file_order(tiny_models):
+    path = Path(tiny_models["llama"])
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    files = loader.safetensors_files(path)
+    assert len(files) > 1 and files == sorted(files)
+    assert {f.name for f in files} == set(index["weight_map"].values())
+    model = load(path)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf_params = dict(hf.named_parameters())
+    layer = model.model.layers[1]
+    q = hf_params["model.layers.1.self_attn.q_proj.weight"]
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight[: q.shape[0]], q, rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head.weight, hf_params["lm_head.weight"], rtol=0, atol=0)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+
+
+def test_tied_embeddings_share_one_tensor(tiny_models):
+    model = load(tiny_models["qwen3"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_moe_experts_are_stacked_from_per_expert_tensors(tiny_models):
+    path = tiny_models["qwen3_moe"]
+    model = load(path)
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    moe = model.model.layers[0].mlp
+    inter = moe.w2.shape[2]
+    for e in (0, 5):
+        up = tensors[f"model.layers.0.mlp.experts.{e}.up_proj.weight"]
+        torch.testing.assert_close(moe.w13[e, inter:], up, rtol=0, atol=0)
+        down = tensors[f"model.layers.0.mlp.experts.{e}.down_proj.weight"]
+        torch.testing.assert_close(moe.w2[e], down, rtol=0, atol=0)
+
+
+def test_missing_tensor_is_named(tiny_models, tmp_path):
+    path = copy_model(tiny_models["qwen3"], tmp_path / "m")
+    rewrite_single_file(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(loader.WeightLoadError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight\[k_proj\]"):
+        load(path)
+
+
+def test_missing_expert_is_named(tiny_models, tmp_path):
+    path = copy_model(tiny_models["qwen3_moe"], tmp_path / "m")
+    rewrite_single_file(path, lambda t: t.pop("model.layers.1.mlp.experts.6.down_proj.weight"))
+    with pytest.raises(loader.WeightLoadError, match=r"model\.layers\.1\.mlp\.w2\[\(6, 'down_proj'\)\]"):
+        load(path)
+
+
+def test_mismatched_shape_is_named(tiny_models, tmp_path):
+    path = copy_model(tiny_models["qwen3"], tmp_path / "m")
+
+    def shrink(t):
+        t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:-1].contiguous()
+
+    rewrite_single_file(path, shrink)
+    with pytest.raises(loader.WeightLoadError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*shape"):
+        load(path)
+
+
+def test_unexpected_tensor_is_named(tiny_models, tmp_path):
+    path = copy_model(tiny_models["qwen3"], tmp_path / "m")
+    rewrite_single_file(path, lambda t: t.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2)))
+    with pytest.raises(loader.WeightLoadError, match=r"model\.layers\.9\.mlp\.up_proj\.weight"):
+        load(path)
+
+
+def test_index_naming_a_missing_file_is_an_error(tiny_models, tmp_path):
+    path = copy_model(tiny_models["llama"], tmp_path / "m")
+    victim = sorted(path.glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(loader.WeightLoadError, match=victim.name):
+        load(path)
+
+
+def test_llama3_rope_scaling_matches_transformers(tiny_models):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.from_pretrained(tiny_models["llama"])
+    params = rope_parameters(config)
+    assert params["rope_type"] == "llama3"
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    torch.testing.assert_close(compute_inv_freq(config.head_dim, params), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dtypes_load_and_generate(tiny_models, dtype):
+    llm = LLM(tiny_models["qwen3_moe"], dtype=dtype, num_kv_blocks=32, max_model_len=128)
+    params = next(llm.engine.core.runner.model.parameters())
+    assert params.dtype == getattr(torch, dtype)
+    assert llm.engine.core.runner.kv_cache.dtype == getattr(torch, dtype)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_kv_cache_too_small_for_one_sequence_is_a_clear_error(tiny_models):
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        LLM(tiny_models["qwen3"], num_kv_blocks=4, max_model_len=256)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(tiny_models["qwen3"], block_size=24)
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM(tiny_models["qwen3"], max_num_seq=3)
+
+
+def test_cpu_cache_is_sized_from_the_byte_budget(tiny_models):
+    llm = LLM(tiny_models["qwen3"], kv_cache_memory_bytes=4 << 20, max_model_len=256)
+    runner = llm.engine.core.runner
+    assert llm.get_stats().num_kv_blocks == (4 << 20) // runner.kv_block_bytes()
