@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from pagoda_daemon import LLM, SamplingParams
-from pagoda_daemon.worker.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
 from pagoda_daemon.bench.parity import random_prompts
+from pagoda_daemon.worker.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 
 
 def kept(logits: torch.Tensor) -> list[set[int]]:
@@ -98,7 +104,7 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     other = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     alone = llm.generate([target], seeded)[0].outputs[0].token_ids
-    crowd = llm.generate(others[:2] + [target] + others[2:], [other, other, seeded, other, other])
+    crowd = llm.generate([*others[:2], target, *others[2:]], [other, other, seeded, other, other])
     assert crowd[2].outputs[0].token_ids == alone
     reversed_crowd = llm.generate([target, *others], [seeded] + [seeded] * 4)
     assert reversed_crowd[0].outputs[0].token_ids == alone

@@ -27,8 +27,15 @@ def test_float32_greedy_identical_on_cuda(tiny_models, arch, config_name):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
-def test_bfloat16_first_tokens_agree_on_cuda(tiny_models, arch):
-    """bf16 rounding differs between kernels, so long greedy runs may part ways; the first
-    token of every prompt (one prefill, no accumulated drift) should still agree."""
-    r = run_case(tiny_models[arch], arch, "bfloat16", "cuda", "default", max_tokens=24)
-    assert all(d is None or d >= 1 for d in r["first_divergence"]), r
+def test_bfloat16_is_schedule_invariant_and_close_to_transformers(tiny_models, arch):
+    """In bf16 the engine and transformers round differently (different attention and
+    matmul kernels), so long greedy runs may part ways and the report records where. What
+    must hold: chunking, preemption and cache settings never change the engine's own
+    tokens, and most prompts agree with transformers for the first few tokens."""
+    runs = {c: run_case(tiny_models[arch], arch, "bfloat16", "cuda", c, max_tokens=24)
+            for c in ("default", "chunked-prefill-16", "no-prefix-caching", "tiny-cache-preemption")}
+    divergences = {c: r["first_divergence"] for c, r in runs.items()}
+    assert len({tuple(d) for d in divergences.values()}) == 1, divergences
+    first = divergences["default"]
+    agree_early = sum(d is None or d >= 3 for d in first)
+    assert agree_early >= len(first) / 2, first

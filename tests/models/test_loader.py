@@ -140,6 +140,6 @@ def test_kv_cache_too_small_for_one_sequence_is_a_clear_error(tiny_models):
 
 
 def test_cpu_cache_is_sized_from_the_byte_budget(tiny_models):
-    llm = LLM(tiny_models["qwen3"], kv_cache_memory_bytes=4 << 20, max_model_len=256)
+    llm = LLM(tiny_models["qwen3"], device="cpu", kv_cache_memory_bytes=4 << 20, max_model_len=256)
     runner = llm.engine.core.runner
     assert llm.get_stats().num_kv_blocks == (4 << 20) // runner.kv_block_bytes()
