@@ -24,6 +24,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="CPU KV cache budget in bytes")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--numa-policy", default="auto", help="auto | none | cpus=<list> (default: auto)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -38,6 +39,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         seed=args.seed,
+        numa_policy=args.numa_policy,
     )
 
 

@@ -32,6 +32,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
+    # CPU pinning of the engine worker: auto (cores of the GPU's NUMA node) | none | cpus=<list>
+    numa_policy: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -52,5 +54,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):
+            raise ValueError(f"numa_policy must be auto, none or cpus=<list>, got {self.numa_policy!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -180,3 +180,18 @@ def test_stats_are_readable(llm):
     assert stats.num_steps > 0 and stats.num_kv_blocks == 128
     assert 0.0 <= stats.prefix_cache.hit_rate <= 1.0
     assert stats.kv_cache_usage == 0.0
+
+
+def test_engine_pins_itself_before_allocating(tiny_models):
+    import os
+
+    before = os.sched_getaffinity(0)
+    try:
+        llm = LLM(tiny_models["qwen3"], num_kv_blocks=32, max_model_len=128, numa_policy="auto")
+        pin = llm.engine.core.cpu_pin
+        assert pin is not None and pin.cpus and pin.cpus <= before
+        assert os.sched_getaffinity(0) == set(pin.cpus)
+        with pytest.raises(ValueError, match="numa_policy"):
+            LLM(tiny_models["qwen3"], numa_policy="sometimes")
+    finally:
+        os.sched_setaffinity(0, before)

@@ -124,3 +124,32 @@ def test_top_k_one_is_greedy_and_logprobs_returned(llm):
     for token, entry in zip(top1.outputs[0].token_ids, lps):
         assert token in entry and len(entry) == 3  # the sampled token is the top one
         assert all(v <= 0 for v in entry.values())
+
+
+def test_repetition_penalty_matches_transformers(tiny_models, llm):
+    """Greedy with a repetition penalty equals transformers' RepetitionPenaltyLogitsProcessor."""
+    from transformers import GenerationConfig
+
+    from pagoda_daemon.bench.parity import hf_model
+
+    path = tiny_models["qwen3"]
+    prompts = random_prompts(llm.engine.model_config.vocab_size, [6, 25], seed=21)
+    ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                repetition_penalty=1.6))
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    hf = hf_model(path, "float32", str(llm.engine.core.device))
+    gen = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=2,
+                           repetition_penalty=1.6)
+    for prompt, out, base in zip(prompts, ours, plain):
+        ids = torch.tensor([prompt], device=hf.device)
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids != base.outputs[0].token_ids  # the penalty changed something
+
+
+def test_frequency_and_presence_penalties_reduce_repeats(llm):
+    prompt = random_prompts(llm.engine.model_config.vocab_size, [12], seed=22)[0]
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    pen = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                frequency_penalty=2.0, presence_penalty=2.0))[0]
+    assert len(set(pen.outputs[0].token_ids)) > len(set(base.outputs[0].token_ids))

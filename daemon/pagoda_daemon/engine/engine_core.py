@@ -45,6 +45,18 @@ class EngineStats:
     prefix_cache: PrefixCacheStats
 
 
+def pin_worker(device: torch.device, policy: str):
+    """Pin this worker to the cores nearest its GPU; a topology problem costs a warning, not the engine."""
+    from pagoda_daemon.topology import pin_this_process
+
+    local_rank = (device.index or 0) if device.type == "cuda" else 0
+    try:
+        return pin_this_process(local_rank, policy)
+    except (OSError, ValueError) as e:
+        log.warning("CPU pinning (%s) skipped: %s", policy, e)
+        return None
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,6 +83,8 @@ class EngineCore:
         self.config = config
         self.model_config = model_config or loader.load_config(config.model)
         self.device = resolve_device(config.device)
+        # Pin before anything big is allocated on the host, so it lands on local memory.
+        self.cpu_pin = pin_worker(self.device, config.numa_policy)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.max_model_len = self._max_model_len()
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:

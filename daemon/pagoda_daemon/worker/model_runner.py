@@ -53,6 +53,35 @@ class StagingBuffers:
         self.seq_lens = pair(max_seqs, torch.int32)
         self.block_tables = pair((max_seqs, max_blocks), torch.int32)
         self.logits_indices = pair(max_seqs, torch.int64)
+        # per-row sampling parameters
+        self.temperature = pair(max_seqs, torch.float32)
+        self.top_k = pair(max_seqs, torch.int64)
+        self.top_p = pair(max_seqs, torch.float32)
+        self.min_p = pair(max_seqs, torch.float32)
+        self.presence_penalty = pair(max_seqs, torch.float32)
+        self.frequency_penalty = pair(max_seqs, torch.float32)
+        self.repetition_penalty = pair(max_seqs, torch.float32)
+        self._pair = pair
+        self._max_seqs = max_seqs
+        self.penalty_tokens: dict[str, tuple] = {}  # prompt/output token matrices, made on first use
+
+    def token_matrix(self, name: str, rows: list[list[int]], pad: int, max_len: int) -> torch.Tensor:
+        """Rows of token ids padded with `pad`, through a reusable buffer of max_len columns."""
+        if name not in self.penalty_tokens:
+            self.penalty_tokens[name] = self._pair((self._max_seqs, max_len), torch.int64)
+        host, host_np, dev = self.penalty_tokens[name]
+        width = max(1, max(len(r) for r in rows))
+        host_np[: len(rows), :width] = pad
+        for i, r in enumerate(rows):
+            host_np[i, : len(r)] = r
+        if dev is host:
+            return host[: len(rows), :width]
+        dev[: len(rows), :width].copy_(host[: len(rows), :width], non_blocking=True)
+        return dev[: len(rows), :width]
+
+    def fill(self, buf, values) -> torch.Tensor:
+        buf[1][: len(values)] = values
+        return self.to_device(buf, len(values))
 
     def to_device(self, buf, n) -> torch.Tensor:
         host, _, dev = buf
@@ -199,40 +228,30 @@ class ModelRunner:
     def _sampling_batch(self, sched: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         reqs = [sched.scheduled[i].request for i in rows]
         params = [r.sampling_params for r in reqs]
-        dev = self.device
-
-        def col(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
+        b = self.buffers
         batch = SamplingBatch(
-            temperature=col([p.temperature for p in params]),
+            temperature=b.fill(b.temperature, [p.temperature for p in params]),
             all_greedy=all(p.greedy for p in params),
         )
         if not batch.all_greedy:
             if any(p.top_k > 0 for p in params):
-                batch.top_k = col([p.top_k for p in params], torch.int64)
+                batch.top_k = b.fill(b.top_k, [p.top_k for p in params])
             if any(p.top_p < 1.0 for p in params):
-                batch.top_p = col([p.top_p for p in params])
+                batch.top_p = b.fill(b.top_p, [p.top_p for p in params])
             if any(p.min_p > 0.0 for p in params):
-                batch.min_p = col([p.min_p for p in params])
+                batch.min_p = b.fill(b.min_p, [p.min_p for p in params])
             gens = {j: self.requests[r.request_id].generator for j, r in enumerate(reqs)}
             batch.generators = {j: g for j, g in gens.items() if g is not None and params[j].temperature > 0}
         if any(p.uses_penalties for p in params):
-            batch.presence_penalty = col([p.presence_penalty for p in params])
-            batch.frequency_penalty = col([p.frequency_penalty for p in params])
-            batch.repetition_penalty = col([p.repetition_penalty for p in params])
-            batch.prompt_token_ids = self._pad([r.prompt_token_ids for r in reqs])
-            batch.output_token_ids = self._pad([r.output_token_ids for r in reqs])
+            batch.presence_penalty = b.fill(b.presence_penalty, [p.presence_penalty for p in params])
+            batch.frequency_penalty = b.fill(b.frequency_penalty, [p.frequency_penalty for p in params])
+            batch.repetition_penalty = b.fill(b.repetition_penalty, [p.repetition_penalty for p in params])
+            width = self.max_model_len + 1
+            batch.prompt_token_ids = b.token_matrix("prompt", [r.prompt_token_ids for r in reqs], self.vocab_size, width)
+            batch.output_token_ids = b.token_matrix("output", [r.output_token_ids for r in reqs], self.vocab_size, width)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_num_logprobs = max(wanted) if wanted else None
         return batch
-
-    def _pad(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
-        out = torch.full((len(rows), width), self.vocab_size, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-        return out.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
