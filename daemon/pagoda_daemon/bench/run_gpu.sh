@@ -40,7 +40,7 @@ fi
 if has tests; then
   step "pytest on the GPU machine (GPU tests and the CPU suite on this host)"
   if python3 -c 'import pytest' 2>/dev/null; then
-    python3 -m pytest -q -p no:cacheprovider tests/gpu tests/engine tests/models 2>&1 | tee "$OUT/pytest.txt" || status=1
+    python3 -m pytest -q -p no:cacheprovider tests/gpu tests/engine tests/models tests/topology 2>&1 | tee "$OUT/pytest.txt" || status=1
   else
     echo "pytest is not installed here: carry it in .whl/" | tee "$OUT/pytest.txt"
   fi
@@ -54,7 +54,7 @@ if has topology; then
   python3 -m pagoda_daemon.topology --json > "$OUT/topology.json" 2> "$OUT/topology.stderr" || status=1
   head -c 3000 "$OUT/topology.json"; echo
   if [ -f daemon/pagoda_daemon/topology/bench_pinning.py ]; then
-    python3 -m pagoda_daemon.topology.bench_pinning | tee "$OUT/pinning.json" || status=1
+    python3 -m pagoda_daemon.topology.bench_pinning --gpu 0 --sizes-mib 1,16,64,256 --repeats 30 | tee "$OUT/pinning.json" || status=1
   fi
 fi
 echo; echo "run_gpu.sh finished with status $status"
