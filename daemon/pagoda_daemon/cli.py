@@ -71,6 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pagoda generate: {e}", file=sys.stderr)
         return 2
+    if args.tiny:
+        print(f"(a tiny {args.tiny} with random weights from {model}: the text is noise by design)")
     for out in outputs:
         c = out.outputs[0]
         print(f"prompt: {out.prompt!r}\n  -> {c.text!r}\n     ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
