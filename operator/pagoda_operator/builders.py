@@ -1,0 +1,388 @@
+"""Pure functions: InferenceService spec + observed world -> desired child objects.
+
+Every child is a plain dict ready for the API server, with an owner reference to the
+InferenceService (so deleting it garbage-collects everything) and the annotation
+:data:`HASH_ANNOTATION`: a digest of everything the operator sets except ``spec.replicas``.
+The reconciler patches a child only when that digest or the replica count differs, so an
+unchanged spec never writes anything (no update storms) and a changed pod template rolls the
+Deployment exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from pagoda_operator import GROUP, KIND, VERSION
+from pagoda_operator.placement import affinity
+from pagoda_operator.spec import ServiceSpec
+
+HASH_ANNOTATION = "pagoda.dev/spec-hash"
+CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
+INSTANCE_LABEL = "pagoda.dev/inferenceservice"
+MANAGED_BY = "pagoda-operator"
+CONFIG_FILE = "engine.yaml"
+CONFIG_DIR = "/etc/pagoda"
+MODEL_DIR = "/models"
+CACHE_DIR = "/var/cache/pagoda"
+DEFAULT_IMAGE = "ghcr.io/pagoda-serving/pagoda:0.1.0"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Operator-wide knobs that shape children (from the command line)."""
+
+    daemon_image: str = DEFAULT_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    progress_deadline_s: int = 1800
+    termination_grace_s: int = 60
+
+
+@dataclass(frozen=True)
+class Children:
+    config_map: dict[str, Any]
+    service: dict[str, Any]
+    deployment: dict[str, Any]
+
+
+def digest(obj: Any) -> str:
+    """Stable short digest of a JSON-able value."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Labels that pick an InferenceService's pods (immutable Deployment selector)."""
+    return {"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": name, INSTANCE_LABEL: name}
+
+
+def labels(spec: ServiceSpec) -> dict[str, str]:
+    return {
+        **selector_labels(spec.name),
+        "app.kubernetes.io/component": "inference",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def selector_string(name: str) -> str:
+    """``status.selector`` for the scale subresource (what an HPA uses to find the pods)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def endpoint(spec: ServiceSpec) -> str:
+    return f"http://{spec.name}.{spec.namespace}.svc:{spec.port}"
+
+
+def config_map_name(spec: ServiceSpec) -> str:
+    return f"{spec.name}-config"
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
+    """The daemon's options (its CLI flag names in snake_case) for ``pagoda serve --config``."""
+    e, p, kv = spec.engine, spec.parallelism, spec.kv_offload
+    cfg: dict[str, Any] = {
+        "dtype": e.dtype,
+        "block_size": e.block_size,
+        "kv_cache_dtype": e.kv_cache_dtype,
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "enforce_eager": e.enforce_eager,
+        "tensor_parallel_size": p.tensor,
+        "expert_parallel_size": p.expert,
+        "data_parallel_size": p.data,
+        "numa_policy": spec.placement.numa_policy,
+    }
+    optional = {
+        "max_model_len": e.max_model_len,
+        "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens,
+        "otlp_traces_endpoint": spec.tracing.otlp_endpoint,
+        "kv_offload_cpu_gib": kv.cpu_gib,
+        "kv_offload_disk_path": kv.disk_path,
+        "kv_offload_disk_gib": kv.disk_gib if kv.disk_path else None,
+    }
+    cfg.update({k: v for k, v in optional.items() if v is not None})
+    return cfg
+
+
+def model_argument(spec: ServiceSpec) -> str:
+    m = spec.model
+    if m.source == "uri":
+        assert m.uri is not None
+        return m.uri
+    if m.source == "pvc" and m.path.strip("/"):
+        return posixpath.join(MODEL_DIR, m.path.strip("/"))
+    return MODEL_DIR
+
+
+def daemon_args(spec: ServiceSpec) -> list[str]:
+    """Arguments after the ``pagoda`` entrypoint; engine options come from the mounted config."""
+    return [
+        "serve",
+        model_argument(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(spec.port),
+        "--served-model-name",
+        spec.model.name,
+        "--device",
+        spec.device,
+        "--config",
+        posixpath.join(CONFIG_DIR, CONFIG_FILE),
+    ]
+
+
+def _metadata(spec: ServiceSpec, owner: Mapping[str, Any], name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": spec.namespace,
+        "labels": labels(spec),
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
+def _stamp(obj: dict[str, Any]) -> dict[str, Any]:
+    """Add the spec-hash annotation: digest of the object without replicas or the annotation."""
+    body = json.loads(json.dumps(obj))
+    body.get("spec", {}).pop("replicas", None)
+    obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest(body)
+    return obj
+
+
+def config_map(spec: ServiceSpec, owner: Mapping[str, Any]) -> dict[str, Any]:
+    text = yaml.safe_dump(daemon_config(spec), sort_keys=True)
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _metadata(spec, owner, config_map_name(spec)),
+            "data": {CONFIG_FILE: text},
+        }
+    )
+
+
+def service(spec: ServiceSpec, owner: Mapping[str, Any]) -> dict[str, Any]:
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(spec, owner, spec.name),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector_labels(spec.name),
+                "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+    )
+
+
+def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
+    def field_ref(path: str) -> dict[str, Any]:
+        return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+    env: list[dict[str, Any]] = [
+        {"name": "NODE_NAME", **field_ref("spec.nodeName")},
+        {"name": "POD_NAME", **field_ref("metadata.name")},
+        {"name": "POD_NAMESPACE", **field_ref("metadata.namespace")},
+        {"name": "PAGODA_INFERENCESERVICE", "value": spec.name},
+    ]
+    if spec.model.source == "uri":
+        env += [
+            {"name": "PAGODA_CACHE_DIR", "value": CACHE_DIR},
+            {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
+        ]
+    if spec.parallelism.elastic:
+        env += [
+            {"name": "PAGODA_ELASTIC_EP_MIN", "value": str(spec.parallelism.min_expert)},
+            {"name": "PAGODA_ELASTIC_EP_MAX", "value": str(spec.parallelism.max_expert)},
+        ]
+    if spec.tracing.otlp_endpoint:
+        env += [
+            {"name": "OTEL_SERVICE_NAME", "value": f"pagoda-{spec.name}"},
+            {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+            {"name": "OTEL_TRACES_SAMPLER_ARG", "value": repr(float(spec.tracing.sampling_ratio))},
+        ]
+    user = [dict(e) for e in spec.pod.env]
+    overridden = {e["name"] for e in user}
+    return [e for e in env if e["name"] not in overridden] + user
+
+
+def _resources(spec: ServiceSpec) -> dict[str, Any]:
+    out: dict[str, dict[str, Any]] = {
+        k: dict(v) for k, v in spec.pod.resources.items() if k in ("requests", "limits")
+    }
+    if spec.gpus > 0:
+        for k in ("requests", "limits"):
+            out.setdefault(k, {})[spec.gpu_resource] = spec.gpus
+    return out
+
+
+def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(spec)}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    m = spec.model
+    if m.source == "pvc":
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": m.read_only}}
+        )
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": m.read_only})
+    elif m.source == "hostPath":
+        volumes.append({"name": "model", "hostPath": {"path": m.path, "type": "Directory"}})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    else:
+        volumes.append({"name": "model-cache", "emptyDir": {}})
+        mounts.append({"name": "model-cache", "mountPath": CACHE_DIR})
+    kv = spec.kv_offload
+    if kv.disk_path:
+        empty: dict[str, Any] = {}
+        if kv.disk_gib:
+            empty["sizeLimit"] = f"{int(kv.disk_gib * 1024)}Mi"
+        volumes.append({"name": "kv-offload", "emptyDir": empty})
+        mounts.append({"name": "kv-offload", "mountPath": kv.disk_path})
+    return volumes, mounts
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def deployment(
+    spec: ServiceSpec,
+    owner: Mapping[str, Any],
+    replicas: int,
+    settings: Settings,
+    config_hash: str,
+) -> dict[str, Any]:
+    volumes, mounts = _volumes(spec)
+    container: dict[str, Any] = {
+        "name": "daemon",
+        "image": spec.image or settings.daemon_image,
+        "imagePullPolicy": spec.image_pull_policy or settings.image_pull_policy,
+        "command": ["pagoda"],
+        "args": daemon_args(spec),
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # Model loading and warm-up can take many minutes: liveness waits for the startup probe.
+        "startupProbe": _probe("/health", 10, 180),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 3),
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": settings.termination_grace_s,
+    }
+    pl = spec.placement
+    if pl.node_selector:
+        pod_spec["nodeSelector"] = dict(pl.node_selector)
+    if pl.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in pl.tolerations]
+    aff = affinity(spec)
+    if aff:
+        pod_spec["affinity"] = aff
+    if spec.pod.service_account_name:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    if spec.pod.priority_class_name:
+        pod_spec["priorityClassName"] = spec.pod.priority_class_name
+    pod_labels = {**spec.pod.labels, **labels(spec)}
+    pod_annotations = {
+        **spec.pod.annotations,
+        CONFIG_HASH_ANNOTATION: config_hash,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.port),
+        "prometheus.io/path": "/metrics",
+    }
+    return _stamp(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _metadata(spec, owner, spec.name),
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": selector_labels(spec.name)},
+                "progressDeadlineSeconds": settings.progress_deadline_s,
+                "revisionHistoryLimit": 5,
+                "template": {
+                    "metadata": {"labels": pod_labels, "annotations": pod_annotations},
+                    "spec": pod_spec,
+                },
+            },
+        }
+    )
+
+
+def children(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, settings: Settings) -> Children:
+    """Everything one InferenceService owns, as desired now."""
+    cm = config_map(spec, owner)
+    return Children(
+        config_map=cm,
+        service=service(spec, owner),
+        deployment=deployment(spec, owner, replicas, settings, config_hash=digest(cm["data"])),
+    )
+
+
+def needs_update(desired: Mapping[str, Any], actual: Mapping[str, Any] | None) -> bool:
+    """Compare before patch: True when the child is missing, its digest differs, or replicas differ."""
+    if actual is None:
+        return True
+    want = desired["metadata"]["annotations"][HASH_ANNOTATION]
+    have = ((actual.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
+    if want != have:
+        return True
+    if "replicas" in desired.get("spec", {}):
+        return desired["spec"]["replicas"] != (actual.get("spec") or {}).get("replicas")
+    return False
+
+
+def merge_for_replace(desired: Mapping[str, Any], actual: Mapping[str, Any]) -> dict[str, Any]:
+    """The body to PUT: ours, keeping what others own on the live object.
+
+    Keeps resourceVersion (optimistic concurrency), foreign labels and annotations (e.g. the
+    Deployment controller's revision), and a Service's allocated clusterIP.
+    """
+    body = json.loads(json.dumps(desired))
+    meta = actual.get("metadata") or {}
+    body["metadata"]["resourceVersion"] = meta.get("resourceVersion")
+    body["metadata"]["labels"] = {**(meta.get("labels") or {}), **body["metadata"].get("labels", {})}
+    body["metadata"]["annotations"] = {
+        **(meta.get("annotations") or {}),
+        **body["metadata"].get("annotations", {}),
+    }
+    if body.get("kind") == "Service":
+        live = actual.get("spec") or {}
+        for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"):
+            if key in live:
+                body["spec"][key] = live[key]
+    return body

@@ -1,0 +1,159 @@
+"""``pagoda operator`` / ``python -m pagoda_operator``: run the InferenceService operator.
+
+Standalone, all namespaces unless ``--namespace`` is given (repeatable). With leader election on
+(the default) the process first waits for the Lease, then runs kopf; losing the lease stops kopf
+and exits 1 so that the pod restarts and queues for the lease again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+from pagoda_operator import builders, telemetry
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagoda operator", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable); default: all namespaces",
+    )
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)"
+    )
+    p.add_argument(
+        "--daemon-image",
+        default=os.environ.get("PAGODA_DAEMON_IMAGE", builders.DEFAULT_IMAGE),
+        help="daemon image for InferenceServices that set no spec.image",
+    )
+    p.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=15.0,
+        help="seconds between autoscaler steps and resyncs of each InferenceService",
+    )
+    p.add_argument("--scrape-timeout", type=float, default=2.0, help="seconds to wait for a pod's /metrics")
+    p.add_argument(
+        "--metrics-port", type=int, default=8080, help="operator /metrics (and /healthz); 0 disables"
+    )
+    p.add_argument("--metrics-address", default="0.0.0.0")
+    p.add_argument(
+        "--liveness",
+        default=None,
+        metavar="URL",
+        help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz",
+    )
+    p.add_argument("--workers", type=int, default=8, help="threads running reconcile passes")
+    le = p.add_argument_group("leader election")
+    le.add_argument("--leader-elect", dest="leader_elect", action="store_true", default=True)
+    le.add_argument(
+        "--no-leader-elect",
+        dest="leader_elect",
+        action="store_false",
+        help="act without a lease (only safe with exactly one replica)",
+    )
+    le.add_argument(
+        "--lease-namespace",
+        default=None,
+        help="namespace of the Lease (default: $POD_NAMESPACE, else 'default')",
+    )
+    le.add_argument("--lease-name", default="pagoda-operator")
+    le.add_argument("--lease-duration", type=int, default=15, help="seconds")
+    le.add_argument(
+        "--lease-renew", type=float, default=None, help="seconds between renewals (default duration/3)"
+    )
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(list(argv) if argv is not None else None)
+    except SystemExit as e:  # --help, or a usage error: a return code, for `pagoda operator`
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "DEBUG":
+        logging.getLogger("kopf").setLevel(logging.WARNING)
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+
+    import kopf  # imported here so `--help` works without a cluster
+
+    from pagoda_operator.handlers import build_registry, operator_settings
+    from pagoda_operator.kube import Kube, load_configuration
+    from pagoda_operator.leader import LeaderElector
+    from pagoda_operator.reconcile import Context
+
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
+    kube = Kube(load_configuration(args.kubeconfig))
+    if args.metrics_port:
+        telemetry.serve(args.metrics_port, args.metrics_address)
+
+    # An asyncio.Event on our own loop: kopf waits for a threading.Event (or a concurrent Future)
+    # in an executor thread, which then blocks the interpreter's exit after SIGTERM.
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    renewing = threading.Event()  # set to stop the lease renewal thread
+    lost = threading.Event()
+    elector = None
+    if args.leader_elect:
+        ns = args.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
+        elector = LeaderElector(
+            kube,
+            ns,
+            args.lease_name,
+            lease_s=args.lease_duration,
+            renew_s=args.lease_renew or max(1.0, args.lease_duration / 3),
+            retry_s=max(1.0, args.lease_duration / 5),
+        )
+        try:
+            if not elector.acquire():
+                return 1
+        except KeyboardInterrupt:
+            return 130
+
+        def on_lost() -> None:
+            lost.set()
+            loop.call_soon_threadsafe(stop.set)
+
+        elector.keep(renewing, on_lost)
+
+    settings = builders.Settings(daemon_image=args.daemon_image, image_pull_policy=args.image_pull_policy)
+    ctx = Context(kube=kube, settings=settings, scrape_timeout=args.scrape_timeout)
+    registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)
+    logging.getLogger("pagoda_operator").info(
+        "operator running: %s, interval %.1fs, daemon image %s",
+        "namespaces " + ",".join(args.namespace) if args.namespace else "all namespaces",
+        args.interval,
+        args.daemon_image,
+    )
+    try:
+        kopf.run(
+            loop=loop,
+            registry=registry,
+            settings=operator_settings(workers=args.workers),
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness,
+            stop_flag=stop,
+        )
+    finally:
+        renewing.set()
+        loop.close()
+        if elector is not None and not lost.is_set():
+            elector.release()
+    return 1 if lost.is_set() else 0

@@ -1,0 +1,228 @@
+"""Thin kopf handlers: each one names a trigger and calls :func:`reconcile.reconcile`.
+
+Handlers are registered on a fresh :class:`kopf.OperatorRegistry` built at start-up (nothing is
+registered at import time), so the timer interval comes from the command line and tests can
+build their own registry.
+
+- create / update / resume of an InferenceService: reconcile (kopf retries on errors);
+- a ticker thread, every ``interval`` seconds, for every InferenceService: scrape ``/metrics``,
+  take an autoscaler step, reconcile (this is also the periodic resync that repairs drift). It is
+  not a ``kopf.timer`` on purpose: kopf puts a finalizer on every object a timer serves, and then
+  deleting an InferenceService would hang whenever the operator is not running;
+- events of managed Deployments and pods: reconcile the owner, so status follows the rollout;
+- events of NodeTopology: keep the NVLink label of the node in step.
+
+No handler needs a finalizer, so the operator never blocks deletion: owner references let the
+garbage collector remove the children.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION
+from pagoda_operator.builders import INSTANCE_LABEL, MANAGED_BY
+from pagoda_operator.kube import ApiError, Kube
+from pagoda_operator.placement import NVLINK_LABEL, node_labels
+from pagoda_operator.reconcile import Context, Result, Retry, reconcile
+from pagoda_operator.telemetry import forget
+
+log = logging.getLogger("pagoda_operator")
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRESENT}
+
+
+def operator_settings(
+    settings: kopf.OperatorSettings | None = None, workers: int = 8
+) -> kopf.OperatorSettings:
+    """kopf settings: our own annotations for kopf's bookkeeping, quiet events, no peering."""
+    settings = settings or kopf.OperatorSettings()
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.pagoda.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="operator.pagoda.dev", key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "pagoda-operator"
+    settings.execution.max_workers = workers
+    settings.peering.standalone = True  # a Lease elects the leader (leader.py)
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    return settings
+
+
+def post_events(kube: Kube, namespace: str, name: str, result: Result | None) -> None:
+    """Kubernetes Events on the InferenceService for what a pass reports (best effort)."""
+    if not result or not result.events:
+        return
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    ref = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceService",
+        "name": name,
+        "namespace": namespace,
+        "uid": result.uid,
+    }
+    for type_, reason, message in result.events:
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": namespace},
+            "involvedObject": ref,
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "pagoda-operator"},
+            "reportingComponent": "pagoda-operator",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            kube.create(event)
+        except Exception as e:
+            log.debug("event not posted: %s", e)
+
+
+def _run(ctx: Context, namespace: str, name: str, trigger: str, autoscale: bool = False) -> Result | None:
+    try:
+        result = reconcile(ctx, namespace, name, trigger, autoscale=autoscale)
+        post_events(ctx.kube, namespace, name, result)
+        return result
+    except Retry as e:
+        raise kopf.TemporaryError(str(e), delay=1) from e
+    except ApiError as e:
+        if e.status in (409, 429, 500, 503, 504):
+            raise kopf.TemporaryError(str(e), delay=2) from e
+        raise
+
+
+class Ticker:
+    """Every ``interval`` seconds, one autoscaling + resync pass over every InferenceService."""
+
+    def __init__(self, ctx: Context, interval: float, namespaces: Sequence[str] = (), workers: int = 4):
+        self.ctx, self.interval, self.namespaces, self.workers = ctx, interval, list(namespaces), workers
+        self.stop_flag = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def targets(self) -> list[tuple[str, str]]:
+        items = []
+        for ns in self.namespaces or [None]:
+            items += self.ctx.kube.list("InferenceService", ns)
+        return sorted(
+            (i["metadata"]["namespace"], i["metadata"]["name"])
+            for i in items
+            if not i["metadata"].get("deletionTimestamp")
+        )
+
+    def tick(self) -> None:
+        targets = self.targets()
+        if not targets:
+            return
+
+        def one(target: tuple[str, str]) -> None:
+            ns, name = target
+            try:
+                post_events(self.ctx.kube, ns, name, reconcile(self.ctx, ns, name, "timer", autoscale=True))
+            except Exception as e:
+                log.warning("periodic pass over %s/%s failed: %s", ns, name, e)
+
+        with ThreadPoolExecutor(
+            max_workers=min(self.workers, len(targets)), thread_name_prefix="tick"
+        ) as pool:
+            list(pool.map(one, targets))
+
+    def run(self) -> None:
+        while not self.stop_flag.wait(0):
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception as e:  # the API may be briefly unavailable
+                log.warning("periodic pass failed: %s", e)
+            self.stop_flag.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="pagoda-ticker", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        if self.thread:
+            self.thread.join(timeout=30)
+
+
+def build_registry(
+    ctx: Context, interval: float = 15.0, namespaces: Sequence[str] = (), workers: int = 4
+) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    ticker = Ticker(ctx, interval, namespaces, workers)
+    res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    def start_ticker(**_: Any) -> None:
+        ticker.start()
+
+    @kopf.on.cleanup(registry=registry)
+    def stop_ticker(**_: Any) -> None:
+        ticker.stop()
+
+    @kopf.on.resume(**res, id="reconcile")
+    @kopf.on.create(**res, id="reconcile")
+    @kopf.on.update(**res, id="reconcile")
+    def on_change(namespace: str, name: str, reason: str, **_: Any) -> None:
+        _run(ctx, namespace, name, str(getattr(reason, "value", reason)))
+
+    @kopf.on.event(**res, id="forget")
+    def on_gone(event: Mapping[str, Any], namespace: str, name: str, **_: Any) -> None:
+        if event.get("type") == "DELETED":
+            forget(namespace, name)
+            ctx.forget(namespace, name)
+
+    @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry, id="deployment")
+    def on_deployment(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+        _child_event(ctx, namespace, labels[INSTANCE_LABEL], "deployment")
+
+    @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="pod")
+    def on_pod(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+        _child_event(ctx, namespace, labels[INSTANCE_LABEL], "pod")
+
+    @kopf.on.event(GROUP, VERSION, TOPOLOGY_PLURAL, registry=registry, id="node-labels")
+    def on_topology(event: Mapping[str, Any], body: kopf.Body, name: str, **_: Any) -> None:
+        sync_node_labels(ctx, name, None if event.get("type") == "DELETED" else body)
+
+    return registry
+
+
+def _child_event(ctx: Context, namespace: str, owner: str, trigger: str) -> None:
+    # Event handlers are not retried by kopf; the ticker repairs whatever a failure here leaves.
+    try:
+        post_events(ctx.kube, namespace, owner, reconcile(ctx, namespace, owner, trigger))
+    except Exception as e:
+        log.warning("reconcile of %s/%s after a %s event failed: %s", namespace, owner, trigger, e)
+
+
+def sync_node_labels(ctx: Context, node: str, topology: Mapping[str, Any] | None) -> bool:
+    """Keep the node's pagoda labels in step with its NodeTopology (None: it was deleted, drop
+    them). Patches only on a difference; True when it patched."""
+    want: dict[str, str | None] = (
+        dict(node_labels(topology)) if topology is not None else {NVLINK_LABEL: None}
+    )
+    live = ctx.kube.get("Node", None, node)
+    if live is None:
+        return False
+    have = (live.get("metadata") or {}).get("labels") or {}
+    if all(have.get(k) == v for k, v in want.items()):
+        return False
+    ctx.kube.merge_patch("Node", None, node, {"metadata": {"labels": want}})
+    log.info("node %s labels %s", node, want)
+    return True

@@ -1,0 +1,178 @@
+"""A small JSON client for the Kubernetes API: plain dicts in and out.
+
+Credentials come from the ``kubernetes`` package's config loaders (in-cluster service account,
+else ``$KUBECONFIG`` / ``~/.kube/config``); requests go through one urllib3 pool. Plain dicts
+keep the builders, the status code and the tests free of generated model classes.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlencode
+
+import urllib3
+
+from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION
+from pagoda_operator.telemetry import WRITES
+
+# kind -> (API prefix, plural, namespaced)
+RESOURCES = {
+    "ConfigMap": ("/api/v1", "configmaps", True),
+    "Service": ("/api/v1", "services", True),
+    "Pod": ("/api/v1", "pods", True),
+    "Node": ("/api/v1", "nodes", False),
+    "Event": ("/api/v1", "events", True),
+    "Deployment": ("/apis/apps/v1", "deployments", True),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases", True),
+    "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL, True),
+    "NodeTopology": (f"/apis/{GROUP}/{VERSION}", TOPOLOGY_PLURAL, False),
+}
+
+if TYPE_CHECKING:
+    from kubernetes import client as k8s_client
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, body: Any = None):
+        message = body.get("message") if isinstance(body, dict) else body
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.body = body
+
+
+def path(kind: str, namespace: str | None = None, name: str | None = None, sub: str | None = None) -> str:
+    prefix, plural, namespaced = RESOURCES[kind]
+    p = prefix
+    if namespaced and namespace:
+        p += f"/namespaces/{quote(namespace)}"
+    p += f"/{plural}"
+    if name:
+        p += f"/{quote(name)}"
+    if sub:
+        p += f"/{sub}"
+    return p
+
+
+def load_configuration(kubeconfig: str | None = None) -> k8s_client.Configuration:
+    from kubernetes import client as k8s_client  # slow to import: only when connecting
+    from kubernetes import config as k8s_config
+
+    cfg = k8s_client.Configuration()
+    if kubeconfig:
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        return cfg
+    try:
+        k8s_config.load_incluster_config(client_configuration=cfg)
+    except k8s_config.ConfigException:
+        k8s_config.load_kube_config(client_configuration=cfg)
+    return cfg
+
+
+class Kube:
+    """Thread-safe; one per operator process."""
+
+    def __init__(self, configuration: k8s_client.Configuration | None = None, timeout: float = 30.0):
+        self.cfg = configuration or load_configuration()
+        self.host = self.cfg.host.rstrip("/")
+        ctx = (
+            ssl.create_default_context(cafile=self.cfg.ssl_ca_cert)
+            if self.cfg.ssl_ca_cert
+            else ssl.create_default_context()
+        )
+        if self.cfg.cert_file:
+            ctx.load_cert_chain(self.cfg.cert_file, self.cfg.key_file)
+        if not self.cfg.verify_ssl:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        self.pool = urllib3.PoolManager(num_pools=4, maxsize=8, ssl_context=ctx, timeout=timeout)
+        self._lock = threading.Lock()
+
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "pagoda-operator"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        with self._lock:  # token refresh hooks are not thread-safe
+            auth = self.cfg.auth_settings()
+        for setting in auth.values():
+            if setting.get("in") == "header" and setting.get("value"):
+                headers[setting["key"]] = setting["value"]
+        return headers
+
+    def request(
+        self,
+        method: str,
+        url_path: str,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        url = self.host + url_path
+        if query:
+            url += "?" + urlencode({k: v for k, v in query.items() if v is not None})
+        data = json.dumps(body).encode() if body is not None else None
+        resp = self.pool.request(
+            method, url, body=data, headers=self._headers(content_type if data else None)
+        )
+        text = resp.data.decode("utf-8", "replace")
+        try:
+            payload = json.loads(text) if text else None
+        except json.JSONDecodeError:
+            payload = text
+        if resp.status >= 400:
+            raise ApiError(resp.status, resp.reason or "", payload)
+        return payload
+
+    # -- verbs -----------------------------------------------------------------------------
+    def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", path(kind, namespace, name))
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list(
+        self, kind: str, namespace: str | None = None, selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        out = self.request("GET", path(kind, namespace), query={"labelSelector": selector})
+        return list((out or {}).get("items") or [])
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        WRITES.labels(obj["kind"], "create").inc()
+        return self.request("POST", path(obj["kind"], meta.get("namespace")), obj)
+
+    def replace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        WRITES.labels(obj["kind"], "replace").inc()
+        return self.request("PUT", path(obj["kind"], meta.get("namespace"), meta["name"]), obj)
+
+    def merge_patch(
+        self, kind: str, namespace: str | None, name: str, patch: Any, sub: str | None = None
+    ) -> Any:
+        WRITES.labels(kind, f"patch{'/' + sub if sub else ''}").inc()
+        return self.request(
+            "PATCH", path(kind, namespace, name, sub), patch, content_type="application/merge-patch+json"
+        )
+
+    def delete(self, kind: str, namespace: str | None, name: str) -> None:
+        try:
+            self.request("DELETE", path(kind, namespace, name))
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
+    # -- helpers -------------------------------------------------------------------------
+    def topologies(self) -> list[dict[str, Any]]:
+        """Every NodeTopology; empty when the CRD is not installed."""
+        try:
+            return self.list("NodeTopology")
+        except ApiError as e:
+            if e.status == 404:
+                return []
+            raise

@@ -1,0 +1,113 @@
+"""Read the daemons' Prometheus ``/metrics`` (vLLM metric names) into autoscaling signals.
+
+``parse`` is pure (text in, numbers out); ``scrape`` fetches ready pods concurrently with a short
+timeout, and a pod that does not answer is simply absent from the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda_operator.placement import pod_ready
+
+log = logging.getLogger(__name__)
+
+# spec.autoscaling.metric -> (Prometheus name, how samples of one pod combine)
+SIGNALS = {
+    "kvCacheUsage": ("vllm:kv_cache_usage_perc", "mean"),
+    "requestsWaiting": ("vllm:num_requests_waiting", "sum"),
+    "requestsRunning": ("vllm:num_requests_running", "sum"),
+}
+EXPERT_PARALLEL = "pagoda:expert_parallel_size"
+PLACEMENT_INFO = "pagoda:placement_info"
+
+
+def _list(value: str) -> list[str]:
+    return [v for v in (x.strip() for x in value.split(",")) if v]
+
+
+def parse(text: str, model_name: str | None = None) -> dict[str, Any]:
+    """Signals of one pod. Samples labelled with another ``model_name`` are ignored.
+
+    Returns the keys of :data:`SIGNALS` that were present, plus ``expertParallel`` (gauge
+    ``pagoda:expert_parallel_size``) and ``placement`` (labels ``gpus`` and ``numa_nodes`` of
+    ``pagoda:placement_info``, comma-separated) when the daemon exports them.
+    """
+    values: dict[str, list[float]] = {}
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if model_name and labels.get("model_name") not in (None, model_name):
+                continue
+            values.setdefault(sample.name, []).append(float(sample.value))
+            if sample.name == PLACEMENT_INFO:
+                numa = [int(n) for n in _list(labels.get("numa_nodes", "")) if n.lstrip("-").isdigit()]
+                out["placement"] = {"gpus": _list(labels.get("gpus", "")), "numaNodes": numa}
+    for key, (name, how) in SIGNALS.items():
+        xs = values.get(name)
+        if xs:
+            out[key] = sum(xs) / len(xs) if how == "mean" else sum(xs)
+    if values.get(EXPERT_PARALLEL):
+        out["expertParallel"] = int(max(values[EXPERT_PARALLEL]))
+    return out
+
+
+def pod_url(pod: Mapping[str, Any], port: int) -> str | None:
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}/metrics"
+
+
+def fetch(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode("utf-8", "replace")
+
+
+def scrape(
+    pods: Iterable[Mapping[str, Any]],
+    port: int,
+    model_name: str | None = None,
+    timeout: float = 2.0,
+    fetcher=fetch,
+) -> dict[str, dict[str, Any]]:
+    """Signals per ready pod name; pods that fail to answer or parse are left out."""
+    targets = []
+    for pod in pods:
+        if pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
+            continue
+        url = pod_url(pod, port)
+        if url:
+            targets.append((pod["metadata"]["name"], url))
+    if not targets:
+        return {}
+
+    def one(item: tuple[str, str]) -> tuple[str, dict[str, Any] | None]:
+        name, url = item
+        try:
+            return name, parse(fetcher(url, timeout), model_name)
+        except Exception as exc:  # a pod that does not answer is only absent
+            log.debug("scrape %s failed: %s", url, exc)
+            return name, None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+        results = list(pool.map(one, targets))
+    return {name: sig for name, sig in results if sig is not None}
+
+
+def signals_summary(per_pod: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean per pod of each signal, as written to ``status.autoscaling.signals``."""
+    out: dict[str, Any] = {"pods": len(per_pod)}
+    for key in SIGNALS:
+        xs = [s[key] for s in per_pod.values() if key in s]
+        if xs:
+            out[key] = round(sum(xs) / len(xs), 6)
+    return out

@@ -1,0 +1,307 @@
+"""Typed view of an InferenceService spec.
+
+The CRD schema validates types, enums, ranges and defaults. This module repeats the defaults (so
+pure code and tests can start from a partial spec) and checks what a schema without CEL cannot:
+rules that tie two fields together. A violation raises :class:`InvalidSpec`, which the operator
+reports as ``Degraded/InvalidSpec`` while leaving running children untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+METRICS = ("kvCacheUsage", "requestsWaiting", "requestsRunning")
+DEFAULT_TARGETS = {"kvCacheUsage": 0.8, "requestsWaiting": 2.0, "requestsRunning": 16.0}
+
+
+class InvalidSpec(ValueError):
+    """The spec passed the schema but cannot be served; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: str  # "pvc" | "hostPath" | "uri"
+    claim_name: str | None = None
+    path: str = ""
+    read_only: bool = True
+    uri: str | None = None
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tensor: int = 1
+    expert: int = 1
+    data: int = 1
+    min_expert: int | None = None
+    max_expert: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_expert is not None
+
+
+@dataclass(frozen=True)
+class Engine:
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class KVOffload:
+    cpu_gib: float | None = None
+    disk_path: str | None = None
+    disk_gib: float | None = None
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    min_replicas: int
+    max_replicas: int
+    metric: str = "kvCacheUsage"
+    target: float = 0.8
+    tolerance: float = 0.1
+    scale_up_window_s: int = 0
+    scale_down_window_s: int = 300
+
+
+@dataclass(frozen=True)
+class Placement:
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    numa_policy: str = "auto"
+    require_nvlink: bool = False
+
+
+@dataclass(frozen=True)
+class Tracing:
+    otlp_endpoint: str | None = None
+    sampling_ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class PodOverrides:
+    env: list[dict[str, Any]] = field(default_factory=list)
+    annotations: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    resources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    service_account_name: str | None = None
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    namespace: str
+    model: Model
+    replicas: int = 1
+    gpus: int = 1
+    gpu_resource: str = "nvidia.com/gpu"
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    engine: Engine = field(default_factory=Engine)
+    kv_offload: KVOffload = field(default_factory=KVOffload)
+    autoscaling: Autoscaling | None = None
+    placement: Placement = field(default_factory=Placement)
+    tracing: Tracing = field(default_factory=Tracing)
+    image: str | None = None
+    image_pull_policy: str | None = None
+    port: int = 8000
+    pod: PodOverrides = field(default_factory=PodOverrides)
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus > 0 else "cpu"
+
+
+def _get(d: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
+    if not d:
+        return default
+    value = d.get(key)
+    return default if value is None else value
+
+
+def parse(name: str, namespace: str, spec: Mapping[str, Any]) -> ServiceSpec:
+    """Build the typed spec, applying the schema's defaults, then :func:`validate` it."""
+    spec = spec or {}
+    m = _get(spec, "model", {})
+    sources = [k for k in ("pvc", "hostPath", "uri") if m.get(k)]
+    if len(sources) != 1:
+        raise InvalidSpec(
+            f"spec.model needs exactly one source of weights (pvc, hostPath or uri); got {sources or 'none'}"
+        )
+    source = sources[0]
+    if source == "pvc":
+        model = Model(
+            name=_get(m, "name", name),
+            source="pvc",
+            claim_name=m["pvc"].get("claimName"),
+            path=_get(m["pvc"], "path", ""),
+            read_only=bool(_get(m["pvc"], "readOnly", True)),
+        )
+    elif source == "hostPath":
+        model = Model(name=_get(m, "name", name), source="hostPath", path=m["hostPath"]["path"])
+    else:
+        model = Model(name=_get(m, "name", name), source="uri", uri=m["uri"])
+
+    r = _get(spec, "resources", {})
+    p = _get(spec, "parallelism", {})
+    el = _get(p, "elastic", None)
+    parallelism = Parallelism(
+        tensor=int(_get(p, "tensor", 1)),
+        expert=int(_get(p, "expert", 1)),
+        data=int(_get(p, "data", 1)),
+        min_expert=int(el["minExpert"]) if el else None,
+        max_expert=int(el["maxExpert"]) if el else None,
+    )
+    e = _get(spec, "engine", {})
+    engine = Engine(
+        max_model_len=_get(e, "maxModelLen"),
+        block_size=int(_get(e, "blockSize", 16)),
+        max_num_seqs=_get(e, "maxNumSeqs"),
+        max_num_batched_tokens=_get(e, "maxNumBatchedTokens"),
+        dtype=_get(e, "dtype", "auto"),
+        kv_cache_dtype=_get(e, "kvCacheDtype", "auto"),
+        gpu_memory_utilization=float(_get(e, "gpuMemoryUtilization", 0.9)),
+        enable_prefix_caching=bool(_get(e, "enablePrefixCaching", True)),
+        enforce_eager=bool(_get(e, "enforceEager", False)),
+    )
+    kv = _get(spec, "kvOffload", {})
+    disk = _get(kv, "disk", {})
+    kv_offload = KVOffload(
+        cpu_gib=_get(kv, "cpuGiB"),
+        disk_path=_get(disk, "path"),
+        disk_gib=_get(disk, "sizeGiB"),
+    )
+    a = spec.get("autoscaling")
+    autoscaling = None
+    if a and _get(a, "enabled", True):
+        metric = _get(a, "metric", "kvCacheUsage")
+        autoscaling = Autoscaling(
+            min_replicas=int(_get(a, "minReplicas", 1)),
+            max_replicas=int(_get(a, "maxReplicas", _get(a, "minReplicas", 1))),
+            metric=metric,
+            target=float(_get(a, "target", DEFAULT_TARGETS.get(metric, 1.0))),
+            tolerance=float(_get(a, "tolerance", 0.1)),
+            scale_up_window_s=int(_get(a, "scaleUpStabilizationSeconds", 0)),
+            scale_down_window_s=int(_get(a, "scaleDownStabilizationSeconds", 300)),
+        )
+    pl = _get(spec, "placement", {})
+    placement = Placement(
+        node_selector=dict(_get(pl, "nodeSelector", {})),
+        tolerations=[dict(t) for t in _get(pl, "tolerations", [])],
+        numa_policy=_get(pl, "numaPolicy", "auto"),
+        require_nvlink=bool(_get(pl, "requireNVLink", False)),
+    )
+    t = _get(spec, "tracing", {})
+    tracing = Tracing(
+        otlp_endpoint=_get(t, "otlpEndpoint"), sampling_ratio=float(_get(t, "samplingRatio", 1.0))
+    )
+    po = _get(spec, "pod", {})
+    pod = PodOverrides(
+        env=[dict(x) for x in _get(po, "env", [])],
+        annotations=dict(_get(po, "annotations", {})),
+        labels=dict(_get(po, "labels", {})),
+        resources={k: dict(v) for k, v in _get(po, "resources", {}).items() if v},
+        service_account_name=_get(po, "serviceAccountName"),
+        priority_class_name=_get(po, "priorityClassName"),
+    )
+    parsed = ServiceSpec(
+        name=name,
+        namespace=namespace,
+        model=model,
+        replicas=int(_get(spec, "replicas", 1)),
+        gpus=int(_get(r, "gpusPerReplica", 1)),
+        gpu_resource=_get(r, "gpuResourceName", "nvidia.com/gpu"),
+        parallelism=parallelism,
+        engine=engine,
+        kv_offload=kv_offload,
+        autoscaling=autoscaling,
+        placement=placement,
+        tracing=tracing,
+        image=_get(spec, "image") or None,
+        image_pull_policy=_get(spec, "imagePullPolicy"),
+        port=int(_get(spec, "port", 8000)),
+        pod=pod,
+    )
+    validate(parsed)
+    return parsed
+
+
+def validate(s: ServiceSpec) -> None:
+    """Cross-field rules; raises :class:`InvalidSpec` listing every violation."""
+    errors: list[str] = []
+    if len(s.name) > 63 or not DNS1035.match(s.name):
+        errors.append(
+            f"metadata.name {s.name!r} must be a DNS-1035 label (lowercase letters, digits and '-', "
+            "starting with a letter, at most 63 characters): it names the Service and pod labels"
+        )
+    par = s.parallelism
+    ranks = par.tensor * par.expert
+    if s.gpus == 0:
+        if par.tensor * par.expert * par.data != 1 or par.elastic:
+            errors.append(
+                "parallelism needs GPUs: with resources.gpusPerReplica 0 (CPU) tensor, expert and data "
+                "must be 1 and elastic unset"
+            )
+    elif s.gpus % ranks != 0:
+        errors.append(
+            f"parallelism.tensor ({par.tensor}) × parallelism.expert ({par.expert}) = {ranks} does not "
+            f"divide resources.gpusPerReplica ({s.gpus})"
+        )
+    if par.elastic and s.gpus > 0:
+        assert par.min_expert is not None and par.max_expert is not None
+        if not par.min_expert <= par.expert <= par.max_expert:
+            errors.append(
+                f"parallelism.elastic needs minExpert ({par.min_expert}) <= expert ({par.expert}) "
+                f"<= maxExpert ({par.max_expert})"
+            )
+        if par.tensor * par.max_expert > s.gpus:
+            errors.append(
+                f"parallelism.tensor ({par.tensor}) × elastic.maxExpert ({par.max_expert}) exceeds "
+                f"resources.gpusPerReplica ({s.gpus})"
+            )
+    a = s.autoscaling
+    if a is not None:
+        if a.min_replicas > a.max_replicas:
+            errors.append(
+                f"autoscaling.minReplicas ({a.min_replicas}) is larger than maxReplicas ({a.max_replicas})"
+            )
+        if a.metric == "kvCacheUsage" and not 0 < a.target <= 1:
+            errors.append(f"autoscaling.target for kvCacheUsage is a fraction in (0, 1]; got {a.target}")
+    if s.kv_offload.disk_path and s.kv_offload.disk_path.rstrip("/") in (
+        "",
+        "/models",
+        "/etc/pagoda",
+        "/dev/shm",
+    ):
+        errors.append(
+            f"kvOffload.disk.path {s.kv_offload.disk_path!r} collides with a path the pod already mounts"
+        )
+    if errors:
+        raise InvalidSpec("; ".join(errors))
+
+
+def desired_replicas(s: ServiceSpec, autoscaled: int | None) -> int:
+    """How many pods the Deployment should run now.
+
+    Without autoscaling the spec (hence the scale subresource) is the truth. With it, the
+    autoscaler's last decision (kept in status) is, bounded by min/max; before the first
+    decision, spec.replicas bounded by min/max.
+    """
+    a = s.autoscaling
+    if a is None:
+        return s.replicas
+    base = s.replicas if autoscaled is None else autoscaled
+    return max(a.min_replicas, min(a.max_replicas, base))

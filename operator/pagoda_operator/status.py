@@ -1,0 +1,228 @@
+"""Pure: observed Deployment and pods -> the conditions and counts of an InferenceService status.
+
+Ready is True only when the Deployment carries the pod template of the current generation and
+its ready, updated and total replicas all equal the desired count. Progressing is True while a
+rollout or a scale is under way. Degraded says, with a reason, why things are not converging:
+an invalid spec, no eligible node, pods that cannot be scheduled, crash loops, image pulls,
+replica failures or an exceeded progress deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda_operator.builders import HASH_ANNOTATION
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+CRASH_REASONS = {
+    "CrashLoopBackOff": "CrashLoopBackOff",
+    "ErrImagePull": "ImagePullError",
+    "ImagePullBackOff": "ImagePullError",
+    "InvalidImageName": "ImagePullError",
+    "CreateContainerConfigError": "ContainerConfigError",
+    "CreateContainerError": "ContainerConfigError",
+    "RunContainerError": "ContainerConfigError",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A reason the desired state cannot be (or is not being) reached."""
+
+    reason: str
+    message: str
+
+
+def _counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
+    st = (deployment or {}).get("status") or {}
+    return {
+        k: int(st.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas", "availableReplicas")
+    }
+
+
+def rolled_out(deployment: Mapping[str, Any] | None, desired: int, desired_hash: str | None) -> bool:
+    """The Deployment carries our current template and replica count, and its controller saw it."""
+    if not deployment:
+        return False
+    meta = deployment.get("metadata") or {}
+    if desired_hash is not None and (meta.get("annotations") or {}).get(HASH_ANNOTATION) != desired_hash:
+        return False
+    if (deployment.get("spec") or {}).get("replicas") != desired:
+        return False
+    observed = ((deployment.get("status") or {}).get("observedGeneration")) or 0
+    return observed >= (meta.get("generation") or 0)
+
+
+def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[Problem]:
+    """Per-pod trouble: unschedulable, crash loops, image pulls. In pod-name order."""
+    out = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        name = pod["metadata"]["name"]
+        st = pod.get("status") or {}
+        for c in st.get("conditions") or []:
+            if (
+                c.get("type") == "PodScheduled"
+                and c.get("status") == "False"
+                and c.get("reason") == "Unschedulable"
+            ):
+                out.append(
+                    Problem(
+                        "Unschedulable", f"pod {name} cannot be scheduled: {c.get('message', '')}".strip()
+                    )
+                )
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = CRASH_REASONS.get(waiting.get("reason", ""))
+            if not reason:
+                continue
+            msg = f"pod {name} container {cs.get('name')}: {waiting.get('reason')}"
+            if cs.get("restartCount"):
+                msg += f" (restarted {cs['restartCount']} times)"
+            last = ((cs.get("lastState") or {}).get("terminated")) or {}
+            if last.get("reason"):
+                msg += f", last exit {last.get('reason')} code {last.get('exitCode')}"
+            if waiting.get("message"):
+                msg += f": {waiting['message']}"
+            out.append(Problem(reason, msg))
+    return out
+
+
+def deployment_problems(deployment: Mapping[str, Any] | None) -> list[Problem]:
+    out = []
+    for c in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            out.append(Problem("ReplicaFailure", c.get("message") or c.get("reason") or "replica failure"))
+        if (
+            c.get("type") == "Progressing"
+            and c.get("status") == "False"
+            and c.get("reason") == "ProgressDeadlineExceeded"
+        ):
+            out.append(
+                Problem(
+                    "ProgressDeadlineExceeded", c.get("message") or "rollout exceeded its progress deadline"
+                )
+            )
+    return out
+
+
+def set_condition(
+    previous: Sequence[Mapping[str, Any]],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    now: str,
+) -> dict[str, Any]:
+    """A condition, keeping the previous lastTransitionTime when its status did not change."""
+    value = "True" if status else "False"
+    old = next((c for c in previous if c.get("type") == type_), None)
+    since = (
+        old["lastTransitionTime"]
+        if old and old.get("status") == value and old.get("lastTransitionTime")
+        else now
+    )
+    return {
+        "type": type_,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def compute(
+    *,
+    generation: int,
+    desired: int,
+    desired_hash: str | None,
+    deployment: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]],
+    previous: Mapping[str, Any] | None,
+    now: str,
+    blocker: Problem | None = None,
+) -> dict[str, Any]:
+    """Conditions, counts and observedGeneration.
+
+    ``blocker`` is a problem that stopped the operator from applying this generation (InvalidSpec,
+    NoEligibleNodes): the children then still carry the previous spec, observedGeneration stays
+    where it was, and Ready is False because the current generation is not served.
+    """
+    previous = previous or {}
+    prev_conds = previous.get("conditions") or []
+    counts = _counts(deployment)
+    problems = ([blocker] if blocker else []) + deployment_problems(deployment) + pod_problems(pods)
+    current = blocker is None and rolled_out(deployment, desired, desired_hash)
+    ready = (
+        current
+        and desired > 0
+        and counts["updatedReplicas"] == desired
+        and counts["readyReplicas"] == desired
+        and counts["replicas"] == desired
+    )
+    progress = f"{counts['readyReplicas']}/{desired} ready, {counts['updatedReplicas']}/{desired} updated"
+
+    if blocker:
+        ready_c = (False, blocker.reason, f"generation {generation} is not applied: {blocker.message}")
+        prog_c = (False, blocker.reason, "waiting for a spec that can be applied")
+    elif ready:
+        ready_c = (True, "AllReplicasReady", f"{desired}/{desired} replicas ready at generation {generation}")
+        prog_c = (False, "Complete", f"generation {generation} is rolled out")
+    else:
+        if desired == 0 and current and counts["replicas"] == 0:
+            ready_c = (False, "ScaledToZero", "no replicas requested")
+            prog_c = (False, "Complete", f"generation {generation} is rolled out (0 replicas)")
+        else:
+            ready_c = (False, "ReplicasNotReady", progress)
+            if deployment is None:
+                why = "Creating"
+            elif not current or counts["updatedReplicas"] < min(desired, counts["replicas"] or desired):
+                why = "RollingOut"
+            elif counts["replicas"] > desired:
+                why = "ScalingDown"
+            elif counts["readyReplicas"] < desired and counts["replicas"] < desired:
+                why = "ScalingUp"
+            else:
+                why = "WaitingForReady"
+            deadline = any(p.reason == "ProgressDeadlineExceeded" for p in problems)
+            prog_c = (not deadline, "ProgressDeadlineExceeded" if deadline else why, progress)
+
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        deg_c = (True, first.reason, first.message + more)
+    else:
+        deg_c = (False, "AsExpected", "no problems observed")
+
+    conditions = [
+        set_condition(prev_conds, t, *c, generation=generation, now=now)
+        for t, c in zip(CONDITION_TYPES, (ready_c, prog_c, deg_c))
+    ]
+    observed = previous.get("observedGeneration") if blocker else generation
+    out: dict[str, Any] = {
+        "conditions": conditions,
+        "replicas": counts["replicas"],
+        "readyReplicas": counts["readyReplicas"],
+        "updatedReplicas": counts["updatedReplicas"],
+        "desiredReplicas": desired,
+    }
+    if observed is not None:
+        out["observedGeneration"] = observed
+    return out
+
+
+def condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
+    for c in (status or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c
+    return None
+
+
+def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Equal for the purpose of writing: lastTransitionTime only moves with status, so compare all."""
+    return dict(a or {}) == dict(b or {})

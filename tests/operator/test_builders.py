@@ -1,0 +1,290 @@
+"""Builders: spec -> desired ConfigMap, Service and Deployment, and the compare-before-patch rule."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from pagoda_operator import builders
+from pagoda_operator.builders import HASH_ANNOTATION, Settings, children, merge_for_replace, needs_update
+from pagoda_operator.spec import parse
+from tests.operator.operator_fakes import isvc
+
+
+def build(replicas: int = 1, name: str = "llama", **spec):
+    body = isvc(name, **spec)
+    s = parse(name, "default", body["spec"])
+    return s, children(s, body, replicas, Settings(daemon_image="img:1"))
+
+
+def container(kids):
+    return kids.deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(kids):
+    return {e["name"]: e for e in container(kids)["env"]}
+
+
+def test_every_child_is_owned_labelled_and_stamped():
+    _, kids = build()
+    for child in (kids.config_map, kids.service, kids.deployment):
+        meta = child["metadata"]
+        assert meta["namespace"] == "default"
+        (ref,) = meta["ownerReferences"]
+        assert ref == {
+            "apiVersion": "pagoda.dev/v1alpha1",
+            "kind": "InferenceService",
+            "name": "llama",
+            "uid": "uid-llama",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator"
+        assert meta["labels"]["pagoda.dev/inferenceservice"] == "llama"
+        assert len(meta["annotations"][HASH_ANNOTATION]) == 16
+
+
+def test_deployment_runs_the_daemon_command_line():
+    _, kids = build(3, port=9000)
+    c = container(kids)
+    assert kids.deployment["spec"]["replicas"] == 3
+    assert c["image"] == "img:1" and c["command"] == ["pagoda"]
+    assert c["args"] == [
+        "serve",
+        "/models/llama",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9000",
+        "--served-model-name",
+        "llama-3-8b",
+        "--device",
+        "cuda",
+        "--config",
+        "/etc/pagoda/engine.yaml",
+    ]
+    assert c["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert env_of(kids)["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    tmpl = kids.deployment["spec"]["template"]
+    assert kids.deployment["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
+    assert tmpl["metadata"]["annotations"]["prometheus.io/port"] == "9000"
+
+
+@pytest.mark.parametrize(
+    "gpus, resource, expected_limits",
+    [
+        (4, "nvidia.com/gpu", {"nvidia.com/gpu": 4}),
+        (2, "amd.com/gpu", {"amd.com/gpu": 2}),
+        (0, "nvidia.com/gpu", None),
+    ],
+)
+def test_gpu_requests(gpus, resource, expected_limits):
+    par = {"tensor": gpus} if gpus else {}
+    _, kids = build(resources={"gpusPerReplica": gpus, "gpuResourceName": resource}, parallelism=par)
+    res = container(kids)["resources"]
+    assert res.get("limits") == expected_limits and res.get("requests") == expected_limits
+    assert container(kids)["args"][container(kids)["args"].index("--device") + 1] == (
+        "cuda" if gpus else "cpu"
+    )
+
+
+def test_pod_resource_overrides_merge_with_gpus():
+    _, kids = build(
+        pod={"resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "64Gi"}}}
+    )
+    assert container(kids)["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": 1},
+    }
+
+
+def test_engine_config_in_the_config_map():
+    _, kids = build(
+        resources={"gpusPerReplica": 8},
+        parallelism={"tensor": 2, "expert": 4, "data": 1},
+        engine={
+            "maxModelLen": 8192,
+            "blockSize": 32,
+            "maxNumSeqs": 128,
+            "maxNumBatchedTokens": 4096,
+            "dtype": "bfloat16",
+            "kvCacheDtype": "fp8",
+            "gpuMemoryUtilization": 0.85,
+            "enablePrefixCaching": False,
+            "enforceEager": True,
+        },
+        kvOffload={"cpuGiB": 64, "disk": {"path": "/kv", "sizeGiB": 200}},
+        placement={"numaPolicy": "none"},
+        tracing={"otlpEndpoint": "http://otel:4317", "samplingRatio": 0.25},
+    )
+    cfg = yaml.safe_load(kids.config_map["data"]["engine.yaml"])
+    assert cfg == {
+        "max_model_len": 8192,
+        "block_size": 32,
+        "max_num_seqs": 128,
+        "max_num_batched_tokens": 4096,
+        "dtype": "bfloat16",
+        "kv_cache_dtype": "fp8",
+        "gpu_memory_utilization": 0.85,
+        "enable_prefix_caching": False,
+        "enforce_eager": True,
+        "tensor_parallel_size": 2,
+        "expert_parallel_size": 4,
+        "data_parallel_size": 1,
+        "numa_policy": "none",
+        "otlp_traces_endpoint": "http://otel:4317",
+        "kv_offload_cpu_gib": 64,
+        "kv_offload_disk_path": "/kv",
+        "kv_offload_disk_gib": 200,
+    }
+    env = env_of(kids)
+    assert env["OTEL_TRACES_SAMPLER_ARG"]["value"] == "0.25"
+    mounts = {m["mountPath"]: m["name"] for m in container(kids)["volumeMounts"]}
+    assert mounts["/kv"] == "kv-offload" and mounts["/etc/pagoda"] == "config"
+    vols = {v["name"]: v for v in kids.deployment["spec"]["template"]["spec"]["volumes"]}
+    assert vols["kv-offload"]["emptyDir"] == {"sizeLimit": "204800Mi"}
+
+
+def test_optional_engine_fields_are_left_to_the_daemon():
+    _, kids = build()
+    cfg = yaml.safe_load(kids.config_map["data"]["engine.yaml"])
+    assert (
+        "max_model_len" not in cfg and "otlp_traces_endpoint" not in cfg and "kv_offload_cpu_gib" not in cfg
+    )
+    assert "OTEL_TRACES_SAMPLER" not in env_of(kids)
+
+
+@pytest.mark.parametrize(
+    "model, arg, volume",
+    [
+        (
+            {"name": "m", "pvc": {"claimName": "w", "path": "/a/b/"}},
+            "/models/a/b",
+            {"persistentVolumeClaim": {"claimName": "w", "readOnly": True}},
+        ),
+        (
+            {"name": "m", "pvc": {"claimName": "w"}},
+            "/models",
+            {"persistentVolumeClaim": {"claimName": "w", "readOnly": True}},
+        ),
+        (
+            {"name": "m", "hostPath": {"path": "/data/m"}},
+            "/models",
+            {"hostPath": {"path": "/data/m", "type": "Directory"}},
+        ),
+        ({"name": "m", "uri": "hf://Qwen/Qwen3-0.6B"}, "hf://Qwen/Qwen3-0.6B", {"emptyDir": {}}),
+    ],
+)
+def test_model_sources(model, arg, volume):
+    _, kids = build(model=model)
+    assert container(kids)["args"][1] == arg
+    vols = kids.deployment["spec"]["template"]["spec"]["volumes"]
+    (vol,) = [v for v in vols if v["name"] in ("model", "model-cache")]
+    assert {k: v for k, v in vol.items() if k != "name"} == volume
+
+
+def test_placement_reaches_the_pod():
+    tol = [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    _, kids = build(
+        resources={"gpusPerReplica": 4},
+        placement={"nodeSelector": {"pool": "h100"}, "tolerations": tol, "requireNVLink": True},
+    )
+    pod = kids.deployment["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "h100"} and pod["tolerations"] == tol
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms == [
+        {"matchExpressions": [{"key": "pagoda.dev/nvlink-gpus", "operator": "Gt", "values": ["3"]}]}
+    ]
+
+
+def test_user_env_overrides_ours_and_annotations_labels_merge():
+    _, kids = build(
+        pod={
+            "env": [{"name": "HF_HOME", "value": "/x"}, {"name": "NODE_NAME", "value": "forced"}],
+            "annotations": {"a": "1"},
+            "labels": {"team": "ml", "app.kubernetes.io/name": "hijack"},
+        },
+        model={"name": "m", "uri": "hf://a/b"},
+    )
+    env = [e for e in container(kids)["env"] if e["name"] in ("HF_HOME", "NODE_NAME")]
+    assert env == [{"name": "HF_HOME", "value": "/x"}, {"name": "NODE_NAME", "value": "forced"}]
+    tmpl = kids.deployment["spec"]["template"]["metadata"]
+    assert tmpl["annotations"]["a"] == "1"
+    assert tmpl["labels"]["team"] == "ml" and tmpl["labels"]["app.kubernetes.io/name"] == "pagoda"
+
+
+def test_service_and_scale_selector():
+    s, kids = build()
+    assert kids.service["spec"]["selector"] == kids.deployment["spec"]["selector"]["matchLabels"]
+    assert kids.service["spec"]["ports"][0]["targetPort"] == "http"
+    assert builders.selector_string("llama") == (
+        "app.kubernetes.io/instance=llama,app.kubernetes.io/name=pagoda,pagoda.dev/inferenceservice=llama"
+    )
+    assert builders.endpoint(s) == "http://llama.default.svc:8000"
+
+
+def test_building_twice_is_identical():
+    assert build()[1] == build()[1]
+
+
+def test_replicas_do_not_change_the_digest_but_the_template_does():
+    _, one = build(1)
+    _, three = build(3)
+    h = lambda k: k.deployment["metadata"]["annotations"][HASH_ANNOTATION]  # noqa: E731
+    assert h(one) == h(three)
+    _, other = build(1, engine={"blockSize": 32})
+    assert h(other) != h(one)
+    # an engine change reaches the pod template through the config digest, so pods roll
+    a = one.deployment["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION]
+    b = other.deployment["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION]
+    assert a != b
+
+
+def live(obj, **status):
+    """What the API server returns: defaults added, resourceVersion, foreign annotations."""
+    out = copy.deepcopy(obj)
+    out["metadata"]["resourceVersion"] = "42"
+    out["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "3"
+    out["metadata"]["labels"]["added-by-someone"] = "x"
+    if out["kind"] == "Deployment":
+        out["spec"]["strategy"] = {"type": "RollingUpdate"}
+        out["spec"]["template"]["spec"]["dnsPolicy"] = "ClusterFirst"
+    if out["kind"] == "Service":
+        out["spec"]["clusterIP"] = "10.0.0.7"
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({}, False),  # same spec, apiserver defaults present: nothing to write
+        ({"replicas": 2}, True),  # scaled
+        ({"engine": {"blockSize": 64}}, True),
+        ({"image": "img:2"}, True),
+        ({"placement": {"nodeSelector": {"a": "b"}}}, True),
+    ],
+)
+def test_needs_update(change, expected):
+    _, before = build()
+    replicas = change.pop("replicas", 1)
+    _, after = build(replicas, **change)
+    assert needs_update(after.deployment, live(before.deployment)) is expected
+    assert needs_update(after.deployment, None) is True
+
+
+def test_merge_for_replace_keeps_what_others_own():
+    _, kids = build()
+    actual = live(kids.service)
+    body = merge_for_replace(kids.service, actual)
+    assert body["metadata"]["resourceVersion"] == "42"
+    assert body["metadata"]["annotations"]["deployment.kubernetes.io/revision"] == "3"
+    assert body["metadata"]["labels"]["added-by-someone"] == "x"
+    assert body["spec"]["clusterIP"] == "10.0.0.7"
+    assert kids.service["metadata"].get("resourceVersion") is None  # the desired object is not mutated

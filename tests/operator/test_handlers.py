@@ -1,0 +1,85 @@
+"""The kopf side: registry contents, node labels from NodeTopology, the ticker, events."""
+
+from __future__ import annotations
+
+from pagoda_operator.builders import Settings
+from pagoda_operator.handlers import Ticker, build_registry, operator_settings, sync_node_labels
+from pagoda_operator.reconcile import Context
+from tests.operator.operator_fakes import isvc, topology
+
+
+def node(name: str, **labels: str) -> dict:
+    return {"kind": "Node", "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}}}
+
+
+def test_node_labels_follow_the_topology(fake_kube):
+    ctx = Context(kube=fake_kube)
+    fake_kube.put(node("n1"))
+    assert sync_node_labels(ctx, "n1", topology("n1", 8, [[0, 1, 2, 3], [4, 5, 6, 7]])) is True
+    assert fake_kube.get("Node", None, "n1")["metadata"]["labels"]["pagoda.dev/nvlink-gpus"] == "4"
+    assert sync_node_labels(ctx, "n1", topology("n1", 8, [[0, 1, 2, 3], [4, 5, 6, 7]])) is False  # no write
+    assert sync_node_labels(ctx, "n1", topology("n1", 8, [list(range(8))])) is True
+    assert fake_kube.get("Node", None, "n1")["metadata"]["labels"]["pagoda.dev/nvlink-gpus"] == "8"
+    assert sync_node_labels(ctx, "n1", None) is True  # NodeTopology deleted: label removed
+    labels = fake_kube.get("Node", None, "n1")["metadata"]["labels"]
+    assert "pagoda.dev/nvlink-gpus" not in labels and labels["kubernetes.io/hostname"] == "n1"
+    assert sync_node_labels(ctx, "missing", topology("missing", 8)) is False
+
+
+def test_ticker_passes_over_every_service_and_posts_events(fake_kube):
+    fake_kube.put(isvc("a"))
+    fake_kube.put(isvc("b", namespace="other", resources={"gpusPerReplica": 8}, parallelism={"tensor": 3}))
+    ctx = Context(kube=fake_kube, settings=Settings(daemon_image="img"))
+    Ticker(ctx, interval=1).tick()
+    assert fake_kube.get("Deployment", "default", "a") is not None
+    assert fake_kube.get("Deployment", "other", "b") is None
+    (event,) = fake_kube.list("Event", "other")
+    assert event["reason"] == "InvalidSpec" and event["type"] == "Warning"
+    assert event["involvedObject"] == {
+        "apiVersion": "pagoda.dev/v1alpha1",
+        "kind": "InferenceService",
+        "name": "b",
+        "namespace": "other",
+        "uid": "uid-b",
+    }
+    # namespaced operators only pass over their namespaces
+    Ticker(ctx, interval=1, namespaces=["default"]).tick()
+    assert len(fake_kube.list("Event", "other")) == 1
+
+
+def test_registry_has_no_finalizer_handlers(fake_kube):
+    """Deleting an InferenceService must never wait for the operator (no kopf timers/daemons/on.delete)."""
+    registry = build_registry(Context(kube=fake_kube), interval=1)
+    assert not list(registry._spawning.get_all_handlers())
+    ids = {h.id for h in registry._changing.get_all_handlers()}
+    assert ids == {"reconcile"}
+    watching = {h.id for h in registry._watching.get_all_handlers()}
+    assert watching == {"forget", "deployment", "pod", "node-labels"}
+
+
+def test_operator_settings_keep_kopf_out_of_status():
+    s = operator_settings()
+    assert s.peering.standalone is True
+    assert type(s.persistence.progress_storage).__name__ == "AnnotationsProgressStorage"
+
+
+def test_the_operator_never_imports_torch_or_the_daemon():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = str(root / "operator")
+    code = "\n".join(
+        [
+            f"import sys; sys.path.insert(0, {path!r})",
+            "import pagoda_operator.cli, pagoda_operator.handlers, pagoda_operator.reconcile",
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pagoda_daemon', 'transformers')]",
+            "assert not bad, bad",
+            "assert pagoda_operator.cli.main(['--help']) == 0",
+            "assert pagoda_operator.cli.main(['--no-such-flag']) == 2",
+        ]
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--daemon-image" in out.stdout and "--lease-duration" in out.stdout

@@ -1,0 +1,315 @@
+"""CRDs, the example and the Helm chart, checked without a cluster (helm tests skip without helm)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+CHART = ROOT / "charts" / "pagoda"
+EXAMPLE = ROOT / "examples" / "inferenceservice.yaml"
+ISVC_CRD = CRDS / "inferenceservices.pagoda.dev.yaml"
+
+
+def load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def isvc_schema() -> dict[str, Any]:
+    (version,) = load(ISVC_CRD)["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def test_chart_crds_are_the_crds():
+    """One source of truth: charts/pagoda/crds/ must be byte-identical copies of crds/."""
+    ours = sorted(p.name for p in CRDS.glob("*.yaml"))
+    chart = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    assert ours == chart, "run: cp crds/*.yaml charts/pagoda/crds/"
+    for name in ours:
+        assert (CRDS / name).read_bytes() == (CHART / "crds" / name).read_bytes(), (
+            f"{name} differs: cp crds/{name} charts/pagoda/crds/"
+        )
+
+
+def walk(schema: dict[str, Any], path: str = ""):
+    yield path, schema
+    for k, sub in (schema.get("properties") or {}).items():
+        yield from walk(sub, f"{path}.{k}")
+    if isinstance(schema.get("items"), dict):
+        yield from walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+@pytest.mark.parametrize("crd", sorted(CRDS.glob("*.yaml")), ids=lambda p: p.name)
+def test_crds_are_structural_and_cel_free(crd):
+    doc = load(crd)
+    assert doc["apiVersion"] == "apiextensions.k8s.io/v1"
+    assert "x-kubernetes-validations" not in crd.read_text(), "no CEL: Kubernetes 1.20 has none"
+    for version in doc["spec"]["versions"]:
+        for path, node in walk(version["schema"]["openAPIV3Schema"]):
+            typed = (
+                "type" in node
+                or node.get("x-kubernetes-int-or-string")
+                or node.get("x-kubernetes-preserve-unknown-fields")
+            )
+            assert typed, f"{crd.name}{path}: a structural schema needs a type"
+            for combinator in ("oneOf", "anyOf", "allOf"):
+                for branch in node.get(combinator) or []:
+                    assert not {"type", "default", "description", "properties"} & set(branch) or node.get(
+                        "x-kubernetes-int-or-string"
+                    ), f"{path}: {combinator} may only hold value validations"
+            assert node.get("default") != "", (
+                f"{crd.name}{path}: Kubernetes 1.20 rejects an empty-string default as null"
+            )
+            if "default" in node and node.get("type") == "object":
+                assert node["default"] == {}, f"{path}: object defaults stay empty so nested defaults apply"
+
+
+def test_isvc_crd_contract():
+    doc = load(ISVC_CRD)
+    assert doc["spec"]["group"] == "pagoda.dev" and doc["spec"]["scope"] == "Namespaced"
+    names = doc["spec"]["names"]
+    assert (names["kind"], names["shortNames"], names["categories"]) == (
+        "InferenceService",
+        ["pisvc"],
+        ["pagoda"],
+    )
+    (v,) = doc["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["subresources"]["status"] == {}
+    assert v["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = [c["name"] for c in v["additionalPrinterColumns"] if not c.get("priority")]
+    assert columns == ["Ready", "Replicas", "Model", "EP", "Age"]
+    status = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    for field in (
+        "conditions",
+        "observedGeneration",
+        "replicas",
+        "readyReplicas",
+        "updatedReplicas",
+        "selector",
+        "endpoint",
+        "expertParallel",
+        "autoscaling",
+        "placement",
+    ):
+        assert field in status
+    assert status["autoscaling"]["properties"]["decisions"]["maxItems"] == 10
+
+
+# -- a small validator: what the API server checks, plus "would this field be pruned?" --------
+def validate(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    errors: list[str] = []
+    if schema.get("x-kubernetes-preserve-unknown-fields") and "properties" not in schema:
+        return errors
+    if schema.get("x-kubernetes-int-or-string"):
+        return [] if isinstance(value, (int, str)) else [f"{path}: int or string"]
+    t = schema.get("type")
+    kinds = {
+        "object": dict,
+        "array": list,
+        "string": str,
+        "boolean": bool,
+        "integer": int,
+        "number": (int, float),
+    }
+    if (t and not isinstance(value, kinds[t])) or (t in ("integer", "number") and isinstance(value, bool)):
+        return [f"{path}: expected {t}, got {value!r}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} not in {schema['enum']}")
+    if "minimum" in schema and value < schema["minimum"]:
+        errors.append(f"{path}: below minimum")
+    if "maximum" in schema and value > schema["maximum"]:
+        errors.append(f"{path}: above maximum")
+    if "pattern" in schema and not re.search(schema["pattern"], value):
+        errors.append(f"{path}: does not match {schema['pattern']}")
+    if t == "object":
+        for req in schema.get("required") or []:
+            if req not in value:
+                errors.append(f"{path}.{req}: required")
+        if "oneOf" in schema:
+            matched = sum(all(r in value for r in b.get("required", [])) for b in schema["oneOf"])
+            if matched != 1:
+                errors.append(f"{path}: must match exactly one of oneOf")
+        props = schema.get("properties")
+        for k, v in value.items():
+            if props is not None and k in props:
+                errors += validate(v, props[k], f"{path}.{k}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                errors += validate(v, schema["additionalProperties"], f"{path}.{k}")
+            elif props is not None and path != ".metadata":
+                errors.append(f"{path}.{k}: unknown field (the API server would prune it)")
+    if t == "array":
+        for i, item in enumerate(value):
+            errors += validate(item, schema.get("items") or {}, f"{path}[{i}]")
+    return errors
+
+
+def test_example_is_valid_and_fully_known():
+    doc = load(EXAMPLE)
+    assert validate(doc, isvc_schema()) == []
+    from pagoda_operator.spec import parse
+
+    s = parse(doc["metadata"]["name"], "default", doc["spec"])
+    assert s.gpus == 2 and s.autoscaling is not None and s.placement.require_nvlink
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ({"model": {"name": "m"}}, "oneOf"),
+        ({"model": {"name": "m", "uri": "x"}, "engine": {"blockSize": 24}}, "not in [16, 32, 64, 128]"),
+        ({"model": {"name": "m", "uri": "hf://a"}, "replicas": -1}, "below minimum"),
+        (
+            {"model": {"name": "m", "uri": "hf://a"}, "autoscaling": {"metric": "cpu", "maxReplicas": 2}},
+            "not in",
+        ),
+        (
+            {"model": {"name": "m", "uri": "hf://a"}, "autoscaling": {"minReplicas": 1}},
+            "maxReplicas: required",
+        ),
+        ({"model": {"name": "m", "uri": "hf://a"}, "engine": {"gpuMemoryUtilisation": 0.5}}, "unknown field"),
+    ],
+)
+def test_schema_rejects(spec, fragment):
+    errors = validate(
+        {
+            "apiVersion": "pagoda.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "x"},
+            "spec": spec,
+        },
+        isvc_schema(),
+    )
+    assert any(fragment in e for e in errors), errors
+
+
+# -- helm ----------------------------------------------------------------------------------
+def find_helm() -> str | None:
+    if os.environ.get("PAGODA_HELM"):
+        return os.environ["PAGODA_HELM"]
+    ensure = ROOT / "e2e" / "cluster" / "ensure-k8s.sh"
+    if ensure.exists():
+        out = subprocess.run([str(ensure), "--print-bin-dir"], capture_output=True, text=True, check=False)
+        cand = Path(out.stdout.strip()) / "helm"
+        if out.returncode == 0 and cand.is_file() and os.access(cand, os.X_OK):
+            return str(cand)
+    return shutil.which("helm")
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory) -> Any:
+    path = find_helm()
+    if not path:
+        pytest.skip("helm not found: run e2e/cluster/ensure-k8s.sh (caches it) or set PAGODA_HELM")
+    home = tmp_path_factory.mktemp("helm")
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": str(home / "c"),
+        "HELM_CONFIG_HOME": str(home / "f"),
+        "HELM_DATA_HOME": str(home / "d"),
+    }
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([path, *args], capture_output=True, text=True, env=env, timeout=120)
+
+    return run
+
+
+def test_helm_lint(helm):
+    out = helm("lint", "--strict", str(CHART))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def render(helm, *sets: str) -> list[dict[str, Any]]:
+    args = ["template", "rel", str(CHART), "--namespace", "pagoda-system", "--include-crds"]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_helm_template_defaults(helm):
+    docs = render(helm)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("CustomResourceDefinition", "inferenceservices.pagoda.dev") in kinds
+    assert ("CustomResourceDefinition", "nodetopologies.pagoda.dev") in kinds
+    assert ("Deployment", "rel-pagoda-operator") in kinds and (
+        "DaemonSet",
+        "rel-pagoda-topology-agent",
+    ) in kinds
+    assert ("ConfigMap", "rel-pagoda-dashboard") in kinds
+    assert not any(d["kind"] == "ServiceMonitor" for d in docs)
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 1
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["pagoda"] and c["args"][0] == "operator"
+    assert "--lease-namespace=pagoda-system" in c["args"]
+    assert "--daemon-image=ghcr.io/pagoda-serving/pagoda:0.1.0" in c["args"]
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    agent = ds["spec"]["template"]["spec"]["containers"][0]
+    assert agent["command"] == ["pagoda"] and agent["args"] == ["topology", "--publish", "--interval=60"]
+    assert {e["name"] for e in agent["env"]} >= {"NODE_NAME"}
+    assert ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+    import json
+
+    dash = json.loads(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["pagoda.json"])
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for metric in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:generation_tokens_total",
+        "pagoda_operator_desired_replicas",
+        "pagoda_operator_autoscaling_decisions_total",
+    ):
+        assert metric in exprs
+
+
+def test_rbac_is_least_privilege(helm):
+    docs = render(helm)
+    role = next(
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "rel-pagoda-operator"
+    )
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+        assert "delete" not in rule["verbs"], rule  # children go through garbage collection
+    secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert secrets == []
+    lease = next(d for d in docs if d["kind"] == "Role")
+    assert lease["metadata"]["namespace"] == "pagoda-system"
+    assert lease["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+    ]
+
+
+def test_helm_template_options(helm):
+    docs = render(
+        helm,
+        "serviceMonitor.enabled=true",
+        "topologyAgent.enabled=false",
+        "operator.replicas=2",
+        "operator.watchNamespaces={team-a,team-b}",
+        "grafanaDashboard.enabled=false",
+    )
+    assert sum(d["kind"] == "ServiceMonitor" for d in docs) == 2
+    assert not any(d["kind"] == "DaemonSet" for d in docs)
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 2
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args

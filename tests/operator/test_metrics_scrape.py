@@ -1,0 +1,80 @@
+"""Reading the daemons' /metrics (vLLM names) into signals."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda_operator.metrics_scrape import parse, scrape, signals_summary
+
+TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama"} 3.0
+vllm:num_requests_running{engine="1",model_name="llama"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama"} 4.0
+vllm:num_requests_waiting{engine="0",model_name="other"} 100.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="llama"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="llama"} 0.7
+# HELP pagoda:expert_parallel_size Current expert-parallel size.
+# TYPE pagoda:expert_parallel_size gauge
+pagoda:expert_parallel_size{model_name="llama"} 4.0
+# HELP pagoda:placement_info Where this replica runs.
+# TYPE pagoda:placement_info gauge
+pagoda:placement_info{gpus="0,1",numa_nodes="0",model_name="llama"} 1.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="llama"} 3.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="llama"} 4.0
+vllm:time_to_first_token_seconds_count{model_name="llama"} 4.0
+vllm:time_to_first_token_seconds_sum{model_name="llama"} 0.9
+"""
+
+
+def test_parse_sums_requests_and_averages_kv_usage():
+    sig = parse(TEXT, "llama")
+    assert sig["requestsRunning"] == 5.0
+    assert sig["requestsWaiting"] == 4.0  # the other model's series is ignored
+    assert sig["kvCacheUsage"] == pytest.approx(0.6)
+    assert sig["expertParallel"] == 4
+    assert sig["placement"] == {"gpus": ["0", "1"], "numaNodes": [0]}
+
+
+def test_parse_without_model_filter_and_missing_metrics():
+    assert parse(TEXT)["requestsWaiting"] == 104.0
+    assert parse("# nothing here\n") == {}
+
+
+def ready_pod(name, ip="10.0.0.1", ready=True):
+    return {
+        "metadata": {"name": name},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def test_scrape_only_ready_pods_and_tolerates_failures():
+    calls = []
+
+    def fetcher(url, timeout):
+        calls.append(url)
+        if "10.0.0.3" in url:
+            raise OSError("connection refused")
+        return 'vllm:num_requests_waiting{model_name="m"} 2\n'
+
+    pods = [
+        ready_pod("a", "10.0.0.1"),
+        ready_pod("b", "10.0.0.2", ready=False),
+        ready_pod("c", "10.0.0.3"),
+        ready_pod("d", "fd00::1"),
+    ]
+    out = scrape(pods, 8000, "m", fetcher=fetcher)
+    assert sorted(out) == ["a", "d"]
+    assert sorted(calls) == [
+        "http://10.0.0.1:8000/metrics",
+        "http://10.0.0.3:8000/metrics",
+        "http://[fd00::1]:8000/metrics",
+    ]
+    assert signals_summary(out) == {"pods": 2, "requestsWaiting": 2.0}

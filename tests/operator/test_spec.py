@@ -1,0 +1,143 @@
+"""The typed spec: schema defaults repeated in Python, and the cross-field rules the schema cannot express."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda_operator.spec import InvalidSpec, desired_replicas, parse
+
+MODEL = {"name": "m", "pvc": {"claimName": "weights"}}
+
+
+def test_defaults_match_the_schema():
+    s = parse("svc", "ns", {"model": MODEL})
+    assert (s.replicas, s.gpus, s.gpu_resource, s.port) == (1, 1, "nvidia.com/gpu", 8000)
+    assert (s.parallelism.tensor, s.parallelism.expert, s.parallelism.data) == (1, 1, 1)
+    assert s.engine.block_size == 16 and s.engine.gpu_memory_utilization == 0.9
+    assert s.engine.enable_prefix_caching is True and s.engine.enforce_eager is False
+    assert s.placement.numa_policy == "auto" and s.placement.require_nvlink is False
+    assert s.autoscaling is None and s.device == "cuda"
+
+
+@pytest.mark.parametrize(
+    "metric, target, expected",
+    [
+        ("kvCacheUsage", None, 0.8),
+        ("requestsWaiting", None, 2.0),
+        ("requestsRunning", None, 16.0),
+        ("requestsRunning", 4, 4.0),
+    ],
+)
+def test_autoscaling_target_defaults_per_metric(metric, target, expected):
+    a = {"maxReplicas": 4, "metric": metric}
+    if target is not None:
+        a["target"] = target
+    s = parse("svc", "ns", {"model": MODEL, "autoscaling": a})
+    assert s.autoscaling is not None and s.autoscaling.target == expected
+    assert (s.autoscaling.scale_up_window_s, s.autoscaling.scale_down_window_s) == (0, 300)
+
+
+def test_autoscaling_disabled_is_none():
+    assert (
+        parse("svc", "ns", {"model": MODEL, "autoscaling": {"enabled": False, "maxReplicas": 3}}).autoscaling
+        is None
+    )
+
+
+VALID = [
+    ({"resources": {"gpusPerReplica": 8}, "parallelism": {"tensor": 2, "expert": 4}}),
+    ({"resources": {"gpusPerReplica": 8}, "parallelism": {"tensor": 1, "expert": 8}}),
+    ({"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 4, "data": 1}}),
+    ({"resources": {"gpusPerReplica": 0}}),
+    (
+        {
+            "resources": {"gpusPerReplica": 8},
+            "parallelism": {"expert": 4, "elastic": {"minExpert": 2, "maxExpert": 8}},
+        }
+    ),
+    ({"autoscaling": {"minReplicas": 2, "maxReplicas": 2}}),
+]
+
+
+@pytest.mark.parametrize("extra", VALID)
+def test_valid_combinations(extra):
+    parse("svc", "ns", {"model": MODEL, **extra})
+
+
+INVALID = [
+    (
+        {"resources": {"gpusPerReplica": 8}, "parallelism": {"tensor": 3}},
+        "tensor (3) × parallelism.expert (1) = 3 does not divide",
+    ),
+    (
+        {"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 2, "expert": 4}},
+        "= 8 does not divide resources.gpusPerReplica (4)",
+    ),
+    ({"resources": {"gpusPerReplica": 0}, "parallelism": {"tensor": 2}}, "parallelism needs GPUs"),
+    (
+        {
+            "resources": {"gpusPerReplica": 8},
+            "parallelism": {"expert": 4, "elastic": {"minExpert": 5, "maxExpert": 8}},
+        },
+        "minExpert (5) <= expert (4)",
+    ),
+    (
+        {
+            "resources": {"gpusPerReplica": 8},
+            "parallelism": {"tensor": 2, "expert": 2, "elastic": {"minExpert": 1, "maxExpert": 8}},
+        },
+        "elastic.maxExpert (8) exceeds",
+    ),
+    ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas (5) is larger than maxReplicas (2)"),
+    ({"autoscaling": {"maxReplicas": 2, "target": 80}}, "fraction in (0, 1]"),
+    ({"kvOffload": {"disk": {"path": "/models", "sizeGiB": 10}}}, "collides"),
+    ({"model": {"name": "m"}}, "exactly one source"),
+    ({"model": {"name": "m", "uri": "hf://a/b", "hostPath": {"path": "/x"}}}, "exactly one source"),
+]
+
+
+@pytest.mark.parametrize("extra, message", INVALID)
+def test_invalid_combinations_say_why(extra, message):
+    with pytest.raises(InvalidSpec) as e:
+        parse("svc", "ns", {"model": MODEL, **extra})
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["9lives", "a" * 64, "has.dot", "Upper"])
+def test_names_that_cannot_name_a_service_are_invalid(name):
+    with pytest.raises(InvalidSpec, match="DNS-1035"):
+        parse(name, "ns", {"model": MODEL})
+
+
+def test_all_violations_are_listed_together():
+    with pytest.raises(InvalidSpec) as e:
+        parse(
+            "svc",
+            "ns",
+            {
+                "model": MODEL,
+                "resources": {"gpusPerReplica": 8},
+                "parallelism": {"tensor": 3},
+                "autoscaling": {"minReplicas": 3, "maxReplicas": 1},
+            },
+        )
+    assert "tensor (3)" in str(e.value) and "minReplicas (3)" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "replicas, autoscaling, autoscaled, expected",
+    [
+        (3, None, None, 3),  # no autoscaling: the spec (scale subresource) is the truth
+        (3, None, 7, 3),  # a stale autoscaler value is ignored
+        (3, {"minReplicas": 1, "maxReplicas": 5}, None, 3),  # before the first decision: spec
+        (9, {"minReplicas": 1, "maxReplicas": 5}, None, 5),  # bounded by max
+        (1, {"minReplicas": 2, "maxReplicas": 5}, None, 2),  # bounded by min
+        (1, {"minReplicas": 1, "maxReplicas": 5}, 4, 4),  # the autoscaler decides
+        (1, {"minReplicas": 1, "maxReplicas": 3}, 4, 3),  # max lowered below the last decision
+    ],
+)
+def test_desired_replicas(replicas, autoscaling, autoscaled, expected):
+    spec = {"model": MODEL, "replicas": replicas}
+    if autoscaling:
+        spec["autoscaling"] = autoscaling
+    assert desired_replicas(parse("svc", "ns", spec), autoscaled) == expected

@@ -1,0 +1,264 @@
+"""Status: conditions and counts from the observed Deployment and pods."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda_operator.builders import HASH_ANNOTATION
+from pagoda_operator.status import Problem, compute, condition
+
+NOW = "2024-05-01T12:00:00Z"
+H = "hash-current"
+
+
+def dep(replicas=3, ready=3, updated=3, total=None, hash_=H, generation=2, observed=2, conditions=()):
+    return {
+        "metadata": {"generation": generation, "annotations": {HASH_ANNOTATION: hash_}},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas if total is None else total,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            "conditions": list(conditions),
+        },
+    }
+
+
+def pod(name="p", **status):
+    return {"metadata": {"name": name}, "status": status}
+
+
+def conds(st):
+    return {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+
+
+def run(deployment, desired=3, pods=(), previous=None, blocker=None, generation=5):
+    return compute(
+        generation=generation,
+        desired=desired,
+        desired_hash=H,
+        deployment=deployment,
+        pods=list(pods),
+        previous=previous,
+        now=NOW,
+        blocker=blocker,
+    )
+
+
+@pytest.mark.parametrize(
+    "deployment, desired, ready, progressing, degraded",
+    [
+        (dep(), 3, ("True", "AllReplicasReady"), ("False", "Complete"), ("False", "AsExpected")),
+        (None, 3, ("False", "ReplicasNotReady"), ("True", "Creating"), ("False", "AsExpected")),
+        (
+            dep(ready=1),
+            3,
+            ("False", "ReplicasNotReady"),
+            ("True", "WaitingForReady"),
+            ("False", "AsExpected"),
+        ),
+        # a new template: the Deployment still carries the old hash
+        (dep(hash_="old"), 3, ("False", "ReplicasNotReady"), ("True", "RollingOut"), ("False", "AsExpected")),
+        # template applied, controller has not observed it yet
+        (
+            dep(generation=3, observed=2),
+            3,
+            ("False", "ReplicasNotReady"),
+            ("True", "RollingOut"),
+            ("False", "AsExpected"),
+        ),
+        # rollout half way: 1 of 3 updated, old pods still serving
+        (
+            dep(updated=1, total=4),
+            3,
+            ("False", "ReplicasNotReady"),
+            ("True", "RollingOut"),
+            ("False", "AsExpected"),
+        ),
+        # scaled 3 -> 5: two new pods coming
+        (
+            dep(replicas=5, ready=3, updated=3, total=3),
+            5,
+            ("False", "ReplicasNotReady"),
+            ("True", "ScalingUp"),
+            ("False", "AsExpected"),
+        ),
+        # scaled 5 -> 3: two pods terminating
+        (
+            dep(ready=5, updated=5, total=5),
+            3,
+            ("False", "ReplicasNotReady"),
+            ("True", "ScalingDown"),
+            ("False", "AsExpected"),
+        ),
+        # ready but the Deployment has a different replica count than desired (autoscaler just decided)
+        (
+            dep(replicas=2, ready=2, updated=2),
+            3,
+            ("False", "ReplicasNotReady"),
+            ("True", "RollingOut"),
+            ("False", "AsExpected"),
+        ),
+        (
+            dep(replicas=0, ready=0, updated=0),
+            0,
+            ("False", "ScaledToZero"),
+            ("False", "Complete"),
+            ("False", "AsExpected"),
+        ),
+        (
+            dep(
+                ready=2,
+                conditions=[
+                    {
+                        "type": "Progressing",
+                        "status": "False",
+                        "reason": "ProgressDeadlineExceeded",
+                        "message": "took too long",
+                    }
+                ],
+            ),
+            3,
+            ("False", "ReplicasNotReady"),
+            ("False", "ProgressDeadlineExceeded"),
+            ("True", "ProgressDeadlineExceeded"),
+        ),
+        (
+            dep(
+                ready=0,
+                conditions=[
+                    {
+                        "type": "ReplicaFailure",
+                        "status": "True",
+                        "reason": "FailedCreate",
+                        "message": "exceeded quota",
+                    }
+                ],
+            ),
+            3,
+            ("False", "ReplicasNotReady"),
+            ("True", "WaitingForReady"),
+            ("True", "ReplicaFailure"),
+        ),
+    ],
+)
+def test_conditions_table(deployment, desired, ready, progressing, degraded):
+    st = run(deployment, desired)
+    assert conds(st) == {"Ready": ready, "Progressing": progressing, "Degraded": degraded}
+    assert all(c["observedGeneration"] == 5 for c in st["conditions"])
+    assert st["observedGeneration"] == 5
+
+
+@pytest.mark.parametrize(
+    "pod_status, reason, fragment",
+    [
+        (
+            {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                    }
+                ]
+            },
+            "Unschedulable",
+            "Insufficient nvidia.com/gpu",
+        ),
+        (
+            {
+                "containerStatuses": [
+                    {
+                        "name": "daemon",
+                        "restartCount": 5,
+                        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}},
+                        "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}},
+                    }
+                ]
+            },
+            "CrashLoopBackOff",
+            "restarted 5 times), last exit OOMKilled code 137",
+        ),
+        (
+            {"containerStatuses": [{"name": "daemon", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]},
+            "ImagePullError",
+            "ImagePullBackOff",
+        ),
+        (
+            {
+                "containerStatuses": [
+                    {"name": "daemon", "state": {"waiting": {"reason": "ContainerCreating"}}}
+                ]
+            },
+            None,
+            None,
+        ),
+    ],
+)
+def test_degraded_from_pods(pod_status, reason, fragment):
+    st = run(dep(ready=2), pods=[pod("x", **pod_status), pod("y")])
+    deg = condition(st, "Degraded")
+    if reason is None:
+        assert deg["status"] == "False"
+        return
+    assert (deg["status"], deg["reason"]) == ("True", reason)
+    assert fragment in deg["message"] and "pod x" in deg["message"]
+
+
+def test_terminating_pods_are_not_problems():
+    p = pod("x", containerStatuses=[{"name": "d", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}])
+    p["metadata"]["deletionTimestamp"] = NOW
+    assert condition(run(dep(), pods=[p]), "Degraded")["status"] == "False"
+
+
+def test_several_problems_are_counted():
+    bad = [
+        pod(n, containerStatuses=[{"name": "d", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}])
+        for n in "abc"
+    ]
+    assert condition(run(dep(ready=0), pods=bad), "Degraded")["message"].endswith("(and 2 more)")
+
+
+def test_blocker_keeps_observed_generation_and_says_why():
+    previous = {"observedGeneration": 4, "conditions": []}
+    st = run(dep(), previous=previous, blocker=Problem("InvalidSpec", "tensor (3) does not divide"))
+    assert conds(st) == {
+        "Ready": ("False", "InvalidSpec"),
+        "Progressing": ("False", "InvalidSpec"),
+        "Degraded": ("True", "InvalidSpec"),
+    }
+    assert st["observedGeneration"] == 4
+    assert "tensor (3) does not divide" in condition(st, "Degraded")["message"]
+    assert st["readyReplicas"] == 3  # the children still serve the previous spec
+
+
+def test_last_transition_time_moves_only_with_status():
+    first = run(dep(ready=1))
+    later = compute(
+        generation=5,
+        desired=3,
+        desired_hash=H,
+        deployment=dep(ready=2),
+        pods=[],
+        previous=first,
+        now="2024-05-01T12:05:00Z",
+    )
+    assert condition(later, "Ready")["lastTransitionTime"] == NOW  # still False
+    ready = compute(
+        generation=5,
+        desired=3,
+        desired_hash=H,
+        deployment=dep(),
+        pods=[],
+        previous=later,
+        now="2024-05-01T12:09:00Z",
+    )
+    assert condition(ready, "Ready")["lastTransitionTime"] == "2024-05-01T12:09:00Z"
+    assert condition(ready, "Degraded")["lastTransitionTime"] == NOW
+
+
+def test_counts_default_to_zero():
+    st = run({"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": {}}, desired=1)
+    assert (st["replicas"], st["readyReplicas"], st["updatedReplicas"], st["desiredReplicas"]) == (0, 0, 0, 1)
