@@ -12,7 +12,7 @@ from pathlib import Path
 DEFAULT_PROMPTS = ["The capital of France is", "Paged attention means"]
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -27,7 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--numa-policy", default="auto", help="auto | none | cpus=<list> (default: auto)")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
+def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         device=args.device,
         dtype=args.dtype,
@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = str(_tiny_model_dir(args.tiny)) if args.tiny else args.model
     prompts = args.prompt or DEFAULT_PROMPTS
     try:
-        llm = LLM(model, **_engine_kwargs(args))
+        llm = LLM(model, **engine_kwargs(args))
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
             seed=args.sampling_seed, ignore_eos=args.ignore_eos,
@@ -99,8 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (engine in its own process)")
+    from pagoda_daemon.server.serve import add_serve_args
+
+    add_serve_args(serve)
+    serve.set_defaults(func=None)
 
     topo = sub.add_parser("topology", help="node topology report and NodeTopology agent", add_help=False)
     topo.set_defaults(func=None, delegate="pagoda_daemon.topology.cli")
@@ -123,7 +129,21 @@ def main(argv: list[str] | None = None) -> int:
             return importlib.import_module(head.delegate).main(argv[i + 1 :])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from pagoda_daemon.server.serve import run_serve
+
+        return run_serve(args, _explicit_options(argv))
     return args.func(args)
+
+
+def _explicit_options(argv: list[str]) -> set[str]:
+    """The option names given on the command line (so a --config file does not override them)."""
+    names = set()
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0]
+            names.add(name.removeprefix("no-").replace("-", "_"))
+    return names
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
+    # Collect KV-cache events (BlockStored/BlockRemoved/AllCleared) for a publisher to drain.
+    enable_kv_events: bool = False
     # CPU pinning of the engine worker: auto (cores of the GPU's NUMA node) | none | cpus=<list>
     numa_policy: str = "auto"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagoda_daemon.engine.block_hash import hash_block_tokens
-from pagoda_daemon.engine.block_pool import BlockPool
+from pagoda_daemon.engine.block_pool import BlockPool, RemovedBlock, StoredBlock
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.request import Request
 from pagoda_daemon.sampling_params import SamplingParams
@@ -45,8 +45,10 @@ def test_free_queue_evicts_least_recently_freed_first():
     (first,) = pool.allocate(1)
     assert first is blocks[2]  # freed earliest, evicted first
     assert pool.get_cached_block(bytes([2])) is None
-    assert pool.removed_events == [bytes([2])]
-    assert [h for h, _ in pool.stored_events] == [bytes([i]) for i in range(4)]
+    events = pool.drain_events()
+    assert [e.block_hash for e in events if isinstance(e, StoredBlock)] == [bytes([i]) for i in range(4)]
+    assert [e.block_hash for e in events if isinstance(e, RemovedBlock)] == [bytes([2])]
+    assert pool.drain_events() == []
 
 
 def test_touch_takes_cached_free_block_out_of_queue():
@@ -105,3 +107,16 @@ def test_allocation_fails_cleanly_when_full():
     assert kv.block_ids("b") == []
     kv.free(a)
     assert kv.num_free_blocks == 4
+
+
+def test_kv_events_carry_parent_tokens_and_extra_keys():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=True, record_events=True)
+    req = make_request("a", list(range(10)), salt=(("salt", "s"),))
+    kv.allocate_slots(req, 10)
+    stored = kv.pool.drain_events()
+    assert [e.token_ids for e in stored] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert stored[0].parent_hash is None and stored[1].parent_hash == stored[0].block_hash
+    assert stored[1].block_hash == req.block_hashes[1] and stored[0].extra_keys == (("salt", "s"),)
+    kv.free(req)
+    assert kv.reset_prefix_cache()
+    assert kv.pool.drain_events() == ["cleared"]

@@ -8,6 +8,24 @@ from dataclasses import dataclass
 from pagoda_daemon.engine.block_hash import BlockHash
 
 
+@dataclass(frozen=True)
+class StoredBlock:
+    """A full block entered the prefix cache (the facts a KV-aware router needs)."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: list[int]
+    extra_keys: tuple
+
+
+@dataclass(frozen=True)
+class RemovedBlock:
+    block_hash: BlockHash
+
+
+CLEARED = "cleared"
+
+
 @dataclass(eq=False)
 class KVCacheBlock:
     block_id: int
@@ -30,8 +48,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
-        self.stored_events: list[tuple[BlockHash, int]] = []  # (hash, block id) registered since last drain
-        self.removed_events: list[BlockHash] = []
+        # KV events since the last drain, in order: StoredBlock | RemovedBlock | "cleared"
+        self.events: list = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -71,7 +89,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, parent_hash: BlockHash | None = None,
+                         token_ids: list[int] | None = None, extra_keys: tuple = ()) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
@@ -79,7 +98,7 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         if self.record_events:
-            self.stored_events.append((block_hash, block.block_id))
+            self.events.append(StoredBlock(block_hash, parent_hash, list(token_ids or ()), extra_keys))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no request holds a block."""
@@ -88,12 +107,18 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.record_events:
+            self.events.append(CLEARED)
         return True
+
+    def drain_events(self) -> list:
+        events, self.events = self.events, []
+        return events
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 if self.record_events:
-                    self.removed_events.append(block.block_hash)
+                    self.events.append(RemovedBlock(block.block_hash))
             block.block_hash = None

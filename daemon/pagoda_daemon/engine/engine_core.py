@@ -31,6 +31,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first schedule, sent with the final output
 
 
 @dataclass
@@ -100,7 +101,8 @@ class EngineCore:
         self.runner = ModelRunner(model, self.model_config, config, self.device, self.dtype, self.max_model_len)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                       record_events=config.enable_kv_events)
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_seqs,
@@ -154,6 +156,24 @@ class EngineCore:
         torch.cuda.empty_cache()
         return max(budget // per_block, 0)
 
+    def warm_up(self) -> None:
+        """Run one short request through every stage (prefill, decode, sampling) before serving,
+        then forget it: no cached blocks, no counted steps."""
+        from pagoda_daemon.engine.scheduler import SchedulerStats
+        from pagoda_daemon.sampling_params import SamplingParams
+
+        prompt = list(range(3, 3 + min(16, self.max_model_len - 3)))
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        self.add_request(Request("__warmup__", prompt, params, None, self.config.block_size))
+        while self.has_unfinished_requests():
+            self.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.kv_cache.reset_prefix_cache()
+        self.kv_cache.pool.drain_events()  # the warm-up's blocks were never real
+        self.kv_cache.stats = type(self.kv_cache.stats)()
+        self.scheduler.stats = SchedulerStats()
+
     # ---- requests ---------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
@@ -187,6 +207,9 @@ class EngineCore:
             if token is None and req.request_id not in finished_ids:
                 continue
             lp = result.logprobs.get(req.request_id)
+            queue_time = None
+            if req.finish_reason is not None and req.first_scheduled_time is not None:
+                queue_time = req.first_scheduled_time - req.arrival_time
             outputs.append(
                 EngineCoreOutput(
                     request_id=req.request_id,
@@ -195,6 +218,7 @@ class EngineCore:
                     stop_reason=req.stop_reason,
                     new_logprobs=[lp] if lp is not None else [],
                     num_cached_tokens=req.num_cached_tokens,
+                    queue_time=queue_time,
                 )
             )
         return outputs

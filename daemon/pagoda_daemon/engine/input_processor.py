@@ -7,6 +7,21 @@ from pagoda_daemon.sampling_params import SamplingParams
 PromptType = str | list[int]
 
 
+def resolve_eos_token_id(tokenizer, model_config) -> int | None:
+    """The tokenizer's EOS, else the model config's (the first one where it lists several)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def cache_salt_keys(cache_salt: str | None) -> tuple:
+    """Extra block-hash keys: requests with different salts never share cached blocks."""
+    return (("salt", cache_salt),) if cache_salt else ()
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -36,6 +51,11 @@ class InputProcessor:
             raise ValueError(
                 f"the prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
                 f"the model's context of {self.max_model_len} tokens"
+            )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's context is {self.max_model_len} tokens, but the prompt ({len(token_ids)} tokens) "
+                f"plus max_tokens ({params.max_tokens}) asks for {len(token_ids) + params.max_tokens}"
             )
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")

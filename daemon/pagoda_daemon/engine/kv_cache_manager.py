@@ -91,8 +91,14 @@ class KVCacheManager:
             return
         start = self.num_hashed_blocks.get(request.request_id, 0)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        bs = self.block_size
         for i in range(start, num_full):
-            self.pool.cache_full_block(held[i], request.block_hashes[i])
+            if self.pool.record_events:
+                parent = request.block_hashes[i - 1] if i else None
+                tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+                self.pool.cache_full_block(held[i], request.block_hashes[i], parent, tokens, request.extra_keys)
+            else:
+                self.pool.cache_full_block(held[i], request.block_hashes[i])
         self.num_hashed_blocks[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:

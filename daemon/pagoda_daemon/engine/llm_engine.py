@@ -10,7 +10,12 @@ import itertools
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.engine_core import EngineCore, EngineStats
-from pagoda_daemon.engine.input_processor import InputProcessor, PromptType
+from pagoda_daemon.engine.input_processor import (
+    InputProcessor,
+    PromptType,
+    cache_salt_keys,
+    resolve_eos_token_id,
+)
 from pagoda_daemon.engine.output_processor import OutputProcessor
 from pagoda_daemon.engine.request import Request
 from pagoda_daemon.models import loader
@@ -26,16 +31,8 @@ class LLMEngine:
         self.core = EngineCore(config, self.model_config)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_id = self._eos_token_id()
+        self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
         self._ids = itertools.count()
-
-    def _eos_token_id(self) -> int | None:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.model_config, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return eos
 
     @property
     def max_model_len(self) -> int:
@@ -48,8 +45,8 @@ class LLMEngine:
             raise ValueError("n > 1 is served by fanning out into n requests; pass n=1 to the engine")
         text, token_ids = self.input_processor.process(prompt, params)
         rid = request_id if request_id is not None else str(next(self._ids))
-        extra_keys = (("salt", cache_salt),) if cache_salt else ()
-        request = Request(rid, token_ids, params, self.eos_token_id, self.config.block_size, extra_keys)
+        request = Request(rid, token_ids, params, self.eos_token_id, self.config.block_size,
+                          cache_salt_keys(cache_salt))
         self.core.add_request(request)
         self.output_processor.add_request(rid, text, token_ids, params)
         return rid

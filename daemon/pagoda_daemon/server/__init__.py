@@ -1,0 +1,1 @@
+"""The serving daemon: an OpenAI-compatible API server process in front of an EngineCore process."""

@@ -1,0 +1,252 @@
+"""The API server's handle on the EngineCore process.
+
+Tokenisation, validation and detokenisation happen here; the core sees token ids. One
+task reads the core's output socket and routes each request's outputs to its queue; a
+watchdog notices within a fraction of a second when the core process dies and fails
+every in-flight request with a clear error instead of letting it hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.input_processor import (
+    InputProcessor,
+    PromptType,
+    cache_salt_keys,
+    resolve_eos_token_id,
+)
+from pagoda_daemon.engine.output_processor import OutputProcessor
+from pagoda_daemon.models import loader
+from pagoda_daemon.outputs import RequestOutput
+from pagoda_daemon.sampling_params import SamplingParams
+from pagoda_daemon.server import wire
+from pagoda_daemon.server.core_process import run_engine_core
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Tracked:
+    """What the client keeps per in-flight request (for routing and metrics)."""
+
+    queue: asyncio.Queue
+    arrival: float
+    prompt_tokens: int
+    last_token_time: float | None = None
+    first_token_time: float | None = None
+    generated: int = 0
+    events: list = field(default_factory=list)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, metrics=None, log_level: str = "INFO",
+                 kv_events_endpoint: str | None = None) -> None:
+        self.config = config
+        self.kv_events_endpoint = kv_events_endpoint
+        self.metrics = metrics
+        self.model_config = loader.load_config(config.model)
+        self.tokenizer = loader.load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor: InputProcessor | None = None  # needs max_model_len, known once ready
+        self.ready_info: dict | None = None
+        self.dead_reason: str | None = None
+        self.requests: dict[str, _Tracked] = {}
+        self._last_stats: dict = {}
+        self._log_level = log_level
+        self._tmp = tempfile.TemporaryDirectory(prefix="pagoda-")
+        self._ctx = zmq.asyncio.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._tasks: list[asyncio.Task] = []
+        self.process: multiprocessing.process.BaseProcess | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        in_addr = f"ipc://{self._tmp.name}/in"
+        out_addr = f"ipc://{self._tmp.name}/out"
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(in_addr)
+        self._from_core.bind(out_addr)
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core, name="pagoda-engine-core", daemon=True,
+            args=(self.config, in_addr, out_addr, os.getpid(), self._log_level, self.kv_events_endpoint),
+        )
+        self.process.start()
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watchdog())]
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.ready_info is None:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine not ready after {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready_info is not None and self.dead_reason is None
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None
+
+    async def shutdown(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._to_core.send(wire.pack(wire.SHUTDOWN, None))
+            await asyncio.to_thread(self.process.join, 5)
+            if self.process.is_alive():
+                self.process.kill()
+        for t in self._tasks:
+            t.cancel()
+        self._to_core.close(0)
+        self._from_core.close(0)
+        self._ctx.term()
+        self._tmp.cleanup()
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def validate(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt; ValueError on bad input."""
+        if self.input_processor is None:
+            raise EngineDeadError("the engine is not ready")
+        return self.input_processor.process(prompt, params)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.requests)
+
+    async def generate(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
+                       params: SamplingParams, cache_salt: str | None = None,
+                       arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit one (validated) request and yield its outputs; closing the iterator aborts it."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        arrival = time.monotonic() if arrival is None else arrival
+        tracked = _Tracked(asyncio.Queue(), arrival, len(prompt_ids))
+        self.requests[request_id] = tracked
+        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
+        finished = False
+        try:
+            await self._to_core.send(wire.pack(wire.ADD, wire.encode_request(
+                request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival)))
+            while True:
+                item = await tracked.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.requests.pop(request_id, None)
+            if not finished:  # the caller went away (client disconnect): give the blocks back
+                aborted = self.output_processor.abort_request(request_id)
+                if aborted is not None and self.metrics is not None:
+                    self._record_finished(aborted, tracked, time.monotonic(), None)
+                if self.dead_reason is None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        await self._to_core.send(wire.pack(wire.ABORT, [request_id]))
+
+    # ---- background tasks -------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        while True:
+            kind, payload = wire.unpack(await self._from_core.recv())
+            if kind == wire.READY:
+                self.ready_info = payload
+                self.input_processor = InputProcessor(
+                    self.tokenizer, self.model_config.vocab_size, payload["max_model_len"])
+                log.info("engine ready: %s", payload)
+            elif kind == wire.FAILED:
+                self._fail_all(str(payload))
+            elif kind == wire.OUTPUTS:
+                rows, stats = payload
+                self._route(wire.decode_outputs(rows))
+                self._record_stats(stats)
+
+    def _route(self, core_outputs) -> None:
+        now = time.monotonic()
+        queue_times = {o.request_id: o.queue_time for o in core_outputs if o.queue_time is not None}
+        processed = self.output_processor.process(core_outputs)
+        for rid, stop_str in processed.stop_string_finished:
+            self._to_core.send(wire.pack(wire.FINISH, [rid, stop_str]))  # zmq.asyncio send: fire and forget
+        new_tokens = {o.request_id: len(o.new_token_ids) for o in core_outputs}
+        for out in processed.outputs:
+            tracked = self.requests.get(out.request_id)
+            if tracked is None:
+                continue
+            n = new_tokens.get(out.request_id, 0)
+            if n:
+                if tracked.first_token_time is None:
+                    tracked.first_token_time = now
+                elif self.metrics is not None:
+                    self.metrics.observe_inter_token((now - tracked.last_token_time) / n, n)
+                tracked.last_token_time = now
+                tracked.generated += n
+            if out.finished:
+                out.metrics["queue_time"] = queue_times.get(out.request_id)
+                if self.metrics is not None:
+                    self._record_finished(out, tracked, now, queue_times.get(out.request_id))
+            tracked.queue.put_nowait(out)
+
+    def _record_finished(self, out: RequestOutput, tracked: _Tracked, now: float, queue_time) -> None:
+        ttft = None if tracked.first_token_time is None else tracked.first_token_time - tracked.arrival
+        self.metrics.observe_finished(
+            out.outputs[0].finish_reason or "abort", now - tracked.arrival, queue_time, ttft,
+            tracked.prompt_tokens, tracked.generated,
+        )
+        self.metrics.add_tokens(tracked.prompt_tokens, tracked.generated)
+
+    def _record_stats(self, stats: dict) -> None:
+        last = self._last_stats or {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
+        self._last_stats = stats
+        if self.metrics is None:
+            return
+        self.metrics.set_scheduler_state(stats["running"], stats["waiting"], stats["kv_usage"])
+        self.metrics.add_prefix_cache(stats["prefix_queries"] - last["prefix_queries"],
+                                      stats["prefix_hits"] - last["prefix_hits"])
+        self.metrics.add_preemptions(stats["preemptions"] - last["preemptions"])
+
+    @property
+    def last_stats(self) -> dict:
+        return dict(self._last_stats)
+
+    async def _watchdog(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if self.process is not None and not self.process.is_alive():
+                self._fail_all(f"the engine process exited (exit code {self.process.exitcode})")
+
+    def _fail_all(self, reason: str) -> None:
+        if self.dead_reason is None:
+            log.error("engine failed: %s", reason)
+            self.dead_reason = reason
+        for tracked in self.requests.values():
+            tracked.queue.put_nowait(EngineDeadError(reason))

@@ -1,0 +1,151 @@
+"""`pagoda serve MODEL_DIR`: the daemon that runs in every Pagoda pod."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+log = logging.getLogger("pagoda.serve")
+
+# Options the operator may render that this build does not implement yet: refuse them clearly.
+_NOT_YET = {
+    "tensor_parallel_size": 1, "expert_parallel_size": 1, "data_parallel_size": 1,
+    "kv_cache_dtype": "auto", "kv_offload_cpu_gib": 0.0, "kv_offload_disk_path": None, "kv_offload_disk_gib": 0.0,
+}
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from pagoda_daemon.cli import add_engine_args
+
+    p.add_argument("model", help="a Hugging Face-format model directory")
+    p.add_argument("--config", help="YAML/JSON file of options (snake_case names); flags override it")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL_DIR)")
+    p.add_argument("--max-waiting-requests", type=int, default=4096,
+                   help="queued requests beyond the running batch before new ones get 503")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the engine may take to start")
+    p.add_argument("--otlp-traces-endpoint", default=None, help="OTLP/HTTP traces endpoint (or OTEL_* variables)")
+    p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint for KV events, e.g. tcp://*:5557")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--expert-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--kv-offload-cpu-gib", type=float, default=0.0)
+    p.add_argument("--kv-offload-disk-path", default=None)
+    p.add_argument("--kv-offload-disk-gib", type=float, default=0.0)
+    p.add_argument("--enforce-eager", action="store_true")
+    add_engine_args(p)
+
+
+def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
+    """CLI flags over the --config file over defaults."""
+    options = vars(args).copy()
+    if args.config:
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"cannot read --config {args.config}: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config {args.config} must hold a mapping of option names to values")
+        unknown = sorted(k for k in loaded if k not in options)
+        if unknown:
+            raise ValueError(f"--config {args.config} has unknown options {unknown}")
+        for key, value in loaded.items():
+            if key not in explicit:
+                options[key] = value
+    for key, default in _NOT_YET.items():
+        if options.get(key, default) not in (default, None):
+            raise ValueError(f"--{key.replace('_', '-')}={options[key]} is not supported by this Pagoda build yet")
+    if "://" in str(options["model"]):
+        raise ValueError(f"model {options['model']!r}: URIs are not fetched by the daemon; mount the model "
+                         "(PVC or host path) and pass its directory")
+    return options
+
+
+def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
+    from pagoda_daemon.cli import engine_kwargs
+    from pagoda_daemon.config import EngineConfig
+
+    try:
+        options = resolve_options(args, explicit)
+        ns = argparse.Namespace(**options)
+        config = EngineConfig(model=options["model"], enforce_eager=options["enforce_eager"],
+                              enable_kv_events=bool(options["kv_events_endpoint"]), **engine_kwargs(ns))
+        from pagoda_daemon.models.loader import check_model_dir, load_config
+
+        check_model_dir(config.model)
+        model_config = load_config(config.model)
+    except ValueError as e:
+        print(f"pagoda serve: {e}", file=sys.stderr)
+        return 2
+    name = options["served_model_name"] or options["model"]
+    max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 32768
+    return asyncio.run(_serve(config, options, name, args.log_level.upper(), max_len))
+
+
+async def _serve(config, options: dict, served_name: str, log_level: str, max_model_len: int) -> int:
+    import uvicorn
+
+    from pagoda_daemon.server.api import ServerSettings, build_app
+    from pagoda_daemon.server.engine_client import EngineClient
+
+    metrics = _make_metrics(served_name, max_model_len)
+    tracer = _make_tracer(options.get("otlp_traces_endpoint"))
+    client = EngineClient(config, metrics=metrics, log_level=log_level,
+                          kv_events_endpoint=options.get("kv_events_endpoint"))
+    app = build_app(client, ServerSettings(served_name, options["max_waiting_requests"]), tracer)
+    await client.start()
+    waiter = asyncio.create_task(client.wait_ready(options["ready_timeout"]))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=options["host"], port=options["port"], log_level=log_level.lower(),
+        timeout_graceful_shutdown=options["drain_timeout"], access_log=False,
+    ))
+    # uvicorn re-raises SIGTERM after its graceful shutdown; a handler of ours turns that
+    # into a normal return, so a drained daemon exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    serving = asyncio.create_task(server.serve())
+    try:
+        await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter.done() and waiter.exception() is not None:
+            log.error("engine failed to start: %s", waiter.exception())
+            server.should_exit = True
+            await serving
+            return 1
+        log.info("serving %s on http://%s:%d", served_name, options["host"], options["port"])
+        await serving
+        return 0
+    finally:
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        await client.shutdown()
+        if tracer is not None:
+            tracer.shutdown()
+
+
+def _make_metrics(served_name: str, max_model_len: int):
+    try:
+        from pagoda_daemon.telemetry.metrics import EngineMetrics
+    except ImportError:  # prometheus-client missing: /metrics answers empty
+        log.warning("prometheus-client is not installed: /metrics is empty")
+        return None
+    return EngineMetrics(served_name, max_model_len=max_model_len)
+
+
+def _make_tracer(endpoint: str | None):
+    try:
+        from pagoda_daemon.telemetry.tracing import RequestTracer
+    except ImportError:
+        if endpoint:
+            raise
+        return None
+    return RequestTracer.from_config(endpoint)

@@ -1,0 +1,107 @@
+"""A real `pagoda serve` process on loopback, with the tiny models from tests/conftest.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+MODEL_NAME = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, *extra: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "pagoda_daemon", "--log-level", "INFO", "serve", model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
+               "--device", "cpu", "--numa-policy", "none", "--kv-cache-memory-bytes", str(64 << 20), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready:\n{self.log_path.read_text()[-3000:]}")
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=5)
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """Until the engine holds no request and no block (what 'every block came back' means)."""
+        deadline = time.monotonic() + timeout
+        engine = {}
+        while time.monotonic() < deadline:
+            engine = self.health().json()["engine"]
+            if engine.get("running") == 0 and engine.get("waiting") == 0 and \
+                    engine.get("free_blocks") == engine.get("num_blocks"):
+                return engine
+            time.sleep(0.2)
+        raise AssertionError(f"engine not idle: {engine}")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server(tiny_models, tmp_path_factory):
+    srv = ServerProcess(tiny_models["llama"], "--max-model-len", "512", log_dir=tmp_path_factory.mktemp("logs"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def start_server(tiny_models, tmp_path):
+    """Start a dedicated server (for tests that break or stop it)."""
+    started = []
+
+    def start(*extra: str) -> ServerProcess:
+        srv = ServerProcess(tiny_models["llama"], "--max-model-len", "512", *extra, log_dir=tmp_path)
+        started.append(srv)
+        srv.wait_ready()
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop(signal.SIGKILL)

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible API through the real `openai` client against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pagoda_daemon import LLM, SamplingParams
+from tests.server.conftest import MODEL_NAME
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_models):
+    return LLM(tiny_models["llama"], device="cpu", max_model_len=512, num_kv_blocks=64, numa_policy="none")
+
+
+def test_completion_text_equals_offline_generate(openai_client, offline):
+    resp = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    choice = resp.choices[0]
+    assert choice.text == expected.text
+    assert choice.finish_reason == "length" == expected.finish_reason
+    assert resp.usage.prompt_tokens == len(offline.tokenizer.encode(PROMPT))
+    assert resp.usage.completion_tokens == 12
+    assert resp.model == MODEL_NAME and resp.object == "text_completion"
+
+
+def test_streamed_completion_concatenates_to_the_same_text(openai_client, offline):
+    stream = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert text == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_chat_completion_uses_the_chat_template(openai_client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    resp = openai_client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=10,
+                                                 temperature=0)
+    templated = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = offline.generate([templated], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    assert resp.choices[0].message.content == expected.text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == len(offline.tokenizer.encode(templated))
+
+    stream = openai_client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
+                                                   temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
+def test_n_seed_stop_and_logprobs(openai_client):
+    resp = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                            seed=7, n=3, logprobs=2)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    again = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                             seed=7, n=3, logprobs=2)
+    assert [c.text for c in resp.choices] == [c.text for c in again.choices]
+    assert resp.usage.completion_tokens == 24
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == 8 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+
+    chat = openai_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 3 for c in content)
+
+    base = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    stop = text[5:8]
+    if "\ufffd" not in stop and stop.strip():
+        cut = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                                               stop=[stop])
+        assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_models_version_and_probes(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == MODEL_NAME and models["data"][0]["max_model_len"] == 512
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/ready").status_code == 200
+    assert server.health().json()["status"] == "ok"
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str | None, int]:
+    body = {"model": MODEL_NAME, "prompt": f"Request number {i} says", "max_tokens": 8 + i % 9,
+            "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    finish, usage = None, -1
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            import json
+
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                finish = chunk["choices"][0]["finish_reason"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+    return i, finish, usage
+
+
+def test_128_concurrent_streams_all_complete_and_free_their_blocks(server):
+    async def run():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(_stream_one(client, server.url, i) for i in range(128)))
+
+    results = asyncio.run(run())
+    assert len(results) == 128
+    for i, finish, usage in results:
+        assert finish == "length", (i, finish)
+        assert usage == 8 + i % 9, (i, usage)
+    server.wait_idle()
+
+
+BAD_REQUESTS = [
+    ("wrong type", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("negative max_tokens", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    ("huge max_tokens", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 10**9}, "prompt"),
+    ("temperature out of range", {"model": MODEL_NAME, "prompt": "hi", "temperature": 7}, "temperature"),
+    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, "model"),
+    ("oversized prompt", {"model": MODEL_NAME, "prompt": "word " * 2000}, "prompt"),
+    ("empty prompt", {"model": MODEL_NAME, "prompt": ""}, "prompt"),
+    ("token id out of range", {"model": MODEL_NAME, "prompt": [1, 2, 10**7]}, "prompt"),
+    ("unsupported parameter", {"model": MODEL_NAME, "prompt": "hi", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("unknown parameter", {"model": MODEL_NAME, "prompt": "hi", "temprature": 0.5}, "temprature"),
+    ("missing prompt", {"model": MODEL_NAME}, "prompt"),
+]
+BAD_CHAT = [
+    ("empty messages", {"model": MODEL_NAME, "messages": []}, "messages"),
+    ("bad role", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("tools", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    ("top_logprobs without logprobs",
+     {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize(("path", "case"), [("/v1/completions", c) for c in BAD_REQUESTS]
+                         + [("/v1/chat/completions", c) for c in BAD_CHAT], ids=lambda v: v[0] if isinstance(v, tuple) else v)
+def test_bad_requests_get_400_with_openai_error_shape(server, path, case):
+    _, body, param = case
+    resp = httpx.post(server.url + path, json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    ok = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2},
+                    timeout=30)
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
+def test_invalid_json_bodies_get_400(server, raw):
+    resp = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_client_disconnect_aborts_and_returns_blocks(server):
+    body = {"model": MODEL_NAME, "prompt": "A long story:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    # the connection is closed mid-stream; the engine must drop the request
+    engine = server.wait_idle()
+    assert engine["running"] == 0
+
+
+def test_non_streaming_disconnect_aborts_too(server):
+    body = {"model": MODEL_NAME, "prompt": "A long story:", "max_tokens": 480, "ignore_eos": True, "n": 16}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    server.wait_idle(timeout=30)
