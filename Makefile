@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0
 EXTRAS ?= daemon,operator,dev
 
-.PHONY: setup demo test lint unit e2e clean
+.PHONY: setup demo test lint unit e2e sync-crds clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,18 +17,28 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
-## The main job on an embedded default: build a tiny random Llama, generate offline.
+## The main job on an embedded default: a tiny random Llama served on loopback,
+## asked through the openai client.
 demo: setup
-	$(BIN)/pagoda generate --tiny llama --prompt "The capital of France is" --prompt "Paged attention means" --max-tokens 24
+	$(BIN)/pagoda demo
 
-## Lint plus every test CI runs.
-test: setup lint unit
+## Lint plus every test CI runs: unit tests, then end-to-end tests against a real
+## Kubernetes API server (built once from Debian's source and cached in ~/.cache/pagoda).
+test: setup lint unit e2e
 
 lint: setup
 	$(BIN)/ruff check .
 
 unit: setup
 	$(BIN)/python -m pytest tests
+
+e2e: setup
+	e2e/cluster/ensure-k8s.sh
+	PATH="$(CURDIR)/$(BIN):$$PATH" PAGODA_E2E_BUILD=1 $(BIN)/python -m pytest e2e
+
+## Copy the CRDs into the Helm chart (the chart must carry the same files; a test checks).
+sync-crds:
+	cp crds/*.yaml charts/pagoda/crds/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -65,3 +65,11 @@ def test_generate_bad_sampling_value_is_a_readable_message(tmp_path, monkeypatch
     assert main(["generate", "--tiny", "qwen3", "--max-tokens", "0", "--numa-policy", "none",
                  "--kv-cache-memory-bytes", str(8 << 20)]) == 2
     assert "max_tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_demo_serves_and_answers_through_the_openai_client(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
+    assert main(["demo", "--arch", "qwen3"]) == 0
+    out = capsys.readouterr().out
+    assert "streamed in" in out and "same text: True" in out
+    assert 'vllm:request_success_total{finished_reason="length",model_name="tiny-qwen3"} 2.0' in out

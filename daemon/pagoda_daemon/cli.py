@@ -43,7 +43,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def _tiny_model_dir(arch: str) -> Path:
+def tiny_model_dir(arch: str) -> Path:
     from pagoda_daemon.models.tiny import build_tiny_model
 
     root = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "tiny-models" / arch
@@ -59,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.tiny is None):
         print("pagoda generate: give a MODEL_DIR or --tiny ARCH (not both)", file=sys.stderr)
         return 2
-    model = str(_tiny_model_dir(args.tiny)) if args.tiny else args.model
+    model = str(tiny_model_dir(args.tiny)) if args.tiny else args.model
     prompts = args.prompt or DEFAULT_PROMPTS
     try:
         llm = LLM(model, **engine_kwargs(args))
@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(serve)
     serve.set_defaults(func=None)
+
+    demo = sub.add_parser("demo", help="serve a tiny model on loopback and ask it through the openai client")
+    demo.add_argument("--arch", choices=["llama", "qwen3", "qwen3_moe"], default="llama")
+    demo.add_argument("--question", default="What is paged attention?")
+    demo.set_defaults(func=lambda a: __import__("pagoda_daemon.demo", fromlist=["run_demo"]).run_demo(a.arch, a.question))
 
     topo = sub.add_parser("topology", help="node topology report and NodeTopology agent", add_help=False)
     topo.set_defaults(func=None, delegate="pagoda_daemon.topology.cli")
