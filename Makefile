@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0
 EXTRAS ?= daemon,operator,dev
 
-.PHONY: setup demo test lint unit e2e sync-crds clean
+.PHONY: setup demo test lint unit cluster-tools e2e sync-crds clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,7 @@ demo: setup
 
 ## Lint plus every test CI runs: unit tests, then end-to-end tests against a real
 ## Kubernetes API server (built once from Debian's source and cached in ~/.cache/pagoda).
-test: setup lint unit e2e
+test: setup lint cluster-tools unit e2e
 
 lint: setup
 	$(BIN)/ruff check .
@@ -32,8 +32,11 @@ lint: setup
 unit: setup
 	$(BIN)/python -m pytest tests
 
-e2e: setup
+## Kubernetes binaries and helm for the e2e tests (and helm lint/template in the unit tests).
+cluster-tools:
 	e2e/cluster/ensure-k8s.sh
+
+e2e: setup cluster-tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" PAGODA_E2E_BUILD=1 $(BIN)/python -m pytest e2e
 
 ## Copy the CRDs into the Helm chart (the chart must carry the same files; a test checks).

@@ -55,6 +55,10 @@ def test_metrics_parse_and_move_by_the_right_amounts(server):
     assert hits == (n_prompt - 1) // 16 * 16 > 0
     assert get(after, "vllm:num_requests_running") == 0 and get(after, "vllm:num_requests_waiting") == 0
     assert get(after, "vllm:kv_cache_usage_perc") == 0.0
+    # where the engine runs, for the operator (a CPU engine: no GPU; NUMA node unknown or 0)
+    placement = [k for k in after if k[0] == "pagoda:placement_info"]
+    assert len(placement) == 1 and dict(placement[0][1])["gpus"] == ""
+    assert get(after, "pagoda:expert_parallel_size") == 1
 
 
 def test_aborted_request_is_counted_as_abort(server):

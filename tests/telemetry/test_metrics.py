@@ -75,12 +75,22 @@ def test_exposed_names_types_and_labels(metrics):
     samples = scrape(metrics)
     for reason in ("stop", "length", "abort"):
         assert samples[key("vllm:request_success_total", finished_reason=reason)] == 0
-    # Only vLLM's names and the one label (request_success adds finished_reason).
+    # vLLM's names and the one label (request_success adds finished_reason), plus Pagoda's own
+    # pagoda:placement_info / pagoda:expert_parallel_size.
     for family in families.values():
-        assert family.name.startswith("vllm:")
+        assert family.name.startswith(("vllm:", "pagoda:"))
         for s in family.samples:
             assert s.labels.get("model_name") == MODEL
-            assert set(s.labels) <= {"model_name", "finished_reason", "le"}
+            assert set(s.labels) <= {"model_name", "finished_reason", "le", "gpus", "numa_nodes"}
+
+
+def test_placement_info_for_the_operator(metrics):
+    metrics.set_placement([0, 1], [1], expert_parallel_size=2)
+    metrics.set_placement([3], [0])  # set again: only the latest placement is exported
+    samples = scrape(metrics)
+    placement = {k: v for k, v in samples.items() if k[0] == "pagoda:placement_info"}
+    assert placement == {key("pagoda:placement_info", gpus="3", numa_nodes="0"): 1.0}
+    assert samples[key("pagoda:expert_parallel_size")] == 1
 
 
 def test_histogram_buckets_are_vllms(metrics):

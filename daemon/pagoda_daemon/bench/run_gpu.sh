@@ -5,7 +5,7 @@
 #   bash daemon/pagoda_daemon/bench/run_gpu.sh [all|parity|overhead|topology|tests] ...
 #
 # The GPU image has torch, transformers, safetensors and tokenizers; anything else the
-# steps need travels as wheels in .whl/ (see docs/benchmarks/README.md).
+# steps need travels as wheels in .whl/ (the server's: fastapi, uvicorn, pyzmq, pydantic, ...).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-$PWD/.out}
@@ -44,6 +44,21 @@ if has tests; then
   else
     echo "pytest is not installed here: carry it in .whl/" | tee "$OUT/pytest.txt"
   fi
+fi
+if has serve; then
+  step "pagoda serve on the GPU: completion, chat, metrics, SIGTERM drain"
+  python3 -c 'from pagoda_daemon.models.tiny import build_tiny_model; build_tiny_model("llama", "/tmp/tiny-llama")'
+  python3 -m pagoda_daemon --log-level INFO serve /tmp/tiny-llama --port 18000 --served-model-name tiny \
+    --device cuda --dtype bfloat16 > "$OUT/serve.log" 2>&1 &
+  SERVE_PID=$!
+  for _ in $(seq 1 120); do curl -sf localhost:18000/ready > "$OUT/serve-ready.json" && break; sleep 1; done
+  cat "$OUT/serve-ready.json"; echo
+  curl -s localhost:18000/v1/completions -H 'content-type: application/json' \
+    -d '{"model":"tiny","prompt":"Hello","max_tokens":8,"temperature":0}' | tee "$OUT/serve-completion.json"; echo
+  curl -s localhost:18000/v1/chat/completions -H 'content-type: application/json' \
+    -d '{"model":"tiny","messages":[{"role":"user","content":"Hi"}],"max_tokens":8,"stream":true}' | tail -3
+  curl -s localhost:18000/metrics | grep -E '^vllm:(generation_tokens_total|request_success_total|kv_cache_usage)'
+  kill -TERM $SERVE_PID; wait $SERVE_PID; echo "serve exit code: $?" | tee -a "$OUT/serve-completion.json"
 fi
 if has overhead; then
   step "engine CPU overhead per step at 256 running requests"

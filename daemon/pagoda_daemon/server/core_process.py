@@ -48,6 +48,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         "block_size": config.block_size,
         "device": str(core.device),
         "dtype": str(core.dtype).removeprefix("torch."),
+        "gpus": [] if core.cpu_pin is None or core.cpu_pin.gpu is None else [core.cpu_pin.gpu],
+        "numa_nodes": [] if core.cpu_pin is None or core.cpu_pin.numa_node is None else [core.cpu_pin.numa_node],
+        "expert_parallel_size": 1,
     }))
     outputs.send(wire.pack(wire.OUTPUTS, [[], _stats(core)]))  # gauges start from the truth
     publisher = None

@@ -184,6 +184,8 @@ class EngineClient:
                 self.input_processor = InputProcessor(
                     self.tokenizer, self.model_config.vocab_size, payload["max_model_len"])
                 log.info("engine ready: %s", payload)
+                if self.metrics is not None:
+                    self.metrics.set_placement(payload["gpus"], payload["numa_nodes"], payload["expert_parallel_size"])
             elif kind == wire.FAILED:
                 self._fail_all(str(payload))
             elif kind == wire.OUTPUTS:

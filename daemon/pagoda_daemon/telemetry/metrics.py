@@ -150,6 +150,21 @@ class EngineMetrics:
             registry=r,
         ).labels(model_name)
 
+        # Pagoda's own: where this replica runs, for the operator's status.placement.
+        self._placement = Gauge(
+            "pagoda:placement_info", "Where this replica's engine runs (value 1; the labels carry the facts).",
+            ["model_name", "gpus", "numa_nodes"], registry=r,
+        )
+        self._expert_parallel = Gauge(
+            "pagoda:expert_parallel_size", "Current expert-parallel size of this replica.", labels, registry=r
+        ).labels(model_name)
+
+    def set_placement(self, gpus: list[int], numa_nodes: list[int], expert_parallel_size: int = 1) -> None:
+        """Once the engine is up: its GPUs and NUMA nodes (comma-separated labels) and EP size."""
+        self._placement.clear()
+        self._placement.labels(self.model_name, ",".join(map(str, gpus)), ",".join(map(str, numa_nodes))).set(1)
+        self._expert_parallel.set(expert_parallel_size)
+
     # -- per engine step ------------------------------------------------------------------
 
     def set_scheduler_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
