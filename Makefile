@@ -4,7 +4,7 @@ PY    ?= python3
 VENV  ?= .venv
 BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0
-EXTRAS ?= daemon,operator,dev
+EXTRAS ?= daemon,kernels,operator,dev
 
 .PHONY: setup demo test lint unit cluster-tools e2e sync-crds clean
 

@@ -46,9 +46,11 @@ def test_queue_full_gets_503_with_retry_after_and_sigterm_drains(start_server):
     srv = start_server("--max-num-seqs", "2", "--max-waiting-requests", "1")
     statuses: list[int] = []
     lock = threading.Lock()
+    barrier = threading.Barrier(6)
 
     def fire():
-        body = {"model": MODEL_NAME, "prompt": "Count slowly", "max_tokens": 120, "ignore_eos": True}
+        body = {"model": MODEL_NAME, "prompt": "Count slowly", "max_tokens": 480, "ignore_eos": True}
+        barrier.wait()  # all six arrive together: 3 fit (2 running + 1 waiting), 3 are turned away
         resp = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
         with lock:
             statuses.append(resp.status_code)
@@ -56,13 +58,20 @@ def test_queue_full_gets_503_with_retry_after_and_sigterm_drains(start_server):
                 assert resp.headers["retry-after"]
                 assert resp.json()["error"]["code"] == "service_unavailable"
             else:
-                assert resp.json()["usage"]["completion_tokens"] == 120
+                assert resp.json()["usage"]["completion_tokens"] == 480
 
     threads = [threading.Thread(target=fire) for _ in range(6)]
     for t in threads:
         t.start()
-        time.sleep(0.05)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the turned-away ones answer at once; the others are running
+        with lock:
+            if statuses.count(503) == 3:
+                break
+        time.sleep(0.02)
+    while srv.health().json()["engine"].get("running") != 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.health().json()["engine"]["running"] == 2  # draining starts with work in flight
     srv.proc.send_signal(signal.SIGTERM)  # drain: the accepted requests still finish
     for t in threads:
         t.join(120)

@@ -65,9 +65,17 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """auto: the Triton backend on GPU once it exists, the pure-torch one otherwise."""
-    from pagoda_daemon.attention.torch_paged import TorchPagedAttention
-
+    """torch: the pure-torch reference (any device). triton: Pagoda's Triton kernels.
+    auto: torch for now; Triton becomes the CUDA default once its GPU parity and benchmarks
+    are recorded (docs/benchmarks/)."""
     if name in ("auto", "torch"):
+        from pagoda_daemon.attention.torch_paged import TorchPagedAttention
+
         return TorchPagedAttention
-    raise ValueError(f"attention backend {name!r} is not available in this build (known: torch)")
+    if name == "triton":
+        try:
+            from pagoda_daemon.attention.triton_backend import TritonPagedAttention
+        except ImportError as e:
+            raise ValueError(f"attention backend 'triton' needs the triton package: {e}") from e
+        return TritonPagedAttention
+    raise ValueError(f"unknown attention backend {name!r} (known: auto, torch, triton)")

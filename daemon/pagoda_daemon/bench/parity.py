@@ -72,11 +72,13 @@ CONFIGS = {
 LENGTHS = [1, 5, 17, 33, 48, 70, 95, 120, 9]
 
 
-def run_case(path: str, arch: str, dtype: str, device: str, config_name: str, max_tokens: int) -> dict:
+def run_case(path: str, arch: str, dtype: str, device: str, config_name: str, max_tokens: int,
+             attention_backend: str = "auto") -> dict:
     from pagoda_daemon import LLM, SamplingParams
 
     engine_kwargs, shared_prefix = CONFIGS[config_name]
-    engine_kwargs = {"num_kv_blocks": 256, "max_model_len": 512, **engine_kwargs}
+    engine_kwargs = {"num_kv_blocks": 256, "max_model_len": 512, "attention_backend": attention_backend,
+                     **engine_kwargs}
     llm = LLM(path, dtype=dtype, device=device, **engine_kwargs)
     vocab = llm.engine.model_config.vocab_size
     lengths = [max(n, shared_prefix + 1) for n in LENGTHS]
@@ -91,7 +93,7 @@ def run_case(path: str, arch: str, dtype: str, device: str, config_name: str, ma
     stats = llm.get_stats()
     kv = llm.engine.core.kv_cache
     return {
-        "arch": arch, "dtype": dtype, "device": device, "config": config_name,
+        "arch": arch, "dtype": dtype, "device": device, "config": config_name, "attention": attention_backend,
         "prompt_lengths": lengths, "max_tokens": max_tokens,
         "first_divergence": divergences,
         "identical": sum(d is None for d in divergences),
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--archs", nargs="+", default=["llama", "qwen3", "qwen3_moe"])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     args = ap.parse_args(argv)
 
     from pagoda_daemon.models.tiny import build_tiny_model
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             for dtype in args.dtypes:
                 for config_name in args.configs:
                     t0 = time.time()
-                    r = run_case(path, arch, dtype, args.device, config_name, args.max_tokens)
+                    r = run_case(path, arch, dtype, args.device, config_name, args.max_tokens,
+                                 args.attention_backend)
                     r["seconds"] = round(time.time() - t0, 1)
                     results.append(r)
                     print(json.dumps(r), flush=True)

@@ -37,6 +37,16 @@ if has parity; then
   step "parity with transformers on CUDA (float32 must be identical; bfloat16 reported)"
   python3 -m pagoda_daemon.bench.parity --device cuda --dtypes float32 bfloat16 | tee "$OUT/parity.jsonl" || status=1
 fi
+if has parity-triton; then
+  step "parity with transformers on CUDA through the Triton attention backend"
+  python3 -m pagoda_daemon.bench.parity --device cuda --dtypes float32 bfloat16 --attention-backend triton \
+    --configs default chunked-prefill-16 shared-prefix-cached tiny-cache-preemption | tee "$OUT/parity-triton.jsonl" || status=1
+fi
+if has kernels; then
+  step "Triton kernels: GPU correctness grid, then benchmarks against the copy/matmul rates of this run"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py 2>&1 | tail -15 | tee "$OUT/kernels-pytest.txt" || status=1
+  python3 -m pagoda_kernels.bench --out "$OUT/kernels-bench.json" | tail -40 || status=1
+fi
 if has tests; then
   step "pytest on the GPU machine (GPU tests and the CPU suite on this host)"
   if python3 -c 'import pytest' 2>/dev/null; then

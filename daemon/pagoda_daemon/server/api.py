@@ -195,8 +195,8 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
         for i in range(params.n):
             index = p_index * params.n + i
             child = _child_params(params, i)
-            streams.append((index, len(ids), client.generate(f"{base_id}-{index}", text, ids, child,
-                                                             getattr(req, "cache_salt", None), arrival)))
+            streams.append((index, len(ids), client.submit(f"{base_id}-{index}", text, ids, child,
+                                                           getattr(req, "cache_salt", None), arrival)))
     span = None
     if tracer is not None:
         span = tracer.start_request_span(dict(raw.headers), base_id, {

@@ -139,10 +139,10 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self.requests)
 
-    async def generate(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
-                       params: SamplingParams, cache_salt: str | None = None,
-                       arrival: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit one (validated) request and yield its outputs; closing the iterator aborts it."""
+    def submit(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
+               cache_salt: str | None = None, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Admit one (validated) request now, so it counts as in flight at once, and return the
+        iterator of its outputs; closing the iterator early aborts the request."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self.requests:
@@ -151,10 +151,13 @@ class EngineClient:
         tracked = _Tracked(asyncio.Queue(), arrival, len(prompt_ids))
         self.requests[request_id] = tracked
         self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
+        self._to_core.send(wire.pack(wire.ADD, wire.encode_request(
+            request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival)))
+        return self._outputs(request_id, tracked)
+
+    async def _outputs(self, request_id: str, tracked: _Tracked) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
-            await self._to_core.send(wire.pack(wire.ADD, wire.encode_request(
-                request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival)))
             while True:
                 item = await tracked.queue.get()
                 if isinstance(item, Exception):
@@ -213,6 +216,8 @@ class EngineClient:
                 tracked.last_token_time = now
                 tracked.generated += n
             if out.finished:
+                # done here, not only when its reader finishes: a reader that never started must not leak it
+                self.requests.pop(out.request_id, None)
                 out.metrics["queue_time"] = queue_times.get(out.request_id)
                 if self.metrics is not None:
                     self._record_finished(out, tracked, now, queue_times.get(out.request_id))

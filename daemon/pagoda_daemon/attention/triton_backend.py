@@ -1,0 +1,62 @@
+"""Paged attention on Pagoda's Triton kernels (`pagoda_kernels`): the GPU backend.
+
+Same constructor and contract as `TorchPagedAttention`: write the step's K/V into the
+cache, then attend over each sequence's context. Dispatch on the host-side metadata (no
+device sync):
+
+- no cache, or a prefill-only step: varlen attention over the fresh K/V of the step
+  (exactly what the torch backend does; the cache write still happens when there is one);
+- a decode-only step: the split-KV decode kernel;
+- anything else (chunked prefill, prefix-cache hits, decodes mixed with prefills): the
+  paged prefill/extend kernel, which handles one-token rows too.
+
+fp8 caches: set `k_scale` / `v_scale` (floats or 1-element tensors) on the instance;
+they default to 1.0. `decode_num_splits`, when set, pins the split count of the decode
+kernel (what CUDA-graph capture needs); otherwise a heuristic picks it per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda_daemon.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        # Imported here so that importing the daemon never imports Triton.
+        from pagoda_kernels import cache_write, decode_attention, prefill_attention
+
+        self._write = cache_write.write_kv_cache
+        self._decode = decode_attention.paged_decode_attention
+        self._extend = prefill_attention.paged_prefill_attention
+        self._varlen = prefill_attention.varlen_attention
+        self.k_scale: float | torch.Tensor = 1.0
+        self.v_scale: float | torch.Tensor = 1.0
+        self.decode_num_splits: int | None = None
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        has_cache = kv_cache is not None and meta.has_kv_cache
+        if has_cache and kv_cache.element_size() == 1 and not isinstance(self.k_scale, torch.Tensor):
+            # fp8 cache: keep the scales on the device once, not a new tensor every call
+            self.k_scale = torch.tensor([float(self.k_scale)], dtype=torch.float32, device=q.device)
+            self.v_scale = torch.tensor([float(self.v_scale)], dtype=torch.float32, device=q.device)
+        if has_cache:
+            self._write(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = torch.empty_like(q)
+        if meta.num_seqs == 0:
+            return out
+        if not has_cache or meta.is_prefill_only:
+            return self._varlen(q, k, v, meta.query_start_loc, self.scale, self.sliding_window,
+                                max_query_len=meta.max_query_len, out=out)
+        if meta.is_decode_only:
+            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
+                                self.k_scale, self.v_scale, num_splits=self.decode_num_splits,
+                                max_seq_len=meta.max_seq_len, out=out)
+        return self._extend(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
+                            self.sliding_window, self.k_scale, self.v_scale,
+                            max_query_len=meta.max_query_len, out=out)

@@ -1,0 +1,201 @@
+"""Kernel benchmarks for the GPU machine; prints one JSON document.
+
+    python -m pagoda_kernels.bench                 # everything, on cuda:0
+    python -m pagoda_kernels.bench --only decode   # decode | prefill | moe (comma-separated)
+    python -m pagoda_kernels.bench --smoke         # tiny shapes on CPU under TRITON_INTERPRET=1
+
+Every figure comes with its floor, measured in the same run on the same device:
+
+- decode attention: achieved bandwidth over the bytes that must move (K and V of every
+  context, plus q, out and block tables) against a device-to-device copy;
+- prefill attention: TFLOP/s (causal, 4 * S^2 / 2 * D * H) against a bf16 matmul;
+- fused MoE at Qwen3-30B-A3B shapes (128 experts, top-8, hidden 2048, intermediate 768):
+  TFLOP/s against a dense bf16 matmul of the same FLOPs ([T*k, H] x [H, 3I]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+
+def _timer(device: torch.device):
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+    def cpu(fn):  # smoke mode: one warm-up, one timed call
+        fn()
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    return cpu
+
+
+def copy_bandwidth(device, timer, nbytes: int) -> dict:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src))
+    return {"bytes": nbytes, "seconds": t, "GB_per_s": 2 * nbytes / t / 1e9}
+
+
+def matmul_rate(device, timer, n: int, dtype) -> dict:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = timer(lambda: a @ b)
+    return {"shape": [n, n, n], "seconds": t, "TFLOP_per_s": 2 * n**3 / t / 1e12}
+
+
+def _paged_cache(batch, ctx, kv_heads, head_dim, page, dtype, device, gen):
+    blocks_per_seq = -(-ctx // page)
+    num_blocks = batch * blocks_per_seq
+    cache = torch.randn((2, num_blocks, page, kv_heads, head_dim), dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks, generator=gen).to(device=device, dtype=torch.int32)
+    return cache, perm.view(batch, blocks_per_seq)
+
+
+def decode_case(device, timer, batch, ctx, heads, kv_heads, head_dim=128, page=16, dtype=torch.bfloat16,
+                num_splits=None) -> dict:
+    from pagoda_kernels.decode_attention import default_num_splits, paged_decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    cache, tables = _paged_cache(batch, ctx, kv_heads, head_dim, page, dtype, device, gen)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn((batch, heads, head_dim), dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    splits = num_splits or default_num_splits(batch, kv_heads, ctx, device)
+    t = timer(lambda: paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, num_splits=splits,
+                                             max_seq_len=ctx, out=out))
+    elem = cache.element_size()
+    moved = (2 * batch * ctx * kv_heads * head_dim * elem + 2 * q.numel() * elem
+             + tables.numel() * 4 + seq_lens.numel() * 4)
+    return {"batch": batch, "context": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "block_size": page, "num_splits": splits, "seconds": t, "bytes": moved, "GB_per_s": moved / t / 1e9}
+
+
+def prefill_case(device, timer, tokens, heads, kv_heads, head_dim=128, page=16, dtype=torch.bfloat16,
+                 paged=True) -> dict:
+    from pagoda_kernels.prefill_attention import paged_prefill_attention, varlen_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn((tokens, heads, head_dim), dtype=dtype, device=device)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    if paged:
+        cache, tables = _paged_cache(1, tokens, kv_heads, head_dim, page, dtype, device, gen)
+        seq_lens = torch.tensor([tokens], dtype=torch.int32, device=device)
+        fn = lambda: paged_prefill_attention(q, cache, tables, qsl, seq_lens, head_dim**-0.5,  # noqa: E731
+                                             max_query_len=tokens, out=out)
+    else:
+        k = torch.randn((tokens, kv_heads, head_dim), dtype=dtype, device=device)
+        v = torch.randn_like(k)
+        fn = lambda: varlen_attention(q, k, v, qsl, head_dim**-0.5, max_query_len=tokens, out=out)  # noqa: E731
+    t = timer(fn)
+    flops = 4 * tokens * tokens / 2 * head_dim * heads
+    return {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "paged": paged,
+            "causal": True, "seconds": t, "flops": flops, "TFLOP_per_s": flops / t / 1e12}
+
+
+def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768, dtype=torch.bfloat16) -> dict:
+    from pagoda_kernels.fused_moe import fused_moe, route_topk
+
+    x = torch.randn((tokens, hidden), dtype=dtype, device=device)
+    w13 = torch.randn((experts, 2 * inter, hidden), dtype=dtype, device=device) * hidden**-0.5
+    w2 = torch.randn((experts, hidden, inter), dtype=dtype, device=device) * inter**-0.5
+    logits = torch.randn((tokens, experts), dtype=dtype, device=device)
+    weights, ids = route_topk(logits, top_k, True)
+    t = timer(lambda: fused_moe(x, w13, w2, weights, ids))
+    t_route = timer(lambda: route_topk(logits, top_k, True))
+    flops = 6 * tokens * top_k * hidden * inter
+    a = torch.randn((tokens * top_k, hidden), dtype=dtype, device=device)
+    b = torch.randn((hidden, 3 * inter), dtype=dtype, device=device)
+    t_dense = timer(lambda: a @ b)
+    return {"tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter,
+            "seconds": t, "routing_seconds": t_route, "flops": flops, "TFLOP_per_s": flops / t / 1e12,
+            "dense_same_flops_TFLOP_per_s": flops / t_dense / 1e12, "fraction_of_dense": t_dense / t}
+
+
+def run(only: set[str], smoke: bool) -> dict:
+    device = torch.device("cpu" if smoke else "cuda")
+    timer = _timer(device)
+    dtype = torch.float16 if smoke else torch.bfloat16  # the interpreter's bf16 dot is wrong
+    report: dict = {
+        "command": " ".join(sys.argv),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "smoke": smoke,
+    }
+    if "decode" in only or "prefill" in only:
+        report["copy"] = copy_bandwidth(device, timer, 1 << 16 if smoke else 2 << 30)
+    if "decode" in only:
+        copy = report["copy"]["GB_per_s"]
+        if smoke:
+            shapes, table = [(2, 48, 4, 2)], [(b, c) for b in (1, 2) for c in (16, 40)]
+        else:
+            shapes = [(64, 4096, 16, 8), (64, 4096, 32, 8)]
+            table = [(b, c) for b in (8, 16, 32, 64, 128, 256) for c in (512, 1024, 2048, 4096)]
+        head = 64 if smoke else 128
+        headline = []
+        for b, c, h, kvh in shapes:
+            r = decode_case(device, timer, b, c, h, kvh, head, dtype=dtype)
+            r["fraction_of_copy"] = r["GB_per_s"] / copy
+            headline.append(r)
+        rows = []
+        for b, c in table:
+            r = decode_case(device, timer, b, c, 4 if smoke else 16, 2 if smoke else 8, head, dtype=dtype)
+            r["fraction_of_copy"] = r["GB_per_s"] / copy
+            rows.append(r)
+        report["decode"] = {"headline": headline, "table": rows, "goal": ">= 0.90 of copy bandwidth"}
+    if "prefill" in only:
+        mm = matmul_rate(device, timer, 64 if smoke else 8192, dtype)
+        report["matmul"] = mm
+        tokens, head = (48, 64) if smoke else (4096, 128)
+        cases = [(4 if smoke else 32, 2 if smoke else 8), (4 if smoke else 16, 2 if smoke else 8)]
+        rows = []
+        for h, kvh in cases:
+            for paged in (True, False):
+                r = prefill_case(device, timer, tokens, h, kvh, head, dtype=dtype, paged=paged)
+                r["fraction_of_matmul"] = r["TFLOP_per_s"] / mm["TFLOP_per_s"]
+                rows.append(r)
+        report["prefill"] = {"cases": rows, "goal": ">= 0.45 of the bf16 matmul rate"}
+    if "moe" in only:
+        if smoke:
+            rows = [moe_case(device, timer, 4, experts=8, top_k=2, hidden=64, inter=32, dtype=dtype)]
+        else:
+            rows = [moe_case(device, timer, t) for t in (16, 64, 256, 1024, 4096, 8192)]
+        report["moe"] = rows
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="decode,prefill,moe")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--smoke runs the kernels on CPU: set TRITON_INTERPRET=1")
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("needs a CUDA (or ROCm) device; --smoke runs tiny shapes on CPU")
+    report = run(set(args.only.split(",")), args.smoke)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

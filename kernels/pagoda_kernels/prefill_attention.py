@@ -1,0 +1,229 @@
+"""Paged prefill/extend attention: variable-length queries over a paged KV cache.
+
+Sequence i brings q_len new tokens (query_start_loc) that are the last q_len of its
+seq_lens[i] positions, so a chunked prefill or a prefix-cache hit attends to the cached
+prefix and causally to itself. Decode rows (q_len 1) mixed into the batch are fine too.
+
+The grid is (sequence, query head, query tile of BLOCK_M); programs past a sequence's
+q_len return at once. Each program walks KV tiles of BLOCK_N: first the tiles every row of
+its query tile sees in full (no mask), then the diagonal tiles under the causal mask (with
+a sliding window every tile is masked). Head dims are padded to a power of two and masked.
+
+`varlen_attention` is the same kernel over the step's fresh K/V laid end to end (no
+cache): what a prefill-only step or the memory-profiling pass needs.
+Twins: `reference.paged_attention_ref`, `reference.varlen_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_kernels._device import cast_to, dot
+from pagoda_kernels._paged import load_paged_tile
+from pagoda_kernels._utils import is_fp8, next_pow2, scale_tensor
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, table, pos, valid, head_off, offs_d, d_mask, k_scale, v_scale, q_start,
+             stride_kt, stride_vt, stride_cb, stride_cs,
+             PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DTYPE):
+    if PAGED:
+        k = load_paged_tile(k_ptr, table, pos, valid, head_off, offs_d, d_mask, k_scale,
+                            stride_cb, stride_cs, PAGE_SIZE, IS_FP8, DTYPE)
+        v = load_paged_tile(v_ptr, table, pos, valid, head_off, offs_d, d_mask, v_scale,
+                            stride_cb, stride_cs, PAGE_SIZE, IS_FP8, DTYPE)
+    else:
+        rows = (q_start + pos).to(tl.int64)
+        mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + head_off + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + head_off + offs_d[None, :], mask=mask, other=0.0)
+    return cast_to(k, DTYPE), cast_to(v, DTYPE)
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len,
+                  k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask, k_scale, v_scale, q_start,
+                  scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
+                  MASKED: tl.constexpr, SLIDING_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IEEE: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < seq_len
+        k, v = _load_kv(k_ptr, v_ptr, table, pos, valid, head_off, offs_d, d_mask, k_scale, v_scale, q_start,
+                        stride_kt, stride_vt, stride_cb, stride_cs, PAGED, PAGE_SIZE, IS_FP8, q.dtype)
+        s = dot(q, tl.trans(k), IEEE) * scale_log2
+        if MASKED:
+            keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if SLIDING_WINDOW > 0:
+                keep = keep & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(cast_to(p, v.dtype), v, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, PAGED: tl.constexpr, IS_FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    m_tile = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    if PAGED:
+        seq_len = tl.load(seq_lens_ptr + seq)
+    else:
+        seq_len = q_len
+    ctx = seq_len - q_len
+    kv_head = head // GROUP
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_pos = ctx + offs_m
+    q = tl.load(q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    k_scale = 1.0
+    v_scale = 1.0
+    if IS_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_kh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    first_q = ctx + m_tile * BLOCK_M
+    hi = tl.minimum(seq_len, first_q + BLOCK_M)  # past the tile's last query: invisible
+    if SLIDING_WINDOW > 0:
+        lo = tl.maximum(first_q - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
+            k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
+            True, SLIDING_WINDOW, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE)
+    else:
+        full = first_q // BLOCK_N * BLOCK_N  # tiles below every row's diagonal
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, 0, full, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
+            k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
+            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, full, hi, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
+            k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
+            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             cast_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _blocks(head_dim: int, dtype: torch.dtype, block_m: int | None, block_n: int | None) -> tuple[int, int]:
+    """Tile sizes that compile without register spills on sm_90 (checked with cuobjdump)."""
+    if dtype == torch.float32:  # IEEE float32 dots run on FMAs; some spilling remains (a correctness path)
+        m, n = (32, 16) if head_dim <= 128 else (64, 32)
+    else:
+        m, n = (128, 64) if head_dim <= 128 else (64, 32)
+    return block_m or m, block_n or n
+
+
+def _launch(q, k, v, block_tables, query_start_loc, seq_lens, scale, sliding_window, k_scale, v_scale,
+            max_query_len, out, block_m, block_n, num_warps, num_stages, paged, page, fp8,
+            stride_k, stride_v):
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[-2]
+    assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m, block_n = _blocks(head_dim, q.dtype, block_m, block_n)
+    if num_warps is None:  # a [BLOCK_M, head dim] float32 accumulator needs 8 warps from 128 x 128 on
+        num_warps = 8 if block_m * next_pow2(head_dim) >= 128 * 128 else 4
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, k, v, block_tables, query_start_loc, seq_lens,
+        *((scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)) if fp8 else (query_start_loc,) * 2),
+        out, scale * LOG2E,
+        q.stride(0), q.stride(1), stride_k[0], stride_k[1], stride_v[0],
+        stride_k[2], stride_k[3], block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page,
+        SLIDING_WINDOW=sliding_window or 0, PAGED=paged, IS_FP8=fp8, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """q [T, H, D] over kv_cache [2, blocks, page, KVH, D] (already holding this step's K/V).
+
+    `max_query_len` (a host int) sizes the grid; without it the wrapper syncs to find it.
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    assert kv_cache.shape[-1] == q.shape[-1] and kv_cache.stride(-1) == 1
+    return _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                   k_scale, v_scale, max_query_len, out, block_m, block_n, num_warps, num_stages,
+                   True, kv_cache.shape[2], is_fp8(kv_cache.dtype),
+                   (0, k_cache.stride(2), k_cache.stride(0), k_cache.stride(1)), (0,))
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention within each sequence of fresh tokens: q [T, H, D], k/v [T, KVH, D]."""
+    if out is None:
+        out = torch.empty_like(q)
+    dummy = query_start_loc  # no block table, no seq_lens: never read when not paged
+    return _launch(q, k, v, dummy.view(1, -1), query_start_loc, dummy, scale, sliding_window,
+                   None, None, max_query_len, out, block_m, block_n, num_warps, num_stages,
+                   False, 1, False, (k.stride(0), k.stride(1), 0, 0), (v.stride(0),))

@@ -1,0 +1,84 @@
+"""Neox-style rotary embedding from a precomputed cos/sin table.
+
+The table is the engine's (`pagoda_daemon.models.layers.RotaryEmbedding`): float32
+[max_positions, head_dim], both halves of each row filled (so llama3 and other scalings
+live in the table, not here). Casts as the engine does them: the table row to the input
+dtype, then x * cos + rotate_half(x) * sin, each product and the sum rounded to that dtype.
+One program per token covers all query and key heads. Twin: `reference.rope_neox_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_kernels._device import cast_to
+from pagoda_kernels._utils import next_pow2
+
+
+@triton.jit
+def _rotate(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, c1, s1, c2, s2,
+            offs_j, j_mask, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    dtype = x_ptr.dtype.element_ty
+    for h0 in tl.static_range(0, NUM_HEADS, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = (offs_h < NUM_HEADS)[:, None] & j_mask[None, :]
+        src = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_j[None, :]
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        # out1 = x1*cos1 + (-x2)*sin1; out2 = x2*cos2 + x1*sin2; every step rounded to dtype
+        o1 = cast_to(x1 * c1, dtype).to(tl.float32) + cast_to(-x2 * s1, dtype).to(tl.float32)
+        o2 = cast_to(x2 * c2, dtype).to(tl.float32) + cast_to(x1 * s2, dtype).to(tl.float32)
+        dst = o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_j[None, :]
+        tl.store(dst, cast_to(o1, o_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, cast_to(o2, o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_oqt, stride_oqh, stride_okt, stride_okh, stride_cos,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_j = tl.arange(0, BLOCK_J)
+    j_mask = offs_j < HALF
+    dtype = q_ptr.dtype.element_ty
+    row = pos * stride_cos + offs_j
+    c1 = cast_to(tl.load(cos_ptr + row, mask=j_mask, other=0.0), dtype).to(tl.float32)[None, :]
+    s1 = cast_to(tl.load(sin_ptr + row, mask=j_mask, other=0.0), dtype).to(tl.float32)[None, :]
+    c2 = cast_to(tl.load(cos_ptr + row + HALF, mask=j_mask, other=0.0), dtype).to(tl.float32)[None, :]
+    s2 = cast_to(tl.load(sin_ptr + row + HALF, mask=j_mask, other=0.0), dtype).to(tl.float32)[None, :]
+    _rotate(q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_oqt, stride_oqh, c1, s1, c2, s2,
+            offs_j, j_mask, NUM_Q_HEADS, BLOCK_H, HALF)
+    _rotate(k_ptr, k_out_ptr, t, stride_kt, stride_kh, stride_okt, stride_okh, c1, s1, c2, s2,
+            offs_j, j_mask, NUM_K_HEADS, BLOCK_H, HALF)
+
+
+def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None):
+    """positions [T] (int), q [T, H, D], k [T, KVH, D], cos/sin [P, D] -> (q', k').
+
+    Pass q_out=q, k_out=k to rotate in place (each element is read before it is written).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert head_dim % 2 == 0 and cos.shape[-1] == head_dim and sin.stride() == cos.stride()
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1
+    q_out = torch.empty_like(q) if q_out is None else q_out
+    k_out = torch.empty_like(k) if k_out is None else k_out
+    if num_tokens:
+        half = head_dim // 2
+        block_j = next_pow2(half)
+        block_h = min(next_pow2(max(num_q_heads, num_k_heads)), max(1, 2048 // block_j))
+        _rope_kernel[(num_tokens,)](
+            positions, q, k, cos, sin, q_out, k_out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
+            NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_J=block_j, BLOCK_H=block_h,
+            num_warps=4,
+        )
+    return q_out, k_out

@@ -1,0 +1,19 @@
+"""The GPU benchmark script runs end to end on tiny shapes (so it does not rot before the
+GPU machine runs it), and reports every figure with its floor."""
+
+from __future__ import annotations
+
+import json
+
+from tests.kernels import interp  # noqa: F401  (skips where the interpreter cannot run)
+
+from pagoda_kernels import bench  # isort: skip
+
+
+def test_bench_smoke_prints_json(capsys):
+    assert bench.main(["--smoke"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["copy"]["GB_per_s"] > 0 and report["matmul"]["TFLOP_per_s"] > 0
+    assert all("fraction_of_copy" in r for r in report["decode"]["headline"] + report["decode"]["table"])
+    assert all("fraction_of_matmul" in r for r in report["prefill"]["cases"])
+    assert report["moe"][0]["fraction_of_dense"] > 0

@@ -1,0 +1,110 @@
+"""RMSNorm (with fused residual add), neox RoPE and SiLU-and-mul against their twins, and
+the twins against the engine's own layers (so a kernel that matches its twin matches the
+engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.interp import assert_close, poisoned, randint, randn
+
+from pagoda_kernels.activation import silu_and_mul  # isort: skip
+from pagoda_kernels.reference import rmsnorm_ref, rope_cos_sin_ref, rope_neox_ref, silu_and_mul_ref  # isort: skip
+from pagoda_kernels.rmsnorm import rmsnorm  # isort: skip
+from pagoda_kernels.rope import rope_neox  # isort: skip
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 1000])
+def test_rmsnorm_matches_twin(gen, dtype, hidden):
+    rows = randint(gen, 1, 9, 1)[0]
+    x = randn(gen, rows, hidden, dtype=dtype, scale=2.0)
+    w = (1 + randn(gen, hidden, scale=0.3)).to(dtype)
+    out = poisoned(x.shape, dtype)
+    rmsnorm(x, w, 1e-6, out=out)
+    assert_close(out, rmsnorm_ref(x, w, 1e-6), 1e-5 if dtype == torch.float32 else 5e-3)
+
+    r = randn(gen, rows, hidden, dtype=dtype)
+    out, res_out = poisoned(x.shape, dtype), poisoned(x.shape, dtype)
+    rmsnorm(x, w, 1e-5, residual=r, out=out, residual_out=res_out)
+    ref, ref_res = rmsnorm_ref(x, w, 1e-5, residual=r)
+    assert torch.equal(res_out, ref_res)  # the add in the input dtype: exact
+    assert_close(out, ref, 1e-5 if dtype == torch.float32 else 5e-3)
+    if dtype != torch.float32:  # float32 sums differ in order only; in 16 bits nearly all agree exactly
+        assert (out != ref).float().mean() < 0.02
+
+
+def test_rmsnorm_in_place_and_3d(gen):
+    x = randn(gen, 2, 3, 64, dtype=torch.float16)
+    r = randn(gen, 2, 3, 64, dtype=torch.float16)
+    w = randn(gen, 64, dtype=torch.float16)
+    ref, ref_res = rmsnorm_ref(x, w, 1e-6, residual=r)
+    out, res = rmsnorm(x, w, 1e-6, residual=r, out=x, residual_out=r)
+    assert out is x and res is r and torch.equal(r, ref_res)
+    assert_close(x, ref, 5e-3)
+
+
+def test_rmsnorm_twin_is_the_engine_layer(gen):
+    from pagoda_daemon.models.layers import RMSNorm
+
+    for dtype in DTYPES:
+        layer = RMSNorm(48, 1e-6).to(dtype)
+        with torch.no_grad():
+            layer.weight.copy_(randn(gen, 48))
+        x, r = randn(gen, 5, 48, dtype=dtype), randn(gen, 5, 48, dtype=dtype)
+        assert torch.equal(layer(x), rmsnorm_ref(x, layer.weight, 1e-6))
+        assert all(torch.equal(a, b) for a, b in zip(layer(x, r), rmsnorm_ref(x, layer.weight, 1e-6, r)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 4, 2), (80, 3, 1), (128, 2, 2)])
+def test_rope_matches_twin_exactly(gen, dtype, head_dim, heads, kv_heads):
+    tokens = randint(gen, 1, 7, 1)[0]
+    cos, sin = rope_cos_sin_ref(head_dim, 300, base=10000.0)
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    qkv = randn(gen, tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
+    q, k = qkv[:, :heads], qkv[:, heads:heads + kv_heads]  # strided views, as the model has them
+    q_out, k_out = poisoned(q.shape, dtype), poisoned(k.shape, dtype)
+    rope_neox(positions, q, k, cos, sin, q_out, k_out)
+    q_ref, k_ref = rope_neox_ref(positions, q, k, cos, sin)
+    if dtype == torch.float32:  # same products and sums; tolerance only for the interpreter's numpy
+        torch.testing.assert_close(q_out, q_ref, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(k_out, k_ref, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    # in place on the views
+    rope_neox(positions, q, k, cos, sin, q, k)
+    torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=0)
+
+
+def test_rope_twin_is_the_engine_layer(gen):
+    """Including llama3 scaling, which lives in the table the engine builds."""
+    from pagoda_daemon.models.layers import RotaryEmbedding
+
+    params = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    rope = RotaryEmbedding(64, 256, params)
+    positions = torch.randint(0, 256, (6,), generator=gen)
+    for dtype in DTYPES:
+        q, k = randn(gen, 6, 4, 64, dtype=dtype), randn(gen, 6, 2, 64, dtype=dtype)
+        a, b = rope(positions, q, k)
+        a2, b2 = rope_neox_ref(positions, q, k, rope.cos, rope.sin)
+        assert torch.equal(a, a2) and torch.equal(b, b2)
+        if dtype != torch.float32:
+            a3, b3 = rope_neox(positions, q, k, rope.cos, rope.sin)
+            assert torch.equal(a3, a) and torch.equal(b3, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_twin(gen, dtype):
+    from pagoda_daemon.models.layers import SiluAndMul
+
+    x = randn(gen, randint(gen, 1, 6, 1)[0], 2 * 1500, dtype=dtype, scale=3.0)
+    out = poisoned((x.shape[0], 1500), dtype)
+    silu_and_mul(x, out=out)
+    ref = silu_and_mul_ref(x)
+    assert torch.equal(ref, SiluAndMul()(x))
+    assert_close(out, ref, 1e-6 if dtype == torch.float32 else 5e-3)

@@ -1,0 +1,103 @@
+"""TritonPagedAttention against TorchPagedAttention, on random paged batches of every step
+kind the model runner produces: mixed decodes and prefills with cached prefixes,
+decode-only, prefill-only, and the cache-less profiling pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.interp import TOL, PagedBatch, assert_close, randint, randn
+
+from pagoda_daemon.attention.backend import AttentionMetadata  # isort: skip
+from pagoda_daemon.attention.torch_paged import TorchPagedAttention  # isort: skip
+from pagoda_daemon.attention.triton_backend import TritonPagedAttention  # isort: skip
+
+
+def _meta(b: PagedBatch, has_kv_cache=True) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=b.slot_mapping, query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
+        block_tables=b.block_tables, query_start_loc_cpu=b.query_start_loc.tolist(), seq_lens_cpu=b.seq_lens_list,
+        max_query_len=b.max_query_len, max_seq_len=b.max_seq_len,
+        is_prefill_only=all(c == 0 for c in b.ctx_lens), has_kv_cache=has_kv_cache,
+    )
+
+
+def _step_lens(gen, kind: str, page: int):
+    if kind == "mixed":  # decodes, a chunk after a prefix hit, a fresh prefill, a ragged extend
+        q_lens = [1, 1, page, randint(gen, 2, 30, 1)[0], randint(gen, 2, 20, 1)[0]]
+        ctx = [randint(gen, 1, 60, 1)[0], page - 1, 2 * page, 0, randint(gen, 1, 40, 1)[0]]
+    elif kind == "decode":
+        q_lens, ctx = [1] * 4, [0, page, *randint(gen, 1, 90, 2)]
+    else:  # prefill-only
+        q_lens, ctx = randint(gen, 1, 40, 3), [0, 0, 0]
+    return q_lens, ctx
+
+
+@pytest.mark.parametrize(("dtype", "heads", "kv_heads", "head_dim", "window"),
+                         [(torch.float32, 4, 2, 64, None), (torch.float16, 8, 2, 80, None),
+                          (torch.float16, 4, 1, 128, 24)])
+@pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
+def test_triton_backend_matches_torch_backend(gen, dtype, heads, kv_heads, head_dim, window, kind):
+    page = 16
+    q_lens, ctx = _step_lens(gen, kind, page)
+    b = PagedBatch(gen, q_lens, ctx, heads, kv_heads, head_dim, page, dtype)
+    k = randn(gen, b.num_tokens, kv_heads, head_dim, dtype=dtype)
+    v = randn(gen, b.num_tokens, kv_heads, head_dim, dtype=dtype)
+    args = (heads, kv_heads, head_dim, head_dim**-0.5, window)
+    cache_torch, cache_triton = b.kv_cache.clone(), b.kv_cache.clone()
+    meta = _meta(b)
+    ref = TorchPagedAttention(*args).forward(b.q, k, v, cache_torch, meta)
+    out = TritonPagedAttention(*args).forward(b.q, k, v, cache_triton, meta)
+    assert torch.equal(cache_triton, cache_torch)
+    assert_close(out, ref, TOL[dtype])
+
+
+def test_triton_backend_without_cache(gen):
+    """The memory-profiling pass: no cache, attention over the fresh K/V."""
+    b = PagedBatch(gen, randint(gen, 1, 30, 3), [0, 0, 0], 4, 2, 64, 16, torch.float32)
+    k, v = randn(gen, b.num_tokens, 2, 64), randn(gen, b.num_tokens, 2, 64)
+    meta = _meta(b, has_kv_cache=False)
+    ref = TorchPagedAttention(4, 2, 64, 0.125).forward(b.q, k, v, None, meta)
+    out = TritonPagedAttention(4, 2, 64, 0.125).forward(b.q, k, v, None, meta)
+    assert_close(out, ref, TOL[torch.float32])
+
+
+def test_triton_backend_fp8_cache(gen):
+    """An fp8 cache: the write quantises with the backend's scales and both reads dequantise."""
+    from pagoda_kernels.reference import paged_attention_ref, write_kv_cache_ref
+
+    b = PagedBatch(gen, [1, 5, 1], [33, 16, 7], 4, 2, 64, 16, torch.float16, torch.float8_e4m3fn)
+    k = randn(gen, b.num_tokens, 2, 64, dtype=torch.float16)
+    v = randn(gen, b.num_tokens, 2, 64, dtype=torch.float16)
+    backend = TritonPagedAttention(4, 2, 64, 0.125)
+    backend.k_scale, backend.v_scale = 0.02, 0.05
+    expected = b.kv_cache.clone()
+    write_kv_cache_ref(k, v, expected, b.slot_mapping, 0.02, 0.05)
+    out = backend.forward(b.q, k, v, b.kv_cache, _meta(b))
+    assert torch.equal(b.kv_cache.view(torch.uint8), expected.view(torch.uint8))
+    ref = paged_attention_ref(b.q, expected, b.block_tables, b.query_start_loc, b.seq_lens, 0.125, None, 0.02, 0.05)
+    assert_close(out, ref, TOL[torch.float16])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_greedy_tokens_identical_with_triton_backend(tiny_models, monkeypatch, arch):
+    """The whole engine (chunked prefill, prefix caching) in float32: the Triton backend
+    gives the torch backend's greedy tokens, which are transformers' (tests/engine)."""
+    import pagoda_daemon.attention as attention
+    from pagoda_daemon import LLM, SamplingParams
+    from pagoda_daemon.bench.parity import random_prompts
+
+    torch_backend = attention.get_attention_backend
+    tokens = {}
+    for name in ("torch", "triton"):
+        chosen = (lambda n, d: TritonPagedAttention) if name == "triton" else torch_backend
+        monkeypatch.setattr(attention, "get_attention_backend", chosen)
+        llm = LLM(tiny_models[arch], dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256,
+                  max_num_batched_tokens=32, enable_prefix_caching=True, numa_policy="none")
+        prompts = random_prompts(llm.engine.model_config.vocab_size, [5, 40, 17, 23], seed=1, shared_prefix=4)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        tokens[name] = [o.outputs[0].token_ids for o in outs]
+        attn = llm.engine.core.runner.model.model.layers[0].self_attn.attn
+        assert isinstance(attn, TritonPagedAttention if name == "triton" else TorchPagedAttention)
+    assert tokens["triton"] == tokens["torch"]
