@@ -3,37 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda_daemon.models.layers import Linear
 from pagoda_daemon.models.llama import MLP, DecoderLayer, Qwen3ForCausalLM
 
-
-def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-    """Softmax routing in float32, top-k, optional renormalisation (Qwen3's norm_topk_prob)."""
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def moe_reference(x, w13, w2, weights, ids) -> torch.Tensor:
-    """Expert by expert in plain torch: the reference the fused kernel is checked against.
-
-    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; weights/ids [T, k].
-    """
-    out = torch.zeros_like(x)
-    weights = weights.to(x.dtype)
-    inter = w2.shape[2]
-    for e in torch.unique(ids).tolist():
-        token_idx, slot = torch.where(ids == e)
-        gate_up = F.linear(x[token_idx], w13[e])
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(h, w2[e]) * weights[token_idx, slot, None]
-        out.index_add_(0, token_idx, y.to(x.dtype))
-    return out
+# One implementation of routing and the expert loop: the kernels' pure-torch twins.
+from pagoda_kernels.reference import moe_ref as moe_reference
+from pagoda_kernels.reference import route_topk_ref as route_topk
 
 
 class SparseMoE(nn.Module):
