@@ -105,6 +105,9 @@ async def _serve(config, options: dict, served_name: str, log_level: str, max_mo
     app = build_app(client, ServerSettings(served_name, options["max_waiting_requests"]), tracer)
     await client.start()
     waiter = asyncio.create_task(client.wait_ready(options["ready_timeout"]))
+    from pagoda_daemon.topology.publish import publish_at_start
+
+    topology_task = asyncio.create_task(asyncio.to_thread(publish_at_start))  # only with NODE_NAME set
     server = uvicorn.Server(uvicorn.Config(
         app, host=options["host"], port=options["port"], log_level=log_level.lower(),
         timeout_graceful_shutdown=options["drain_timeout"], access_log=False,
@@ -124,6 +127,7 @@ async def _serve(config, options: dict, served_name: str, log_level: str, max_mo
         await serving
         return 0
     finally:
+        topology_task.cancel()
         waiter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await waiter

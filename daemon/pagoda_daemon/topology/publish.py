@@ -163,3 +163,20 @@ def connect(kubeconfig: str | None = None) -> Any:
 
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def publish_at_start(sysfs_root: str = "/") -> str | None:
+    """What `pagoda serve` does when it starts on a Kubernetes node (NODE_NAME set): write its
+    node's NodeTopology once. Any failure (no RBAC, no API server) is a warning, never fatal."""
+    node = os.environ.get("NODE_NAME")
+    if not node:
+        return None
+    try:
+        from pagoda_daemon.topology.discover import discover
+
+        result = Publisher(connect(), node).publish(discover(sysfs_root))
+        log.info("NodeTopology %s: %s", node, result)
+        return result
+    except Exception as exc:  # the daemon serves whether or not the report could be written
+        log.warning("could not publish NodeTopology for %s: %s", node, exc)
+        return None
