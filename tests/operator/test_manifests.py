@@ -163,7 +163,7 @@ def test_example_is_valid_and_fully_known():
     from pagoda_operator.spec import parse
 
     s = parse(doc["metadata"]["name"], "default", doc["spec"])
-    assert s.gpus == 2 and s.autoscaling is not None and s.placement.require_nvlink
+    assert s.gpus == 1 and s.autoscaling is not None and s.model.source == "pvc"
 
 
 @pytest.mark.parametrize(
