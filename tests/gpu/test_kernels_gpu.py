@@ -217,7 +217,7 @@ def test_rmsnorm(dtype, hidden):
     out, res = rmsnorm(x, w, 1e-6, residual=r)
     _, ref_res = rmsnorm_ref(x.cpu(), w.cpu(), 1e-6, residual=r.cpu())
     assert torch.equal(res.cpu(), ref_res)
-    check(out, rmsnorm_ref(ref_res.double(), w.cpu().double(), 1e-6), dtype)
+    check(out.cpu(), rmsnorm_ref(ref_res.double(), w.cpu().double(), 1e-6), dtype)
     check(rmsnorm(x, w, 1e-6), rmsnorm_ref(x.double(), w.double(), 1e-6), dtype)
 
 
