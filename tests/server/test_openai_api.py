@@ -38,6 +38,14 @@ def test_streamed_completion_concatenates_to_the_same_text(openai_client, offlin
     assert text == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+
+    two = list(openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, n=2, seed=3,
+                                                stream=True, stream_options={"include_usage": True}))
+    usage = two[-1].usage
+    assert usage.prompt_tokens == prompt_tokens  # one prompt, counted once for its n choices
+    assert usage.completion_tokens == 10
+    assert sorted({c.choices[0].index for c in two if c.choices}) == [0, 1]
 
 
 def test_chat_completion_uses_the_chat_template(openai_client, offline):

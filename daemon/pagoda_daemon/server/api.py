@@ -326,10 +326,11 @@ async def _stream(streams, builder, include_usage: bool, span) -> AsyncIterator[
                 reasons.append(c.finish_reason)
                 if span is not None and index == 0:
                     _span_events(span, out)
+        n_prompt = builder.prompt_tokens({i: (n, None) for i, n in prompt_tokens.items()})
         if include_usage:
-            yield _sse(builder.usage_chunk(_usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))))
+            yield _sse(builder.usage_chunk(_usage(n_prompt, sum(completion_tokens.values()))))
         if span is not None:
-            span.end(",".join(reasons), sum(prompt_tokens.values()), sum(completion_tokens.values()))
+            span.end(",".join(reasons), n_prompt, sum(completion_tokens.values()))
     except EngineDeadError as e:
         if span is not None:
             span.end(None, 0, 0, error=str(e))
