@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -31,14 +32,6 @@ class ServerSettings:
     served_model_name: str
     max_waiting_requests: int = 4096  # beyond running + this many queued, new requests get 503
     default_max_tokens: int = 16
-
-
-@dataclass
-class _Choice:
-    """One generation of a (possibly n>1) request, as the response builders see it."""
-
-    index: int
-    final: RequestOutput | None = None
 
 
 def build_app(client: EngineClient, settings: ServerSettings, tracer=None) -> FastAPI:
@@ -277,7 +270,7 @@ async def _collect(raw: Request, streams, builder, span) -> JSONResponse:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not done and await raw.is_disconnected():
                 task.cancel()  # aborts every generation of this request
-                with _suppress_cancel():
+                with contextlib.suppress(asyncio.CancelledError):
                     await task
                 if span is not None:
                     span.end("abort", 0, 0, error="client disconnected")
@@ -293,14 +286,6 @@ async def _collect(raw: Request, streams, builder, span) -> JSONResponse:
         span.end(",".join(c["finish_reason"] or "" for c in body["choices"]), usage["prompt_tokens"],
                  usage["completion_tokens"])
     return JSONResponse(body)
-
-
-class _suppress_cancel:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        return exc_type is asyncio.CancelledError
 
 
 async def _stream(streams, builder, include_usage: bool, span) -> AsyncIterator[str]:

@@ -206,7 +206,7 @@ class ModelRunner:
             slot_mapping=b.to_device(b.slot_mapping, t),
             query_start_loc=b.to_device(b.query_start_loc, num_seqs + 1),
             seq_lens=b.to_device(b.seq_lens, num_seqs),
-            block_tables=self._block_tables(num_seqs, max_blocks),
+            block_tables=b.to_device(b.block_tables, num_seqs)[:, :max_blocks],
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
             max_query_len=int(q_lens.max()) if num_seqs else 0,
@@ -217,13 +217,6 @@ class ModelRunner:
         positions = b.to_device(b.positions, t)
         logits_indices = b.to_device(b.logits_indices, num_logits)
         return input_ids, positions, meta, logits_indices, sample_rows
-
-    def _block_tables(self, num_seqs: int, max_blocks: int) -> torch.Tensor:
-        host, _, dev = self.buffers.block_tables
-        if dev is host:
-            return host[:num_seqs, :max_blocks]
-        dev[:num_seqs].copy_(host[:num_seqs], non_blocking=True)
-        return dev[:num_seqs, :max_blocks]
 
     def _sampling_batch(self, sched: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         reqs = [sched.scheduled[i].request for i in rows]
