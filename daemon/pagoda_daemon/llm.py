@@ -47,12 +47,12 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        for prompt, p in zip(prompts, params):
-            self.engine.input_processor.process(prompt, p)
-            if p.n != 1:
-                raise ValueError("LLM.generate supports n=1 per prompt; repeat the prompt for more samples")
+        if any(p.n != 1 for p in params):
+            raise ValueError("LLM.generate supports n=1 per prompt; repeat the prompt for more samples")
+        processed = [self.engine.input_processor.process(prompt, p) for prompt, p in zip(prompts, params)]
 
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [self.engine.add_processed_request(text, token_ids, p)
+               for (text, token_ids), p in zip(processed, params)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             if not self.engine.has_unfinished_requests():

@@ -41,9 +41,14 @@ class LLMEngine:
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> str:
         """Validate and enqueue; raises ValueError on bad input without touching other requests."""
+        text, token_ids = self.input_processor.process(prompt, params)
+        return self.add_processed_request(text, token_ids, params, request_id, cache_salt)
+
+    def add_processed_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
+                              request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Enqueue a prompt that InputProcessor.process already accepted."""
         if params.n != 1:
             raise ValueError("n > 1 is served by fanning out into n requests; pass n=1 to the engine")
-        text, token_ids = self.input_processor.process(prompt, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         request = Request(rid, token_ids, params, self.eos_token_id, self.config.block_size,
                           cache_salt_keys(cache_salt))

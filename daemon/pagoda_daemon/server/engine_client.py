@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -54,16 +54,15 @@ class _Tracked:
     last_token_time: float | None = None
     first_token_time: float | None = None
     generated: int = 0
-    events: list = field(default_factory=list)
 
 
 class EngineClient:
     def __init__(self, config: EngineConfig, metrics=None, log_level: str = "INFO",
-                 kv_events_endpoint: str | None = None) -> None:
+                 kv_events_endpoint: str | None = None, model_config=None) -> None:
         self.config = config
         self.kv_events_endpoint = kv_events_endpoint
         self.metrics = metrics
-        self.model_config = loader.load_config(config.model)
+        self.model_config = model_config or loader.load_config(config.model)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or config.model)
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -80,19 +80,18 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         ns = argparse.Namespace(**options)
         config = EngineConfig(model=options["model"], enforce_eager=options["enforce_eager"],
                               enable_kv_events=bool(options["kv_events_endpoint"]), **engine_kwargs(ns))
-        from pagoda_daemon.models.loader import check_model_dir, load_config
+        from pagoda_daemon.models.loader import load_config
 
-        check_model_dir(config.model)
-        model_config = load_config(config.model)
+        model_config = load_config(config.model)  # a bad path or architecture fails here, before any process
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
     name = options["served_model_name"] or options["model"]
     max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 32768
-    return asyncio.run(_serve(config, options, name, args.log_level.upper(), max_len))
+    return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len))
 
 
-async def _serve(config, options: dict, served_name: str, log_level: str, max_model_len: int) -> int:
+async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int) -> int:
     import uvicorn
 
     from pagoda_daemon.server.api import ServerSettings, build_app
@@ -101,7 +100,7 @@ async def _serve(config, options: dict, served_name: str, log_level: str, max_mo
     metrics = _make_metrics(served_name, max_model_len)
     tracer = _make_tracer(options.get("otlp_traces_endpoint"))
     client = EngineClient(config, metrics=metrics, log_level=log_level,
-                          kv_events_endpoint=options.get("kv_events_endpoint"))
+                          kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
     app = build_app(client, ServerSettings(served_name, options["max_waiting_requests"]), tracer)
     await client.start()
     waiter = asyncio.create_task(client.wait_ready(options["ready_timeout"]))
