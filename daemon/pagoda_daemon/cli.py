@@ -25,6 +25,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="CPU KV cache budget in bytes")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--numa-policy", default="auto", help="auto | none | cpus=<list> (default: auto)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on GPU, torch on CPU")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the GPU runs this one (default: on for GPUs)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json (benchmarks)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,6 +47,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         seed=args.seed,
         numa_policy=args.numa_policy,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -30,8 +30,17 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     # Exact block count; overrides both budgets (tests use it to force preemption).
     num_kv_blocks: int | None = None
+    # auto: Pagoda's Triton kernels on CUDA/ROCm when Triton is installed, else pure torch.
     attention_backend: str = "auto"  # auto | torch | triton
+    # True: no CUDA graphs (every step runs eagerly). Graphs need the Triton backend.
     enforce_eager: bool = False
+    # Schedule and prepare step N+1 while step N runs on the GPU. None: on for GPUs.
+    async_scheduling: bool | None = None
+    # Largest decode batch captured as a CUDA graph; bigger decode batches run eagerly.
+    max_cudagraph_batch_size: int = 512
+    # auto: the checkpoint's safetensors; dummy: random weights from config.json alone
+    # (benchmarks and start-up measurements, like vLLM's --load-format dummy).
+    load_format: str = "auto"
     # Collect KV-cache events (BlockStored/BlockRemoved/AllCleared) for a publisher to drain.
     enable_kv_events: bool = False
     # CPU pinning of the engine worker: auto (cores of the GPU's NUMA node) | none | cpus=<list>
@@ -58,5 +67,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):
             raise ValueError(f"numa_policy must be auto, none or cpus=<list>, got {self.numa_policy!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.max_cudagraph_batch_size < 1:
+            raise ValueError(f"max_cudagraph_batch_size must be at least 1, got {self.max_cudagraph_batch_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -26,7 +26,7 @@ import time
 import torch
 
 
-def _timer(device: torch.device):
+def make_timer(device: torch.device):
     if device.type == "cuda":
         from triton.testing import do_bench
 
@@ -126,7 +126,7 @@ def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768
 
 def run(only: set[str], smoke: bool) -> dict:
     device = torch.device("cpu" if smoke else "cuda")
-    timer = _timer(device)
+    timer = make_timer(device)
     dtype = torch.float16 if smoke else torch.bfloat16  # the interpreter's bf16 dot is wrong
     report: dict = {
         "command": " ".join(sys.argv),

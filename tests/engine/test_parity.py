@@ -22,7 +22,7 @@ def test_greedy_matches_transformers(tiny_models, arch, config_name):
     assert r["first_divergence"] == [None] * len(LENGTHS), r
     assert r["finish_reasons"] == ["length"]
     assert r["all_blocks_free"], "blocks leaked"
-    if config_name == "tiny-cache-preemption":
+    if config_name in ("tiny-cache-preemption", "async-preemption"):
         assert r["preemptions"] > 0, "the cache was meant to be too small for the batch"
     if config_name == "shared-prefix-cached":
         assert r["prefix_cache_hits"] >= 2 * 16 * (len(LENGTHS) - 1), r

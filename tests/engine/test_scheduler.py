@@ -27,12 +27,8 @@ def make_request(rid, prompt_len, max_tokens=8, first_token=100):
 def run_step(sched: Scheduler, token=7):
     """One step with a fake model that samples `token` for every request that reached its end."""
     out = sched.schedule()
-    sampled = {
-        s.request.request_id: token
-        for s in out.scheduled
-        if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
-    }
-    return out, sched.update_from_output(out, sampled)
+    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    return out, sched.update_from_output(out, sampled)[0]
 
 
 def test_token_budget_and_chunked_prefill_mix_with_decodes():
@@ -90,9 +86,8 @@ def test_resumed_request_recomputes_prompt_and_outputs():
         out = sched.schedule()
         for s in out.scheduled:
             if s.request is late and s.is_new and late.num_preemptions:
-                resumed_with = (late.num_computed_tokens, s.num_new_tokens, late.num_tokens)
-        sampled = {s.request.request_id: next(counter) % 50 + 1 for s in out.scheduled
-                   if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens}
+                resumed_with = (s.start, s.num_new_tokens, late.num_tokens)
+        sampled = {s.request.request_id: next(counter) % 50 + 1 for s in out.scheduled if s.samples}
         sched.update_from_output(out, sampled)
         if not sched.has_unfinished_requests():
             break

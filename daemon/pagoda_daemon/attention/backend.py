@@ -43,6 +43,9 @@ class AttentionBackend(ABC):
     """One instance per model; layers call forward() with their own cache slice."""
 
     name: str = "abstract"
+    # True when the model should also use Pagoda's fused kernels (RMSNorm, RoPE, SiLU, MoE)
+    # and decode steps may be captured as CUDA graphs (no host-side shapes in forward()).
+    uses_kernels: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None) -> None:
@@ -66,9 +69,10 @@ class AttentionBackend(ABC):
 
 def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     """torch: the pure-torch reference (any device). triton: Pagoda's Triton kernels.
-    auto: torch for now; Triton becomes the CUDA default once its GPU parity and benchmarks
-    are recorded (docs/benchmarks/)."""
-    if name in ("auto", "torch"):
+    auto: Triton on a GPU (CUDA or ROCm) when the triton package imports, torch otherwise."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
         from pagoda_daemon.attention.torch_paged import TorchPagedAttention
 
         return TorchPagedAttention
@@ -79,3 +83,13 @@ def get_attention_backend(name: str, device: torch.device) -> type[AttentionBack
             raise ValueError(f"attention backend 'triton' needs the triton package: {e}") from e
         return TritonPagedAttention
     raise ValueError(f"unknown attention backend {name!r} (known: auto, torch, triton)")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+
+        import pagoda_kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True

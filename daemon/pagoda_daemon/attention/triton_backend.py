@@ -24,6 +24,7 @@ from pagoda_daemon.attention.backend import AttentionBackend, AttentionMetadata
 
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
+    uses_kernels = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None) -> None:

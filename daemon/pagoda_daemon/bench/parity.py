@@ -68,6 +68,10 @@ CONFIGS = {
     "no-prefix-caching": (dict(enable_prefix_caching=False, max_num_batched_tokens=40), 0),
     "shared-prefix-cached": (dict(max_num_batched_tokens=48), 40),
     "tiny-cache-preemption": (dict(num_kv_blocks=20, max_model_len=256, max_num_batched_tokens=64), 0),
+    # scheduling one step ahead (the GPU default; forced here so the CPU runs it too)
+    "async-chunked": (dict(async_scheduling=True, max_num_batched_tokens=16), 0),
+    "async-preemption": (dict(async_scheduling=True, num_kv_blocks=20, max_model_len=256,
+                              max_num_batched_tokens=64), 0),
 }
 LENGTHS = [1, 5, 17, 33, 48, 70, 95, 120, 9]
 

@@ -2,7 +2,14 @@
 # One call on the GPU machine: set up, check, benchmark. Results land in $OUT (the device
 # tool's output folder) or ./.out, to be copied into docs/benchmarks/.
 #
-#   bash daemon/pagoda_daemon/bench/run_gpu.sh [all|parity|overhead|topology|tests] ...
+#   bash daemon/pagoda_daemon/bench/run_gpu.sh [all|parity|parity-triton|kernels|tests|graphs|serve|
+#                                               overhead|topology|e2e|vllm-stash|vllm] ...
+#
+# e2e: end-to-end engine benchmarks on random-weight models (bench/throughput.py).
+# vllm-stash / vllm: the two steps of the vLLM anchor kit (../shared/anchors/vllm), made as
+# two device calls back to back: the first carries .vllm_stash (core.part.00), the second
+# carries .vllm_b (core.part.01, SHA256SUMS, stage2.sh, bench_vllm.py, model configs) and
+# runs vLLM and then Pagoda's e2e throughput on the same machine.
 #
 # The GPU image has torch, transformers, safetensors and tokenizers; anything else the
 # steps need travels as wheels in .whl/ (the server's: fastapi, uvicorn, pyzmq, pydantic, ...).
@@ -69,6 +76,36 @@ if has serve; then
     -d '{"model":"tiny","messages":[{"role":"user","content":"Hi"}],"max_tokens":8,"stream":true}' | tail -3
   curl -s localhost:18000/metrics | grep -E '^vllm:(generation_tokens_total|request_success_total|kv_cache_usage)'
   kill -TERM $SERVE_PID; wait $SERVE_PID; echo "serve exit code: $?" | tee -a "$OUT/serve-completion.json"
+fi
+if has graphs; then
+  step "CUDA graphs: graphed decode equals eager, padding, eager fallback"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py 2>&1 | tail -15 | tee "$OUT/graphs-pytest.txt" || status=1
+fi
+CFG=daemon/pagoda_daemon/bench/configs
+if has vllm-stash; then
+  step "vLLM anchor, step 1: stash core.part.00"
+  mkdir -p /tmp/vllm_stash && cp .vllm_stash/* /tmp/vllm_stash/ && ls -la /tmp/vllm_stash || status=1
+fi
+if has vllm; then
+  step "vLLM anchor, step 2: vLLM 0.26.0 on the Qwen3-0.6B shape (nano-vllm workload)"
+  B=.vllm_b OUT=$OUT bash .vllm_b/stage2.sh engine 2>&1 | grep -E "RESULT|Error|error|vllm " | tail -5 || status=1
+  grep RESULT "$OUT/vllm_bench.log" | tee "$OUT/vllm.jsonl"
+fi
+if has e2e || has vllm; then
+  step "Pagoda end to end: Qwen3-0.6B shape throughput (CUDA graphs, then eager)"
+  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+fi
+if has e2e; then
+  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --no-async-scheduling 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --enforce-eager 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+  step "Pagoda start-up: process start to ready"
+  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --startup 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+  step "Pagoda profile: decode steps at 256 sequences"
+  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --profile-steps 20 --trace-dir "$OUT/trace" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --profile-steps 20 --no-async-scheduling 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+  step "Pagoda batch-1 decode latency: Llama-3-8B shape against the weight-read floor"
+  python3 -m pagoda_daemon.bench.throughput $CFG/llama3-8b --latency 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+  python3 -m pagoda_daemon.bench.throughput $CFG/llama3-8b --latency --no-async-scheduling 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
 fi
 if has overhead; then
   step "engine CPU overhead per step at 256 running requests"

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.waiting:
         out = sched.schedule()
         runner._update_states(out)
-        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
 
     timings = {"schedule": [], "prepare_inputs": [], "sampling_batch": [], "update": [], "total": []}
     for _ in range(args.steps):
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         t2 = time.perf_counter()
         runner._sampling_batch(out, rows)
         t3 = time.perf_counter()
-        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
         t4 = time.perf_counter()
         if len(out.scheduled) != args.num_requests:
             raise RuntimeError(f"expected {args.num_requests} decodes per step, got {len(out.scheduled)}")

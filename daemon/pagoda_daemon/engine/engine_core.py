@@ -17,6 +17,7 @@ from pagoda_daemon.engine.kv_cache_manager import KVCacheManager, PrefixCacheSta
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler import Scheduler
 from pagoda_daemon.models import loader
+from pagoda_daemon.telemetry.profiling import phase
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,21 @@ class EngineCore:
         torch.manual_seed(config.seed)
         backend = get_attention_backend(config.attention_backend, self.device)
         model = loader.load_model(
-            config.model, self.model_config, self.dtype, self.device, backend, self.max_model_len
+            config.model, self.model_config, self.dtype, self.device, backend, self.max_model_len,
+            config.load_format,
         )
         self.runner = ModelRunner(model, self.model_config, config, self.device, self.dtype, self.max_model_len)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        # Schedule step N+1 while step N runs (GPU default; on CPU there is nothing to overlap).
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._in_flight = None  # (SchedulerOutput, launched step) whose outputs are not collected yet
+        self.uses_cuda_graphs = self.device.type == "cuda" and backend.uses_kernels and not config.enforce_eager
+        if self.uses_cuda_graphs:
+            self.runner.capture_cuda_graphs()
+        elif self.device.type == "cuda" and not config.enforce_eager:
+            log.info("CUDA graphs off: the %s attention backend cannot be captured", backend.name)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        record_events=config.enable_kv_events)
         self.scheduler = Scheduler(
@@ -111,8 +122,9 @@ class EngineCore:
             config.enable_chunked_prefill,
         )
         log.info(
-            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-            type(model).__name__, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len,
+            "engine ready: %s, %s on %s, %s attention%s, %d KV blocks of %d tokens, max_model_len %d",
+            type(model).__name__, self.dtype, self.device, backend.name,
+            ", CUDA graphs" if self.uses_cuda_graphs else "", num_blocks, config.block_size, self.max_model_len,
         )
 
     def _max_model_len(self) -> int:
@@ -157,14 +169,23 @@ class EngineCore:
         return max(budget // per_block, 0)
 
     def warm_up(self) -> None:
-        """Run one short request through every stage (prefill, decode, sampling) before serving,
-        then forget it: no cached blocks, no counted steps."""
+        """Before serving, send short requests through every kind of step, so that every kernel
+        is compiled before the engine reports ready: a prefill-only step, decodes, and a
+        step that mixes a decode with a prefill (the paged extend path). Then forget them:
+        no cached blocks, no counted steps."""
         from pagoda_daemon.engine.scheduler import SchedulerStats
         from pagoda_daemon.sampling_params import SamplingParams
 
-        prompt = list(range(3, 3 + min(16, self.max_model_len - 3)))
-        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        self.add_request(Request("__warmup__", prompt, params, None, self.config.block_size))
+        bs = self.config.block_size
+        first_len = max(1, min(bs, self.max_model_len - 4))
+        first = list(range(3, 3 + first_len))
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        self.add_request(Request("__warmup_0__", first, params, None, bs))
+        self.step()  # prefill only
+        # Shares the first block (a prefix-cache hit where caching is on) and prefills while
+        # the first request decodes.
+        second = first + list(range(200, 200 + max(0, min(8, self.max_model_len - first_len - 4))))
+        self.add_request(Request("__warmup_1__", second, params, None, bs))
         while self.has_unfinished_requests():
             self.step()
         if self.device.type == "cuda":
@@ -187,23 +208,50 @@ class EngineCore:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
+        """Schedule and launch a step; return the outputs of the step that completed.
+
+        With async scheduling, the step launched here is left running on the GPU and the
+        outputs returned are those of the step launched by the previous call: scheduling,
+        input preparation and output bookkeeping (CPU) overlap the GPU's work.
+        """
+        if self._in_flight is not None and self.scheduler.num_needing_host_tokens:
+            return self._finish_in_flight()  # penalties need every token on the host first
+        # phase labels name the step's parts in torch-profiler traces (bench/throughput.py).
+        with phase("pagoda.schedule"):
+            sched = self.scheduler.schedule()
         now = time.monotonic()
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        result = self.runner.execute(sched)
-        finished = self.scheduler.update_from_output(sched, result.sampled)
+        launched = self.runner.execute(sched)
+        outputs = self._finish_in_flight()
+        if self.async_scheduling and not sched.is_empty and not self.scheduler.num_needing_host_tokens:
+            self._in_flight = (sched, launched)
+            return outputs
+        with phase("pagoda.update"):
+            return outputs + self._outputs(sched, launched.result())
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
+            return []
+        sched, launched = self._in_flight
+        self._in_flight = None
+        result = launched.result()
+        with phase("pagoda.update"):
+            return self._outputs(sched, result)
+
+    def _outputs(self, sched, result) -> list[EngineCoreOutput]:
+        finished, accepted = self.scheduler.update_from_output(sched, result.sampled)
         finished_ids = {r.request_id for r in finished}
         outputs = []
         for s in sched.scheduled:
             req = s.request
-            token = result.sampled.get(req.request_id)
+            token = accepted.get(req.request_id)
             if token is None and req.request_id not in finished_ids:
                 continue
             lp = result.logprobs.get(req.request_id)

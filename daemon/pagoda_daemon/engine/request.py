@@ -50,7 +50,8 @@ class Request:
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # advanced when a step is scheduled
+        self.num_pending_tokens = 0  # sampled by a step whose result has not reached the host yet
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -5,6 +5,13 @@ prefill chunks, served first, in FCFS order) and then by waiting ones. When bloc
 run out, the latest-arrived running request is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed (cheaply, from the prefix
 cache where its blocks survive).
+
+A request's progress advances when it is scheduled, not when its step returns, so the
+next step can be scheduled while this one still runs on the GPU (async scheduling, see
+EngineCore). A step that reaches the end of a request's tokens samples one more token,
+which counts as *pending* until update_from_output brings it to the host: the next
+schedule already gives that request its decode step (the model runner takes the
+pending token straight from the previous step's device output).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ class ScheduledRequest:
     # Block ids added this step; the full list when the runner sees the request afresh.
     new_block_ids: list[int]
     is_new: bool  # first schedule, or resumed after preemption: the runner rebuilds its state
+    start: int = 0  # tokens computed before this step: the position of the first new token
+    samples: bool = False  # this step reaches the end of the known tokens and samples the next
 
 
 @dataclass
@@ -62,6 +71,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.stats = SchedulerStats()
+        # Requests whose sampling needs every earlier output token on the host (penalties):
+        # while any is unfinished, the engine does not schedule ahead.
+        self.num_needing_host_tokens = 0
 
     # ---- queue management -------------------------------------------------------------
 
@@ -70,6 +82,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.sampling_params.uses_penalties:
+            self.num_needing_host_tokens += 1
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         aborted = []
@@ -98,13 +112,18 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests first: decodes and the next chunk of partial prefills.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending_tokens and self._will_finish_by_length(req):
+                i += 1  # its pending token ends it: nothing more to compute
+                continue
+            num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
             new_blocks = self.kv_cache.allocate_slots(req, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # latest arrival loses its blocks
@@ -114,8 +133,7 @@ class Scheduler:
                 new_blocks = self.kv_cache.allocate_slots(req, num_new)
             if new_blocks is None:
                 break  # req itself was preempted; everything after it already was too
-            out.scheduled.append(ScheduledRequest(req, num_new, [b.block_id for b in new_blocks], False))
-            scheduled_ids.add(req.request_id)
+            out.scheduled.append(self._advance(req, num_new, [b.block_id for b in new_blocks], False))
             budget -= num_new
             i += 1
 
@@ -139,12 +157,29 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             self.running.append(req)
             all_ids = self.kv_cache.block_ids(req.request_id)
-            out.scheduled.append(ScheduledRequest(req, num_new, all_ids, True))
+            out.scheduled.append(self._advance(req, num_new, all_ids, True))
             budget -= num_new
 
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.stats.num_steps += 1
         return out
+
+    @staticmethod
+    def _advance(req: Request, num_new: int, block_ids: list[int], is_new: bool) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_new
+        samples = req.num_computed_tokens == req.num_tokens + req.num_pending_tokens
+        if samples:
+            req.num_pending_tokens += 1
+        return ScheduledRequest(req, num_new, block_ids, is_new, start, samples)
+
+    def _will_finish_by_length(self, req: Request) -> bool:
+        """Whether the tokens already sampled (some still pending) reach max_tokens or max_model_len."""
+        num_output = req.num_output_tokens + req.num_pending_tokens
+        max_tokens = req.sampling_params.max_tokens
+        return (max_tokens is not None and num_output >= max_tokens) or (
+            req.num_tokens + req.num_pending_tokens >= self.max_model_len
+        )
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(req)
@@ -157,23 +192,28 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[Request]:
-        """Advance each scheduled request; append sampled tokens; return those that finished."""
+    ) -> tuple[list[Request], dict[str, int]]:
+        """Append the step's sampled tokens; returns the requests that finished and the tokens
+        accepted (a token is dropped when its request finished while the step ran: an abort,
+        a stop string, or an EOS sampled by the step before, when scheduling ran ahead)."""
         finished = []
+        accepted: dict[str, int] = {}
         for sched in scheduler_output.scheduled:
-            req = sched.request
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += sched.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
+            if not sched.samples:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            req = sched.request
+            req.num_pending_tokens -= 1
+            if req.status.finished:
+                continue
+            token = sampled[req.request_id]
+            # A request preempted while this step ran keeps its token: it is a real output.
             req.append_output_token(token)
+            accepted[req.request_id] = token
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
-        return finished
+        return finished, accepted
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -205,4 +245,6 @@ class Scheduler:
         req.status = status
         self.kv_cache.free(req)
         del self.requests[req.request_id]
+        if req.sampling_params.uses_penalties:
+            self.num_needing_host_tokens -= 1
         self._finished_ids.append(req.request_id)

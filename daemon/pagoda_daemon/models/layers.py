@@ -1,7 +1,9 @@
 """Building blocks shared by the decoder models.
 
 Each op follows Hugging Face's order of operations and dtype casts exactly, so that
-greedy outputs match transformers token for token.
+greedy outputs match transformers token for token. With `kernels=True` an op runs on
+Pagoda's Triton kernel instead (same casts, one launch; see pagoda_kernels), which is
+what the GPU path uses; the torch code stays as the CPU path and the reference.
 """
 
 from __future__ import annotations
@@ -14,13 +16,20 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, kernels: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size))
+        self._kernel = None
+        if kernels:
+            from pagoda_kernels.rmsnorm import rmsnorm
+
+            self._kernel = rmsnorm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if self._kernel is not None:
+            return self._kernel(x, self.weight, self.eps, residual)
         if residual is not None:
             x = residual + x
             residual = x
@@ -32,7 +41,17 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, kernels: bool = False) -> None:
+        super().__init__()
+        self._kernel = None
+        if kernels:
+            from pagoda_kernels.activation import silu_and_mul
+
+            self._kernel = silu_and_mul
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -102,8 +121,13 @@ def compute_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a cos/sin table precomputed for every position."""
 
-    def __init__(self, head_dim: int, max_positions: int, params: dict) -> None:
+    def __init__(self, head_dim: int, max_positions: int, params: dict, kernels: bool = False) -> None:
         super().__init__()
+        self._kernel = None
+        if kernels:
+            from pagoda_kernels.rope import rope_neox
+
+            self._kernel = rope_neox
         inv_freq = compute_inv_freq(head_dim, params)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -111,6 +135,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self._kernel is not None:
+            return self._kernel(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)

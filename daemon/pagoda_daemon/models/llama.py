@@ -27,6 +27,7 @@ def head_dim_of(config) -> int:
 class Attention(nn.Module):
     def __init__(self, config, backend: type[AttentionBackend], rotary: RotaryEmbedding, qk_norm: bool) -> None:
         super().__init__()
+        kernels = backend.uses_kernels
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -37,8 +38,8 @@ class Attention(nn.Module):
             config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by every layer
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
         self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
@@ -57,11 +58,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
         self.down_proj = Linear(intermediate_size, hidden_size)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -72,8 +73,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, backend, rotary, qk_norm)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        kernels = backend.uses_kernels
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         if residual is None:
@@ -87,11 +89,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, layers: list[DecoderLayer]) -> None:
+    def __init__(self, config, layers: list[DecoderLayer], kernels: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor | None], meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -115,15 +117,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, backend: type[AttentionBackend], max_positions: int) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope_parameters(config))
+        rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope_parameters(config), backend.uses_kernels)
         layers = [self.make_layer(config, backend, rotary, i) for i in range(config.num_hidden_layers)]
-        self.model = DecoderModel(config, layers)
+        self.model = DecoderModel(config, layers, backend.uses_kernels)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_layer(self, config, backend, rotary: RotaryEmbedding, index: int) -> DecoderLayer:
-        mlp = MLP(config.hidden_size, config.intermediate_size)
+        mlp = MLP(config.hidden_size, config.intermediate_size, backend.uses_kernels)
         return DecoderLayer(config, backend, rotary, self.qk_norm, mlp)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:

@@ -151,7 +151,10 @@ def _locate(model, params, name, stacked, expert_param):
     return name, None, params[name].data
 
 
-def load_model(path: str | Path, config, dtype: torch.dtype, device: torch.device, backend, max_positions: int):
+def load_model(path: str | Path, config, dtype: torch.dtype, device: torch.device, backend, max_positions: int,
+               load_format: str = "auto"):
+    """Build the model on `device` and fill it from the checkpoint's safetensors, or with
+    random weights when load_format is "dummy" (config.json alone is enough)."""
     model_cls = resolve_model_class(config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -160,9 +163,22 @@ def load_model(path: str | Path, config, dtype: torch.dtype, device: torch.devic
             model = model_cls(config, backend, max_positions)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, iterate_weights(path))
-    log.info("loaded %s from %s (%s on %s)", model_cls.__name__, path, dtype, device)
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        load_weights(model, iterate_weights(path))
+    log.info("loaded %s from %s (%s on %s, %s weights)", model_cls.__name__, path, dtype, device, load_format)
     return model.eval()
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: torch.nn.Module) -> None:
+    """Small uniform noise everywhere, norm weights one: finite activations at any depth."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.uniform_(-1e-3, 1e-3)
 
 
 def load_tokenizer(path: str | Path):

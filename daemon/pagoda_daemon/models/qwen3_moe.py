@@ -14,7 +14,7 @@ from pagoda_kernels.reference import route_topk_ref as route_topk
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, kernels: bool = False) -> None:
         super().__init__()
         self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
         self.top_k = config.num_experts_per_tok
@@ -24,8 +24,15 @@ class SparseMoE(nn.Module):
         # Experts stacked for grouped GEMMs; the loader fills them from per-expert tensors.
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        self._kernel = None
+        if kernels:  # the fused Triton MoE: no host sync, so decode steps can be graph-captured
+            from pagoda_kernels.fused_moe import moe
+
+            self._kernel = moe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
         weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
         return moe_reference(x, self.w13, self.w2, weights, ids)
 
@@ -34,8 +41,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_layer(self, config, backend, rotary, index: int) -> DecoderLayer:
         step = getattr(config, "decoder_sparse_step", 1) or 1
         sparse = index not in (getattr(config, "mlp_only_layers", None) or []) and (index + 1) % step == 0
-        mlp = SparseMoE(config) if sparse and config.num_experts_per_tok > 0 else MLP(
-            config.hidden_size, config.intermediate_size
+        kernels = backend.uses_kernels
+        mlp = SparseMoE(config, kernels) if sparse and config.num_experts_per_tok > 0 else MLP(
+            config.hidden_size, config.intermediate_size, kernels
         )
         return DecoderLayer(config, backend, rotary, self.qk_norm, mlp)
 

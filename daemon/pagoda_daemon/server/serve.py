@@ -40,7 +40,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-cpu-gib", type=float, default=0.0)
     p.add_argument("--kv-offload-disk-path", default=None)
     p.add_argument("--kv-offload-disk-gib", type=float, default=0.0)
-    p.add_argument("--enforce-eager", action="store_true")
     add_engine_args(p)
 
 
@@ -78,8 +77,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     try:
         options = resolve_options(args, explicit)
         ns = argparse.Namespace(**options)
-        config = EngineConfig(model=options["model"], enforce_eager=options["enforce_eager"],
-                              enable_kv_events=bool(options["kv_events_endpoint"]), **engine_kwargs(ns))
+        config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]), **engine_kwargs(ns))
         from pagoda_daemon.models.loader import load_config
 
         model_config = load_config(config.model)  # a bad path or architecture fails here, before any process

@@ -1,6 +1,6 @@
-"""Telemetry: Prometheus metrics (`metrics`), OpenTelemetry request tracing (`tracing`) and
-KV-cache events over ZMQ (`kv_events`).
+"""Telemetry: Prometheus metrics (`metrics`), OpenTelemetry request tracing (`tracing`),
+KV-cache events over ZMQ (`kv_events`) and torch-profiler phase labels (`profiling`).
 
-The three modules are independent; import the one you need, so that, say, the metrics do
-not pull in ZMQ. Nothing here imports torch.
+The modules are independent; import the one you need, so that, say, the metrics do
+not pull in ZMQ. Only `profiling` imports torch (the engine process has it anyway).
 """

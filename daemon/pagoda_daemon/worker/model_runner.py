@@ -2,7 +2,10 @@
 
 Per-step inputs are written into preallocated host buffers (pinned on GPU) and
 copied to preallocated device buffers, so a step allocates nothing on the host side
-and every host-to-device transfer is a single async copy per tensor.
+and every host-to-device transfer is a single async copy per tensor. `execute` returns
+as soon as the step is launched; its sampled tokens travel to the host behind an event
+(`LaunchedStep.result()` is the step's one host sync), which is what lets the engine
+schedule the next step while this one runs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 
 from pagoda_daemon.attention.backend import AttentionMetadata
 from pagoda_daemon.engine.scheduler import SchedulerOutput
+from pagoda_daemon.telemetry.profiling import phase
+from pagoda_daemon.worker.cuda_graphs import CudaGraphRunner
 from pagoda_daemon.worker.sampler import Sampler, SamplingBatch
 
 log = logging.getLogger(__name__)
@@ -34,17 +39,69 @@ class StepResult:
     logprobs: dict[str, dict[int, float]]
 
 
+class LaunchedStep:
+    """A step on its way: the sampled tokens (and logprobs) are being copied to pinned host
+    memory behind a CUDA event; result() waits for them."""
+
+    def __init__(self, request_ids: list[str], num_logprobs: list[int | None], host: dict[str, torch.Tensor],
+                 event: torch.cuda.Event | None) -> None:
+        self.request_ids = request_ids
+        self.num_logprobs = num_logprobs
+        self.host = host
+        self.event = event
+
+    @classmethod
+    def empty(cls) -> LaunchedStep:
+        return cls([], [], {}, None)
+
+    def result(self) -> StepResult:
+        if not self.request_ids:
+            return StepResult({}, {})
+        with phase("pagoda.wait_for_gpu"):
+            if self.event is not None:
+                self.event.synchronize()  # the one host sync of the step
+        tokens = self.host["sampled"].tolist()
+        sampled = dict(zip(self.request_ids, tokens))
+        logprobs: dict[str, dict[int, float]] = {}
+        if "sampled_logprob" in self.host:
+            chosen = self.host["sampled_logprob"].tolist()
+            rows = len(self.request_ids)
+            top_ids = self.host["top_ids"].tolist() if "top_ids" in self.host else [[]] * rows
+            top_lps = self.host["top_logprobs"].tolist() if "top_logprobs" in self.host else [[]] * rows
+            for j, rid in enumerate(self.request_ids):
+                n = self.num_logprobs[j]
+                if n is None:
+                    continue
+                entry = {tokens[j]: chosen[j]}
+                for tid, lp in zip(top_ids[j][:n], top_lps[j][:n]):
+                    entry.setdefault(tid, lp)
+                logprobs[rid] = entry
+        return StepResult(sampled, logprobs)
+
+
 class StagingBuffers:
-    """Host-side inputs of a step with their device twins, sized for the largest step."""
+    """Host-side inputs of a step with their device twins, sized for the largest step.
+
+    Each buffer is [host, host as numpy, device]. On a GPU the host side is double-buffered
+    (flip() swaps in the other half each step): with a step still running, its
+    host-to-device copies may not have been executed yet, so the next step must not
+    overwrite the memory they read. Two steps back is safe: the engine has waited for it.
+    """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
+        self._all: list[list] = []
 
         def pair(shape, dtype):
             host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            dev = host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
-            return host, host.numpy(), dev
+            if device.type == "cpu":
+                buf = [host, host.numpy(), host]
+            else:
+                spare = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+                buf = [host, host.numpy(), torch.zeros(shape, dtype=dtype, device=device), spare, spare.numpy()]
+            self._all.append(buf)
+            return buf
 
         self.input_ids = pair(max_tokens, torch.int64)
         self.positions = pair(max_tokens, torch.int64)
@@ -61,6 +118,9 @@ class StagingBuffers:
         self.presence_penalty = pair(max_seqs, torch.float32)
         self.frequency_penalty = pair(max_seqs, torch.float32)
         self.repetition_penalty = pair(max_seqs, torch.float32)
+        # decode rows whose input token is the previous step's sample, still on the device
+        self.pending_dst = pair(max_seqs, torch.int64)
+        self.pending_src = pair(max_seqs, torch.int64)
         self._pair = pair
         self._max_seqs = max_seqs
         self.penalty_tokens: dict[str, tuple] = {}  # prompt/output token matrices, made on first use
@@ -69,7 +129,7 @@ class StagingBuffers:
         """Rows of token ids padded with `pad`, through a reusable buffer of max_len columns."""
         if name not in self.penalty_tokens:
             self.penalty_tokens[name] = self._pair((self._max_seqs, max_len), torch.int64)
-        host, host_np, dev = self.penalty_tokens[name]
+        host, host_np, dev = self.penalty_tokens[name][:3]
         width = max(1, max(len(r) for r in rows))
         host_np[: len(rows), :width] = pad
         for i, r in enumerate(rows):
@@ -79,12 +139,18 @@ class StagingBuffers:
         dev[: len(rows), :width].copy_(host[: len(rows), :width], non_blocking=True)
         return dev[: len(rows), :width]
 
+    def flip(self) -> None:
+        """Switch every host buffer to its other half (GPU only; see the class docstring)."""
+        for buf in self._all:
+            if len(buf) == 5:
+                buf[0], buf[1], buf[3], buf[4] = buf[3], buf[4], buf[0], buf[1]
+
     def fill(self, buf, values) -> torch.Tensor:
         buf[1][: len(values)] = values
         return self.to_device(buf, len(values))
 
     def to_device(self, buf, n) -> torch.Tensor:
-        host, _, dev = buf
+        host, dev = buf[0], buf[2]
         if dev is host:
             return host[:n]
         dev[:n].copy_(host[:n], non_blocking=True)
@@ -113,6 +179,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor | None] = [None] * self.num_layers
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(engine_config.seed)
+        self.cuda_graphs: CudaGraphRunner | None = None
+        self._last_sampled: torch.Tensor | None = None  # the last launched step's samples, on the device
+        self._last_rows: dict[str, int] = {}
+        self.max_cudagraph_batch_size = min(engine_config.max_cudagraph_batch_size, self.max_num_seqs,
+                                            self.max_num_tokens)
 
     # ---- KV cache --------------------------------------------------------------------
 
@@ -145,6 +216,20 @@ class ModelRunner:
         hidden = self.model(ids, positions, [None] * self.num_layers, meta)
         self.model.compute_logits(hidden[-min(num_seqs, self.max_num_seqs):])
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs over the allocated KV cache (call once, after allocate_kv_cache)."""
+        assert self.kv_cache is not None, "allocate the KV cache before capturing graphs"
+        graphs = CudaGraphRunner(self.model, self.buffers, self.max_cudagraph_batch_size, self.max_model_len,
+                                 self.num_kv_heads, self.device)
+        graphs.capture(self.kv_caches)
+        self.cuda_graphs = graphs
+
+    def graph_size(self, sched: SchedulerOutput) -> int | None:
+        """The captured batch size this step replays, or None when it runs eagerly."""
+        if self.cuda_graphs is None or any(s.num_new_tokens != 1 for s in sched.scheduled):
+            return None
+        return self.cuda_graphs.padded_size(len(sched.scheduled))
+
     # ---- one step --------------------------------------------------------------------
 
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -165,8 +250,12 @@ class ModelRunner:
             else:
                 state.block_ids.extend(s.new_block_ids)
 
-    def prepare_inputs(self, sched: SchedulerOutput):
+    def prepare_inputs(self, sched: SchedulerOutput, pad_to: int | None = None):
+        """Fill the staging buffers for this step. With pad_to (a CUDA-graph size), rows past
+        the batch up to pad_to become padding the graph can run over harmlessly."""
         b = self.buffers
+        if self.device.type == "cuda":
+            b.flip()
         ids_np, pos_np, slot_np = b.input_ids[1], b.positions[1], b.slot_mapping[1]
         qsl_np, lens_np, bt_np, li_np = b.query_start_loc[1], b.seq_lens[1], b.block_tables[1], b.logits_indices[1]
         num_seqs = len(sched.scheduled)
@@ -174,23 +263,27 @@ class ModelRunner:
         qsl_np[0] = 0
         t = 0
         num_logits = 0
-        max_blocks = 1
         sample_rows: list[int] = []
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
         for i, s in enumerate(sched.scheduled):
             req = s.request
-            start, n = req.num_computed_tokens, s.num_new_tokens
-            if n == 1:
+            start, n = s.start, s.num_new_tokens
+            if start >= req.num_tokens:  # the previous step's sample, not on the host yet
+                ids_np[t] = 0
+                pending_dst.append(t)
+                pending_src.append(self._last_rows[req.request_id])
+            elif n == 1:
                 ids_np[t] = req.all_token_ids[start]
             else:
                 ids_np[t : t + n] = req.all_token_ids[start : start + n]
             block_ids = self.requests[req.request_id].block_ids
             bt_np[i, : len(block_ids)] = block_ids
-            max_blocks = max(max_blocks, len(block_ids))
             starts[i] = start
             t += n
             qsl_np[i + 1] = t
             lens_np[i] = start + n
-            if start + n == req.num_tokens:  # reached the end: this step samples its next token
+            if s.samples:
                 li_np[num_logits] = t - 1
                 num_logits += 1
                 sample_rows.append(i)
@@ -199,23 +292,39 @@ class ModelRunner:
         pos = np.arange(t) - np.repeat(qsl_np[:num_seqs].astype(np.int64) - starts, q_lens)
         pos_np[:t] = pos
         slot_np[:t] = bt_np[seq_index, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        n_rows = num_seqs
+        if pad_to is not None:  # decode-only: one token per row, so rows and tokens line up
+            ids_np[t:pad_to] = 0
+            pos_np[t:pad_to] = 0
+            slot_np[t:pad_to] = -1
+            lens_np[num_seqs:pad_to] = 1
+            t = n_rows = pad_to
+        input_ids = b.to_device(b.input_ids, t)
+        if pending_dst:
+            dst = b.fill(b.pending_dst, pending_dst)
+            input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, b.fill(b.pending_src, pending_src)))
+        positions = b.to_device(b.positions, t)
+        slot_mapping = b.to_device(b.slot_mapping, t)
+        seq_lens = b.to_device(b.seq_lens, n_rows)
+        block_tables = b.to_device(b.block_tables, n_rows)
+        logits_indices = b.to_device(b.logits_indices, num_logits)
+        if pad_to is not None:
+            return None, None, None, logits_indices, sample_rows
 
         seq_lens_cpu = lens_np[:num_seqs].tolist()
         qsl_cpu = qsl_np[: num_seqs + 1].tolist()
+        max_blocks = -(-max(seq_lens_cpu) // self.block_size) if num_seqs else 1
         meta = AttentionMetadata(
-            slot_mapping=b.to_device(b.slot_mapping, t),
+            slot_mapping=slot_mapping,
             query_start_loc=b.to_device(b.query_start_loc, num_seqs + 1),
-            seq_lens=b.to_device(b.seq_lens, num_seqs),
-            block_tables=b.to_device(b.block_tables, num_seqs)[:, :max_blocks],
+            seq_lens=seq_lens,
+            block_tables=block_tables[:, :max_blocks],
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
             max_query_len=int(q_lens.max()) if num_seqs else 0,
             max_seq_len=max(seq_lens_cpu) if num_seqs else 0,
             is_prefill_only=bool((starts == 0).all()),
         )
-        input_ids = b.to_device(b.input_ids, t)
-        positions = b.to_device(b.positions, t)
-        logits_indices = b.to_device(b.logits_indices, num_logits)
         return input_ids, positions, meta, logits_indices, sample_rows
 
     def _sampling_batch(self, sched: SchedulerOutput, rows: list[int]) -> SamplingBatch:
@@ -247,31 +356,43 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def execute(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Launch the step and start its sampled tokens on their way to the host."""
         self._update_states(sched)
         if sched.is_empty:
-            return StepResult({}, {})
-        input_ids, positions, meta, logits_indices, rows = self.prepare_inputs(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            return LaunchedStep.empty()
+        with phase("pagoda.prepare_inputs"):
+            graph_size = self.graph_size(sched)
+            input_ids, positions, meta, logits_indices, rows = self.prepare_inputs(sched, graph_size)
+        with phase("pagoda.forward"):
+            if graph_size is not None:
+                hidden = self.cuda_graphs.replay(graph_size)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
-            return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[logits_indices])
-        batch = self._sampling_batch(sched, rows)
-        out = self.sampler(logits, batch)
-        tokens = out.sampled.tolist()  # the one host sync of the step
-        rids = [sched.scheduled[i].request.request_id for i in rows]
-        sampled = dict(zip(rids, tokens))
-        logprobs: dict[str, dict[int, float]] = {}
-        if out.sampled_logprob is not None:
-            chosen = out.sampled_logprob.tolist()
-            top_ids = out.top_ids.tolist() if out.top_ids is not None else [[] for _ in rows]
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else [[] for _ in rows]
-            for j, rid in enumerate(rids):
-                n = sched.scheduled[rows[j]].request.sampling_params.logprobs
-                if n is None:
-                    continue
-                entry = {tokens[j]: chosen[j]}
-                for tid, lp in zip(top_ids[j][:n], top_lps[j][:n]):
-                    entry.setdefault(tid, lp)
-                logprobs[rid] = entry
-        return StepResult(sampled, logprobs)
+            return LaunchedStep.empty()
+        with phase("pagoda.sample"):
+            logits = self.model.compute_logits(hidden[logits_indices])
+            batch = self._sampling_batch(sched, rows)
+            out = self.sampler(logits, batch)
+            reqs = [sched.scheduled[i].request for i in rows]
+            rids = [r.request_id for r in reqs]
+            # The next step may need these tokens as inputs before the host has seen them.
+            self._last_sampled = out.sampled
+            self._last_rows = {rid: j for j, rid in enumerate(rids)}
+            host = {"sampled": self._to_host(out.sampled)}
+            for name in ("sampled_logprob", "top_ids", "top_logprobs"):
+                value = getattr(out, name)
+                if value is not None:
+                    host[name] = self._to_host(value)
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        return LaunchedStep(rids, [r.sampling_params.logprobs for r in reqs], host, event)
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)  # cached by torch's host allocator
+        return host.copy_(tensor, non_blocking=True)

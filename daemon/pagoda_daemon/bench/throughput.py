@@ -1,0 +1,267 @@
+"""End-to-end engine benchmarks on random-weight models (no download: config.json alone).
+
+    # nano-vllm's workload: seed 0, 256 sequences, input/output lengths uniform in [100, 1024]
+    python -m pagoda_daemon.bench.throughput MODEL_DIR
+    # batch-1 decode latency (time per output token) for a 127-token prompt, 146 tokens out
+    python -m pagoda_daemon.bench.throughput MODEL_DIR --latency
+    # process start to ready (a child process builds the engine, captures graphs, warms up)
+    python -m pagoda_daemon.bench.throughput MODEL_DIR --startup
+    # torch-profiler trace of decode steps: host syncs per step, CPU vs GPU time per step
+    python -m pagoda_daemon.bench.throughput MODEL_DIR --profile-steps 20 --trace-dir OUT
+
+The workload and its random stream are those of the vLLM anchor (`bench_vllm.py` in the
+shared anchors kit), token ids in and token ids out (vLLM runs with skip_tokenizer_init),
+so the two figures compare one for one. Prints one JSON line prefixed RESULT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from random import randint, seed
+
+import torch
+
+# Runtime API calls that block the host until the GPU catches up (a synchronous cudaMemcpy too).
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "hipStreamSynchronize", "hipDeviceSynchronize", "hipEventSynchronize", "hipMemcpy"}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_core(args):
+    from pagoda_daemon.config import EngineConfig
+    from pagoda_daemon.engine.engine_core import EngineCore
+
+    config = EngineConfig(
+        model=args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=0,
+        async_scheduling=args.async_scheduling,
+        gpu_memory_utilization=0.9,
+    )
+    core = EngineCore(config)
+    core.warm_up()
+    return core
+
+
+def workload(num_seqs: int, max_input: int, max_output: int, temperature: float, vocab_size: int):
+    """The anchor's random stream: all prompts first, then all output lengths. (Ids wrap
+    around a vocabulary smaller than 10001, which only tiny smoke-test models have.)"""
+    from pagoda_daemon.sampling_params import SamplingParams
+
+    seed(0)
+    prompts = [[randint(0, 10000) % vocab_size for _ in range(randint(100, max_input))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=randint(100, max_output))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def run_requests(core, prompts, params, tag: str) -> tuple[int, list[float]]:
+    """Add all requests, step until done; returns generated tokens and per-step wall times."""
+    from pagoda_daemon.engine.request import Request
+
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        core.add_request(Request(f"{tag}-{i}", p, sp, None, core.config.block_size))
+    generated = 0
+    step_times = []
+    while core.has_unfinished_requests():
+        t = time.perf_counter()
+        for out in core.step():
+            generated += len(out.new_token_ids)
+        step_times.append(time.perf_counter() - t)
+    return generated, step_times
+
+
+def throughput(args) -> dict:
+    t0 = time.perf_counter()
+    core = build_core(args)
+    init_s = time.perf_counter() - t0
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature,
+                          core.model_config.vocab_size)
+    sync()
+    t = time.perf_counter()
+    generated, steps = run_requests(core, prompts, params, "tput")
+    sync()
+    elapsed = time.perf_counter() - t
+    return {
+        "bench": "throughput", "num_seqs": args.num_seqs, "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens_requested": sum(p.max_tokens for p in params), "output_tokens_generated": generated,
+        "time_s": round(elapsed, 3), "output_tok_per_s": round(generated / elapsed, 1), "steps": len(steps),
+        "init_s": round(init_s, 1), "cuda_graphs": core.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
+        "preemptions": core.scheduler.stats.num_preemptions, "kv_blocks": core.kv_cache.num_blocks,
+    }
+
+
+def latency(args) -> dict:
+    """One sequence: time per output token after the first (the decode steps alone)."""
+    from pagoda_daemon.engine.request import Request
+    from pagoda_daemon.sampling_params import SamplingParams
+
+    core = build_core(args)
+    seed(1)
+    prompt = [randint(0, 10000) % core.model_config.vocab_size for _ in range(args.latency_prompt_len)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.latency_output_len)
+    results = []
+    for rep in range(args.repeats):
+        core.add_request(Request(f"lat-{rep}", prompt, params, None, core.config.block_size))
+        stamps = []
+        sync()
+        start = time.perf_counter()
+        while core.has_unfinished_requests():
+            if core.step():
+                stamps.append(time.perf_counter())
+        decode = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+        results.append({"ttft_ms": round((stamps[0] - start) * 1e3, 2), "tpot_ms": round(decode * 1e3, 3)})
+        core.kv_cache.reset_prefix_cache()  # every repeat prefills from scratch
+    from pagoda_kernels.bench import copy_bandwidth, make_timer
+
+    # The floor: every weight byte read once per token at the copy rate measured now.
+    # (A copy moves each byte twice, read and write; its GB/s counts both.)
+    copy = copy_bandwidth(core.device, make_timer(core.device), 2 << 30)
+    weights = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+    floor_ms = weights / (copy["GB_per_s"] * 1e9) * 1e3
+    tpot = sorted(r["tpot_ms"] for r in results)[len(results) // 2]
+    return {"bench": "latency", "prompt_len": len(prompt), "output_len": args.latency_output_len,
+            "weight_bytes": weights, "copy_GB_per_s": round(copy["GB_per_s"], 1), "floor_ms": round(floor_ms, 3),
+            "tpot_ms_median": tpot, "tpot_over_floor": round(tpot / floor_ms, 3), "runs": results,
+            "cuda_graphs": core.uses_cuda_graphs}
+
+
+def startup(args) -> dict:
+    """Wall time from launching a fresh Python process to an engine that has warmed up."""
+    cmd = [sys.executable, "-m", "pagoda_daemon.bench.throughput", args.model, "--ready-only",
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--device", args.device]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    total = time.perf_counter() - t0
+    child = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("READY "):
+            child = json.loads(line[6:])
+    if proc.returncode != 0 or not child:
+        raise RuntimeError(f"startup child failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    return {"bench": "startup", "process_start_to_ready_s": round(total, 1), **child}
+
+
+def ready_only(args) -> None:
+    t_import = time.perf_counter()
+    core = build_core(args)
+    graphs = core.runner.cuda_graphs
+    print("READY " + json.dumps({
+        "engine_init_and_warmup_s": round(time.perf_counter() - t_import, 1),
+        "graph_capture_s": round(graphs.capture_seconds, 1) if graphs else 0.0,
+        "graphs": len(graphs.graphs) if graphs else 0,
+    }), flush=True)
+
+
+def profile(args) -> dict:
+    """Profile steady decode steps: host syncs per step, and how much of a step the GPU is busy."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from pagoda_daemon.engine.request import Request
+    from pagoda_daemon.sampling_params import SamplingParams
+
+    core = build_core(args)
+    prompts, _ = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature,
+                          core.model_config.vocab_size)
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=10_000)
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"prof-{i}", p, params, None, core.config.block_size))
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        core.step()  # all prefills done: what follows are decode-only steps
+    for _ in range(5):
+        core.step()
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(args.profile_steps):
+            core.step()
+        sync()
+        wall = (time.perf_counter() - t) / args.profile_steps
+    events = prof.events()
+    syncs = Counter(e.name for e in events if e.name in SYNC_CALLS)
+    copies = Counter(e.name for e in events if e.name in ("cudaMemcpyAsync", "hipMemcpyAsync"))
+    # GPU busy time: the union of device activity intervals (kernels and copies), so that
+    # "busy / wall" says how much of a step the GPU waits for the CPU.
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    gpu_us, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            gpu_us += hi - max(lo, end)
+            end = hi
+    labels = {}
+    for e in events:
+        if e.name.startswith("pagoda."):
+            labels[e.name] = labels.get(e.name, 0.0) + e.cpu_time_total / 1e3 / args.profile_steps
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.trace_dir, "decode-steps.trace.json"))
+    return {
+        "bench": "profile", "batch": len(core.scheduler.running), "steps": args.profile_steps,
+        "step_wall_ms": round(wall * 1e3, 3),
+        "gpu_busy_ms_per_step": round(gpu_us / 1e3 / args.profile_steps, 3),
+        "gpu_busy_fraction": round(gpu_us / 1e3 / args.profile_steps / (wall * 1e3), 3),
+        "host_syncs_per_step": {k: v / args.profile_steps for k, v in syncs.items()},
+        "async_copies_per_step": {k: v / args.profile_steps for k, v in copies.items()},
+        "cpu_ms_per_step_by_phase": {k: round(v, 3) for k, v in sorted(labels.items())},
+        "cuda_graphs": core.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a directory with config.json (weights are random)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--latency", action="store_true")
+    ap.add_argument("--latency-prompt-len", type=int, default=127)
+    ap.add_argument("--latency-output-len", type=int, default=146)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--startup", action="store_true")
+    ap.add_argument("--ready-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--trace-dir", default=None)
+    args = ap.parse_args(argv)
+    if args.ready_only:
+        ready_only(args)
+        return 0
+    if args.latency:
+        result = latency(args)
+    elif args.startup:
+        result = startup(args)
+    elif args.profile_steps:
+        result = profile(args)
+    else:
+        result = throughput(args)
+    result.update(model=os.path.basename(os.path.normpath(args.model)), dtype=args.dtype,
+                  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
