@@ -3,7 +3,8 @@
 # tool's output folder) or ./.out, to be copied into docs/benchmarks/.
 #
 #   bash daemon/pagoda_daemon/bench/run_gpu.sh [all|parity|parity-triton|kernels|tests|graphs|serve|
-#                                               overhead|topology|e2e|vllm-stash|vllm] ...
+#                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
+#                                               vllm-stash|vllm] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (bench/throughput.py).
 # vllm-stash / vllm: the two steps of the vLLM anchor kit (../shared/anchors/vllm), made as
@@ -54,6 +55,10 @@ if has kernels; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py 2>&1 | tail -15 | tee "$OUT/kernels-pytest.txt" || status=1
   python3 -m pagoda_kernels.bench --out "$OUT/kernels-bench.json" | tail -40 || status=1
 fi
+if has gpu-tests; then
+  step "GPU tests: kernel grid, CUDA graphs, transformers parity"
+  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu 2>&1 | tail -25 | tee "$OUT/gpu-pytest.txt" || status=1
+fi
 if has tests; then
   step "pytest on the GPU machine (GPU tests and the CPU suite on this host)"
   if python3 -c 'import pytest' 2>/dev/null; then
@@ -91,21 +96,30 @@ if has vllm; then
   B=.vllm_b OUT=$OUT bash .vllm_b/stage2.sh engine 2>&1 | grep -E "RESULT|Error|error|vllm " | tail -5 || status=1
   grep RESULT "$OUT/vllm_bench.log" | tee "$OUT/vllm.jsonl"
 fi
-if has e2e || has vllm; then
-  step "Pagoda end to end: Qwen3-0.6B shape throughput (CUDA graphs, then eager)"
-  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+T="python3 -m pagoda_daemon.bench.throughput"
+e2e() { $T "$@" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }
+if has e2e || has e2e-throughput || has vllm; then
+  step "Pagoda end to end: Qwen3-0.6B shape, nano-vllm workload (CUDA graphs + async scheduling)"
+  e2e $CFG/qwen3-0.6b
 fi
-if has e2e; then
-  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --no-async-scheduling 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
-  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --enforce-eager 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+if has e2e || has e2e-throughput; then
+  step "the same without async scheduling, then without CUDA graphs"
+  e2e $CFG/qwen3-0.6b --no-async-scheduling
+  e2e $CFG/qwen3-0.6b --enforce-eager
+fi
+if has e2e || has e2e-startup; then
   step "Pagoda start-up: process start to ready"
-  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --startup 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
-  step "Pagoda profile: decode steps at 256 sequences"
-  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --profile-steps 20 --trace-dir "$OUT/trace" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
-  python3 -m pagoda_daemon.bench.throughput $CFG/qwen3-0.6b --profile-steps 20 --no-async-scheduling 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+  e2e $CFG/qwen3-0.6b --startup
+fi
+if has e2e || has e2e-profile; then
+  step "Pagoda profile: decode steps at 256 sequences, with and without async scheduling"
+  e2e $CFG/qwen3-0.6b --profile-steps 20 --trace-dir "$OUT/trace"
+  e2e $CFG/qwen3-0.6b --profile-steps 20 --no-async-scheduling
+fi
+if has e2e || has e2e-latency; then
   step "Pagoda batch-1 decode latency: Llama-3-8B shape against the weight-read floor"
-  python3 -m pagoda_daemon.bench.throughput $CFG/llama3-8b --latency 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
-  python3 -m pagoda_daemon.bench.throughput $CFG/llama3-8b --latency --no-async-scheduling 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1
+  e2e $CFG/llama3-8b --latency
+  e2e $CFG/llama3-8b --latency --no-async-scheduling
 fi
 if has overhead; then
   step "engine CPU overhead per step at 256 running requests"
