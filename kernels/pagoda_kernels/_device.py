@@ -47,15 +47,15 @@ def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_NORMAL: tl.constexpr, MANT_B
     normal = rounded.to(tl.float32, bitcast=True)
     # Subnormals sit on a fixed grid of STEP = MIN_NORMAL / 2**MANT_BITS. Count steps with
     # exact operations only (scaling by powers of two, truncation, subtracting the integer
-    # part), so no compiler rewrite of float arithmetic can move a tie; then put the sign
-    # back (keeps -0.0).
+    # part), so no compiler rewrite of float arithmetic can move a tie.
     STEP: tl.constexpr = MIN_NORMAL / (1 << MANT_BITS)
     steps = tl.abs(x) * (1.0 / STEP)  # < 2**MANT_BITS where it is used
     whole = tl.minimum(steps, 1 << MANT_BITS).to(tl.int32)
     frac = steps - whole.to(tl.float32)
     up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
     sub = (whole + up.to(tl.int32)).to(tl.float32) * STEP
-    sub = tl.where(bits < 0, -sub, sub)
+    # the sign by its bit: `-sub` may compile to `0 - sub`, which turns -0.0 into +0.0
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < MIN_NORMAL, sub, normal)
 
 
