@@ -119,3 +119,20 @@ def test_stop_strings_and_aborts_while_a_step_is_in_flight(tiny_models):
         assert finished["stop"].outputs[0].finish_reason == "stop"
     kv = engine.core.kv_cache
     assert kv.num_free_blocks == kv.num_blocks and not kv.req_blocks
+
+
+def test_aborting_everything_leaves_an_idle_engine(tiny_models):
+    """The step in flight when the last request is aborted holds only tokens to drop: the
+    engine collects it at once and reports no unfinished work."""
+    llm = LLM(tiny_models["llama"], num_kv_blocks=64, max_model_len=256, async_scheduling=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in random_prompts(500, [5, 9], seed=4)]
+    for _ in range(3):
+        engine.step()
+    assert engine.core._in_flight is not None
+    for rid in ids:
+        engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    kv = engine.core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks

@@ -202,10 +202,18 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self._drain_if_idle()
 
     def finish_request(self, request_id: str, stop_reason: int | str | None) -> None:
         """Stop a request the frontend decided is done (a stop string)."""
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+        self._drain_if_idle()
+
+    def _drain_if_idle(self) -> None:
+        """With every request finished, a step still in flight holds only tokens to drop:
+        collect it now, so that an idle engine reports no unfinished work."""
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            self._finish_in_flight()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
