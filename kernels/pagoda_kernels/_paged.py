@@ -5,8 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagoda_kernels._device import cast_to
-
 
 @triton.jit
 def load_paged_tile(cache_ptr, block_table_ptr, pos, valid, head_off, offs_d, d_mask, scale,
@@ -21,4 +19,7 @@ def load_paged_tile(cache_ptr, block_table_ptr, pos, valid, head_off, offs_d, d_
     x = tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
     if IS_FP8:
         x = x.to(tl.float32) * scale
-    return cast_to(x, OUT_DTYPE)
+    # A dot operand: the hardware conversion (round to nearest even) is exact here, and a
+    # no-op when the cache already holds OUT_DTYPE (cast_to's integer rounding is for values
+    # converted back to float32, which Triton may fold; it would cost ALU in the inner loop).
+    return x.to(OUT_DTYPE)

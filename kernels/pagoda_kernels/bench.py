@@ -64,26 +64,29 @@ def _paged_cache(batch, ctx, kv_heads, head_dim, page, dtype, device, gen):
 
 
 def decode_case(device, timer, batch, ctx, heads, kv_heads, head_dim=128, page=16, dtype=torch.bfloat16,
-                num_splits=None) -> dict:
+                num_splits=None, lengths: list[int] | None = None) -> dict:
+    """Every sequence `ctx` long, or `lengths` (then ctx is their maximum)."""
     from pagoda_kernels.decode_attention import default_num_splits, paged_decode_attention
 
     gen = torch.Generator().manual_seed(0)
     cache, tables = _paged_cache(batch, ctx, kv_heads, head_dim, page, dtype, device, gen)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    lens = lengths or [ctx] * batch
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn((batch, heads, head_dim), dtype=dtype, device=device)
     out = torch.empty_like(q)
     splits = num_splits or default_num_splits(batch, kv_heads, ctx, device)
     t = timer(lambda: paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, num_splits=splits,
                                              max_seq_len=ctx, out=out))
     elem = cache.element_size()
-    moved = (2 * batch * ctx * kv_heads * head_dim * elem + 2 * q.numel() * elem
+    moved = (2 * sum(lens) * kv_heads * head_dim * elem + 2 * q.numel() * elem
              + tables.numel() * 4 + seq_lens.numel() * 4)
-    return {"batch": batch, "context": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+    return {"batch": batch, "context": ctx if lengths is None else f"{min(lens)}..{max(lens)}", "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "block_size": page, "num_splits": splits, "seconds": t, "bytes": moved, "GB_per_s": moved / t / 1e9}
 
 
 def prefill_case(device, timer, tokens, heads, kv_heads, head_dim=128, page=16, dtype=torch.bfloat16,
-                 paged=True) -> dict:
+                 paged=True, tiles: dict | None = None) -> dict:
+    """tiles: block_m / block_n / num_warps / num_stages overrides (the sweep)."""
     from pagoda_kernels.prefill_attention import paged_prefill_attention, varlen_attention
 
     gen = torch.Generator().manual_seed(0)
@@ -94,15 +97,16 @@ def prefill_case(device, timer, tokens, heads, kv_heads, head_dim=128, page=16, 
         cache, tables = _paged_cache(1, tokens, kv_heads, head_dim, page, dtype, device, gen)
         seq_lens = torch.tensor([tokens], dtype=torch.int32, device=device)
         fn = lambda: paged_prefill_attention(q, cache, tables, qsl, seq_lens, head_dim**-0.5,  # noqa: E731
-                                             max_query_len=tokens, out=out)
+                                             max_query_len=tokens, out=out, **(tiles or {}))
     else:
         k = torch.randn((tokens, kv_heads, head_dim), dtype=dtype, device=device)
         v = torch.randn_like(k)
-        fn = lambda: varlen_attention(q, k, v, qsl, head_dim**-0.5, max_query_len=tokens, out=out)  # noqa: E731
+        fn = lambda: varlen_attention(q, k, v, qsl, head_dim**-0.5, max_query_len=tokens, out=out,  # noqa: E731
+                                      **(tiles or {}))
     t = timer(fn)
     flops = 4 * tokens * tokens / 2 * head_dim * heads
     return {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "paged": paged,
-            "causal": True, "seconds": t, "flops": flops, "TFLOP_per_s": flops / t / 1e12}
+            "causal": True, "tiles": tiles or "default", "seconds": t, "flops": flops, "TFLOP_per_s": flops / t / 1e12}
 
 
 def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768, dtype=torch.bfloat16) -> dict:
@@ -136,7 +140,7 @@ def run(only: set[str], smoke: bool) -> dict:
         "triton": __import__("triton").__version__,
         "smoke": smoke,
     }
-    if "decode" in only or "prefill" in only:
+    if "decode" in only or "decode-mixed" in only or "prefill" in only:
         report["copy"] = copy_bandwidth(device, timer, 1 << 16 if smoke else 2 << 30)
     if "decode" in only:
         copy = report["copy"]["GB_per_s"]
@@ -157,6 +161,21 @@ def run(only: set[str], smoke: bool) -> dict:
             r["fraction_of_copy"] = r["GB_per_s"] / copy
             rows.append(r)
         report["decode"] = {"headline": headline, "table": rows, "goal": ">= 0.90 of copy bandwidth"}
+    if "decode-mixed" in only:  # what a serving batch looks like: lengths spread out
+        import random
+
+        copy = report["copy"]["GB_per_s"]
+        rng = random.Random(0)
+        rows = []
+        for b in ((2,) if smoke else (32, 64, 128, 256)):
+            lens = [rng.randint(100, 1100) if not smoke else rng.randint(8, 40) for _ in range(b)]
+            for splits in (None, 1, 2, 4, 8):
+                r = decode_case(device, timer, b, max(lens), 4 if smoke else 16, 2 if smoke else 8,
+                                64 if smoke else 128, dtype=dtype, num_splits=splits, lengths=lens)
+                r["fraction_of_copy"] = r["GB_per_s"] / copy
+                r["split_choice"] = "heuristic" if splits is None else "fixed"
+                rows.append(r)
+        report["decode_mixed"] = rows
     if "prefill" in only:
         mm = matmul_rate(device, timer, 64 if smoke else 8192, dtype)
         report["matmul"] = mm
@@ -169,6 +188,23 @@ def run(only: set[str], smoke: bool) -> dict:
                 r["fraction_of_matmul"] = r["TFLOP_per_s"] / mm["TFLOP_per_s"]
                 rows.append(r)
         report["prefill"] = {"cases": rows, "goal": ">= 0.45 of the bf16 matmul rate"}
+    if "prefill-sweep" in only:  # tile sizes of the paged kernel, 32 / 8 heads
+        mm = report.get("matmul") or matmul_rate(device, timer, 64 if smoke else 8192, dtype)
+        report["matmul"] = mm
+        sweep = [dict(block_m=16, block_n=16, num_warps=4, num_stages=1)] if smoke else [
+            dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+            for bm, bn, w, st in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
+                                  (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3), (256, 64, 8, 2))]
+        rows = []
+        for tiles in sweep:
+            try:
+                r = prefill_case(device, timer, 48 if smoke else 4096, 4 if smoke else 32, 2 if smoke else 8,
+                                 64 if smoke else 128, dtype=dtype, paged=True, tiles=tiles)
+                r["fraction_of_matmul"] = r["TFLOP_per_s"] / mm["TFLOP_per_s"]
+            except Exception as e:  # a config that does not compile (shared memory) is a result too
+                r = {"tiles": tiles, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            rows.append(r)
+        report["prefill_sweep"] = rows
     if "moe" in only:
         if smoke:
             rows = [moe_case(device, timer, 4, experts=8, top_k=2, hidden=64, inter=32, dtype=dtype)]

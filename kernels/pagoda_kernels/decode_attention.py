@@ -89,7 +89,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_paged_tile(v_cache_ptr, table, pos, valid, head_off, offs_d, d_mask, v_scale,
                             stride_cb, stride_cs, PAGE_SIZE, IS_FP8, q.dtype)
-        acc = acc * alpha[:, None] + dot(cast_to(p, v.dtype), v, IEEE)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)  # a dot operand: native conversion
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -130,7 +130,11 @@ def _decode_reduce_kernel(
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                        block_n: int = 64) -> int:
-    """Enough programs to fill the device about twice, never fewer than 4 tiles a split."""
+    """Enough programs to fill the device about twice, never fewer than 4 tiles a split.
+
+    (Tried on an H100: ~16 programs per SM helps batch 32 with mixed lengths but costs 2-4
+    points at batch 64-256, uniform or mixed; docs/benchmarks/2026-11-21-e2e-h100.md.)
+    """
     programs = num_seqs * num_kv_heads
     want = cdiv(2 * num_sms(device), max(1, programs))
     by_len = max(1, cdiv(max_seq_len, 4 * block_n))
