@@ -1,4 +1,4 @@
-# Two commands a newcomer needs:  `make demo`  and  `make test`.
+# Two commands a newcomer needs:  `make quickstart`  and  `make test`.
 # Everything installs into .venv; torch==2.13.0 resolves to the local CPU build here.
 PY    ?= python3
 VENV  ?= .venv
@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0
 EXTRAS ?= daemon,kernels,operator,dev
 
-.PHONY: setup demo test lint unit cluster-tools e2e sync-crds clean
+.PHONY: setup quickstart quickstart-down demo test lint unit cluster-tools e2e sync-crds clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,8 +17,16 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
-## The main job on an embedded default: a tiny random Llama served on loopback,
-## asked through the openai client.
+## The main job, end to end: a local Kubernetes cluster (real kubelet, Debian's dockerd), the
+## images built here with no pulls, the Helm chart, an InferenceService serving a tiny random
+## Qwen3 on CPU, asked through the openai client. Needs root. Leaves the cluster running.
+quickstart:
+	e2e/quickstart.sh up
+
+quickstart-down:
+	e2e/quickstart.sh down
+
+## The engine alone: a tiny random Llama served on loopback, asked through the openai client.
 demo: setup
 	$(BIN)/pagoda demo
 

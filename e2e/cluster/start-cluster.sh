@@ -2,7 +2,11 @@
 # start-cluster.sh: start a loopback-only Kubernetes control plane for tests:
 # etcd + kube-apiserver, plus kube-controller-manager and kube-scheduler (Deployments need
 # the controllers to get ReplicaSets and pods, pods need the scheduler to get a node).
-# There is no kubelet: run fake_kubelet.py to get a Ready node whose pods turn Running.
+# By default there is no kubelet: run fake_kubelet.py to get a Ready node whose pods turn
+# Running. With PAGODA_K8S_NODE=1 the cluster gets one real node instead (node.sh: Debian's
+# dockerd, a kubelet, a CNI bridge; needs root and ensure-k8s.sh --with-kubelet): then the API
+# server listens on the `kubernetes` Service's ClusterIP (10.96.N.1:443, an address of the node's
+# bridge) so that pods reach it too, and every other port stays on 127.0.0.1.
 #
 # Usage: start-cluster.sh [STATE_DIR]        (or PAGODA_K8S_STATE; default /tmp/pagoda-k8s-$UID)
 #
@@ -11,10 +15,13 @@
 #   cluster.env        SERVER, ports, BIN, ... (shell syntax, for scripts)
 #   pki/               CA, serving cert, service-account keys, tokens.csv
 #   logs/<component>.log, <component>.pid, etcd/ (data)
+#   node.env, docker.env  with PAGODA_K8S_NODE=1: the node's network and docker daemon
 #
 # Environment:
 #   PAGODA_K8S_BIN          binaries dir (default: what `ensure-k8s.sh --print-bin-dir` says)
 #   PAGODA_K8S_CONTROLLERS  1 (default) also start controller-manager + scheduler; 0: etcd + apiserver only
+#   PAGODA_K8S_NODE         1: also start a real node (node.sh; implies the controllers). node.sh
+#                           documents its own variables (PAGODA_DOCKER_SLOT, PAGODA_NODE_NAME).
 #   PAGODA_K8S_OWNER_PID    stop the cluster by itself when this process exits (pytest's PID),
 #                           so a killed test run leaves no servers behind
 #   PAGODA_K8S_API_PORT, PAGODA_K8S_ETCD_PORT  fixed ports; by default free ones are picked, so
@@ -29,6 +36,8 @@ mkdir -p "$D"
 D=$(cd "$D" && pwd)     # absolute: it ends up in the kubeconfig and in process args
 BIN=${PAGODA_K8S_BIN:-$("$HERE/ensure-k8s.sh" --print-bin-dir)}
 CONTROLLERS=${PAGODA_K8S_CONTROLLERS:-1}
+NODE=${PAGODA_K8S_NODE:-0}
+if [ "$NODE" = 1 ]; then CONTROLLERS=1; fi
 
 T0=$(date +%s.%N)
 elapsed() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1fs", b - a }'; }
@@ -41,8 +50,10 @@ fail() {
   exit 1
 }
 
-for b in kube-apiserver kube-controller-manager kube-scheduler; do
-  [ -x "$BIN/$b" ] || { echo "[start-cluster] ERROR: $BIN/$b missing; run e2e/cluster/ensure-k8s.sh" >&2; exit 1; }
+WANT=(kube-apiserver kube-controller-manager kube-scheduler)
+if [ "$NODE" = 1 ]; then WANT+=(kubelet pause); fi
+for b in "${WANT[@]}"; do
+  [ -x "$BIN/$b" ] || { echo "[start-cluster] ERROR: $BIN/$b missing; run e2e/cluster/ensure-k8s.sh --with-kubelet" >&2; exit 1; }
 done
 command -v etcd >/dev/null || { echo "[start-cluster] ERROR: etcd not on PATH; run e2e/cluster/ensure-k8s.sh" >&2; exit 1; }
 if [ -f "$D/kube-apiserver.pid" ] && kill -0 "$(cat "$D/kube-apiserver.pid")" 2>/dev/null; then
@@ -68,7 +79,16 @@ API_PORT=${PAGODA_K8S_API_PORT:-$API_PORT}
 if [ -n "${PAGODA_K8S_ETCD_PORT:-}" ]; then
   ETCD_PORT=$PAGODA_K8S_ETCD_PORT; ETCD_PEER_PORT=$((ETCD_PORT + 1)); ETCD_METRICS_PORT=$((ETCD_PORT + 2))
 fi
-SERVER=https://127.0.0.1:$API_PORT
+BIND_IP=127.0.0.1
+SERVICE_CIDR=10.0.0.0/24
+if [ "$NODE" = 1 ]; then
+  # The node's bridge first: the API server listens on one of its addresses.
+  "$HERE/node.sh" net-up "$D" || fail "could not set up the node's network"
+  # shellcheck disable=SC1091
+  . "$D/node.env"
+  BIND_IP=$API_IP API_PORT=443
+fi
+SERVER=https://$BIND_IP:$API_PORT
 
 # ---- certificates and credentials ----------------------------------------------------
 # Made once per state dir (~0.3 s). The admin authenticates with a static bearer token
@@ -78,20 +98,32 @@ if [ ! -f "$D/pki/tokens.csv" ]; then
   (
     cd "$D/pki"
     openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 3650 -subj "/CN=pagoda-test-ca" 2>/dev/null
-    openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj "/CN=kube-apiserver" 2>/dev/null
-    cat > ext.cnf <<EOF
-subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
-basicConstraints=CA:FALSE
-keyUsage=digitalSignature,keyEncipherment
-extendedKeyUsage=serverAuth
-EOF
-    openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out apiserver.crt -days 3650 -extfile ext.cnf 2>/dev/null
     openssl genrsa -out sa.key 2048 2>/dev/null
     openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+    # The API server's client certificate towards kubelets (logs, exec, port-forward).
+    openssl req -newkey rsa:2048 -nodes -keyout kubelet-client.key -out kubelet-client.csr \
+      -subj "/O=system:masters/CN=kube-apiserver-kubelet-client" 2>/dev/null
+    printf "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n" > client.cnf
+    openssl x509 -req -in kubelet-client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out kubelet-client.crt \
+      -days 3650 -extfile client.cnf 2>/dev/null
     umask 077
     echo "$(openssl rand -hex 16),admin,admin,system:masters" > tokens.csv
   )
 fi
+# The serving certificate, at every start: its addresses depend on the node's network.
+(
+  cd "$D/pki"
+  SANS="IP:127.0.0.1"
+  if [ "$NODE" = 1 ]; then SANS="$SANS,IP:$BIND_IP,IP:$NODE_IP"; fi
+  openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj "/CN=kube-apiserver" 2>/dev/null
+  cat > ext.cnf <<EOF
+subjectAltName=$SANS,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+basicConstraints=CA:FALSE
+keyUsage=digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth
+EOF
+  openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out apiserver.crt -days 3650 -extfile ext.cnf 2>/dev/null
+)
 TOKEN=$(cut -d, -f1 "$D/pki/tokens.csv")
 (
   umask 077   # holds a cluster-admin token
@@ -122,6 +154,7 @@ SCHED_PORT=$SCHED_PORT
 KUBECONFIG=$D/admin.kubeconfig
 BIN=$BIN
 STATE_DIR=$D
+NODE=$NODE
 EOF
 say "state dir $D, server $SERVER"
 
@@ -166,13 +199,15 @@ else ADMISSION_FLAGS=(--enable-admission-plugins="$ADMISSION" --disable-admissio
 #   endpoint, which Endpoints validation rejects (loopback) and logs as an error forever.
 start kube-apiserver "$BIN/kube-apiserver" \
   --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
-  --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$API_PORT" --insecure-port=0 \
+  --bind-address="$BIND_IP" --advertise-address="$BIND_IP" --secure-port="$API_PORT" --insecure-port=0 \
   --tls-cert-file="$D/pki/apiserver.crt" --tls-private-key-file="$D/pki/apiserver.key" --client-ca-file="$D/pki/ca.crt" \
   --token-auth-file="$D/pki/tokens.csv" --authorization-mode=RBAC \
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
   --service-account-key-file="$D/pki/sa.pub" --service-account-signing-key-file="$D/pki/sa.key" \
-  --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
+  --service-cluster-ip-range="$SERVICE_CIDR" --allow-privileged=true \
   --endpoint-reconciler-type=none \
+  --kubelet-client-certificate="$D/pki/kubelet-client.crt" --kubelet-client-key="$D/pki/kubelet-client.key" \
+  --kubelet-preferred-address-types=InternalIP \
   "${ADMISSION_FLAGS[@]}" \
   --cert-dir="$D/pki/generated"
 api_ready() { curl -sf --cacert "$D/pki/ca.crt" -H "Authorization: Bearer $TOKEN" "$SERVER/readyz"; }
@@ -204,6 +239,11 @@ if [ "$CONTROLLERS" = 1 ]; then
   sa_ready() { curl -sf --cacert "$D/pki/ca.crt" -H "Authorization: Bearer $TOKEN" "$SERVER/api/v1/namespaces/default/serviceaccounts/default"; }
   wait_until kube-controller-manager 30 sa_ready
   say "kube-controller-manager and kube-scheduler healthy"
+fi
+
+# ---- the real node -----------------------------------------------------------------
+if [ "$NODE" = 1 ]; then
+  "$HERE/node.sh" up "$D" || fail "the node did not come up" "$D/logs/kubelet.log"
 fi
 
 # ---- watchdog ------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # stop-cluster.sh: stop what start-cluster.sh (and fake kubelets started with a pid file in
-# the same state dir) started, by the PIDs recorded in the state dir.
+# the same state dir) started, by the PIDs recorded in the state dir. A real node
+# (PAGODA_K8S_NODE=1) goes first: kubelet, the pods' containers, dockerd, the pods' mounts and
+# the bridge (node.sh down).
 #
 # Usage: stop-cluster.sh [STATE_DIR]       (or PAGODA_K8S_STATE; default /tmp/pagoda-k8s-$UID)
 # The state dir itself (logs, certs, etcd data) is left for post-mortems; delete it yourself.
@@ -9,6 +11,17 @@ set -euo pipefail
 D=${1:-${PAGODA_K8S_STATE:-/tmp/pagoda-k8s-$(id -u)}}
 [ -d "$D" ] || { echo "[stop-cluster] no state dir $D; nothing to stop"; exit 0; }
 D=$(cd "$D" && pwd)
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# The watchdog first: it would otherwise run this script a second time.
+if [ -f "$D/watchdog.pid" ]; then
+  wpid=$(cat "$D/watchdog.pid")
+  if [ -r "/proc/$wpid/cmdline" ] && tr '\0' ' ' < "/proc/$wpid/cmdline" | grep -qF -- "$D"; then
+    kill -TERM "$wpid" 2>/dev/null || true
+  fi
+  rm -f "$D/watchdog.pid"
+fi
+if [ -f "$D/node.env" ]; then "$HERE/node.sh" down "$D" || echo "[stop-cluster] node.sh down failed; continuing"; fi
 
 # Collect the PIDs to stop. A PID is only used if its command line still mentions this
 # state dir: after a reboot or a long time the number may belong to an unrelated process,
@@ -23,8 +36,6 @@ collect() {
   fi
   rm -f "$pidfile"
 }
-# The watchdog first: it would otherwise run this script a second time.
-collect watchdog
 for f in "$D"/fake-kubelet-*.pid; do
   if [ -e "$f" ]; then collect "$(basename "$f" .pid)"; fi
 done

@@ -32,6 +32,9 @@ CONFIG_DIR = "/etc/pagoda"
 MODEL_DIR = "/models"
 CACHE_DIR = "/var/cache/pagoda"
 DEFAULT_IMAGE = "ghcr.io/pagoda-serving/pagoda:0.1.0"
+# Seconds a terminating daemon keeps serving before it gets SIGTERM: time for the endpoints
+# controller (and every proxy or client watching Endpoints) to stop sending it new requests.
+PRE_STOP_DELAY_S = 5
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,12 @@ def deployment(
         "startupProbe": _probe("/health", 10, 180),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 3),
+        # A daemon that exits on bad input says why on stderr ("pagoda serve: model path ... has
+        # no config.json"); this puts the end of its log into the pod status, where the operator
+        # reads it into the Degraded condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Zero-downtime rolls and scale-downs: keep serving while the pod leaves the endpoints.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_DELAY_S)]}}},
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],

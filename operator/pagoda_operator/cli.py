@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from pagoda_operator.handlers import build_registry, operator_settings
     from pagoda_operator.kube import Kube, load_configuration
-    from pagoda_operator.leader import LeaderElector
+    from pagoda_operator.leader import LeaderElector, default_identity
     from pagoda_operator.reconcile import Context
 
     if args.kubeconfig:
@@ -150,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             namespaces=args.namespace,
             liveness_endpoint=args.liveness,
             stop_flag=stop,
+            # kopf would otherwise derive an identity from getpass.getuser(), which raises for a
+            # uid without a passwd entry (the chart runs the operator as uid 65532).
+            identity=elector.identity if elector is not None else default_identity(),
         )
     finally:
         renewing.set()

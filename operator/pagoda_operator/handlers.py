@@ -18,7 +18,9 @@ garbage collector remove the children.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,7 +32,7 @@ import kopf
 
 from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION
 from pagoda_operator.builders import INSTANCE_LABEL, MANAGED_BY
-from pagoda_operator.kube import ApiError, Kube
+from pagoda_operator.kube import ApiError, Kube, in_cluster_server
 from pagoda_operator.placement import NVLINK_LABEL, node_labels
 from pagoda_operator.reconcile import Context, Result, Retry, reconcile
 from pagoda_operator.telemetry import forget
@@ -166,7 +168,13 @@ def build_registry(
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> Any:
-        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        info = kopf.login_with_service_account(**kwargs)
+        if info is None:
+            return kopf.login_with_kubeconfig(**kwargs)
+        # kopf names the server kubernetes.default.svc, which needs cluster DNS; our own client
+        # (kube.Kube) uses the Service address the kubelet passes in. Use the same for both.
+        server = in_cluster_server(os.environ)
+        return dataclasses.replace(info, server=server) if server else info
 
     @kopf.on.startup(registry=registry)
     def start_ticker(**_: Any) -> None:

@@ -58,6 +58,21 @@ def path(kind: str, namespace: str | None = None, name: str | None = None, sub: 
     return p
 
 
+def in_cluster_server(env: Mapping[str, str]) -> str | None:
+    """The API server a pod talks to, as client-go and the ``kubernetes`` package find it: the
+    ``kubernetes`` Service's address from the variables the kubelet sets. None outside a pod.
+
+    Not the DNS name ``kubernetes.default.svc``: that needs cluster DNS, which a cluster may not run
+    (the local cluster of ``make quickstart`` has none).
+    """
+    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        return None
+    if ":" in host and not host.startswith("["):  # IPv6
+        host = f"[{host}]"
+    return f"https://{host}:{port}"
+
+
 def load_configuration(kubeconfig: str | None = None) -> k8s_client.Configuration:
     from kubernetes import client as k8s_client  # slow to import: only when connecting
     from kubernetes import config as k8s_config
@@ -168,6 +183,15 @@ class Kube:
                 raise
 
     # -- helpers -------------------------------------------------------------------------
+    def pod_warnings(self, namespace: str) -> list[dict[str, Any]]:
+        """Warning Events about pods in ``namespace`` (the kubelet's FailedMount and the like)."""
+        out = self.request(
+            "GET",
+            path("Event", namespace),
+            query={"fieldSelector": "involvedObject.kind=Pod,type=Warning"},
+        )
+        return list((out or {}).get("items") or [])
+
     def topologies(self) -> list[dict[str, Any]]:
         """Every NodeTopology; empty when the CRD is not installed."""
         try:

@@ -172,6 +172,14 @@ def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Resu
     else:
         replicas = int(((deployment or {}).get("spec") or {}).get("replicas") or 0)
 
+    pod_events: list[dict[str, Any]] = []
+    if status_mod.needs_pod_events(pods):
+        # A pod stuck before its containers start (a hostPath that is not there, a PVC that
+        # cannot attach) says why only in Events.
+        try:
+            pod_events = kube.pod_warnings(namespace)
+        except ApiError as e:
+            log.debug("cannot read Events in %s: %s", namespace, e)
     new = status_mod.compute(
         generation=generation,
         desired=replicas,
@@ -181,6 +189,7 @@ def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Resu
         previous=previous,
         now=now_iso,
         blocker=blocker,
+        pod_events=pod_events,
     )
     new["selector"] = builders.selector_string(name)
     if spec is not None:

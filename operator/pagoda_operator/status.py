@@ -3,7 +3,8 @@
 Ready is True only when the Deployment carries the pod template of the current generation and
 its ready, updated and total replicas all equal the desired count. Progressing is True while a
 rollout or a scale is under way. Degraded says, with a reason, why things are not converging:
-an invalid spec, no eligible node, pods that cannot be scheduled, crash loops, image pulls,
+an invalid spec, no eligible node, pods that cannot be scheduled, pods whose volumes cannot be
+mounted, crash loops (with the last lines the container wrote before it died), image pulls,
 replica failures or an exceeded progress deadline.
 """
 
@@ -25,6 +26,16 @@ CRASH_REASONS = {
     "CreateContainerError": "ContainerConfigError",
     "RunContainerError": "ContainerConfigError",
 }
+# Warning Events (reason -> our reason) that explain a pod stuck before its containers start: the
+# pod's own status then only says ContainerCreating, so these come from the namespace's Events.
+START_FAILURES = {
+    "FailedMount": "VolumeMountFailed",
+    "FailedAttachVolume": "VolumeMountFailed",
+    "FailedCreatePodSandBox": "PodSandboxFailed",
+}
+# Waiting reasons of a container whose pod has not started yet.
+NOT_STARTED = ("ContainerCreating", "PodInitializing")
+DETAIL_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -55,14 +66,67 @@ def rolled_out(deployment: Mapping[str, Any] | None, desired: int, desired_hash:
     return observed >= (meta.get("generation") or 0)
 
 
-def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[Problem]:
-    """Per-pod trouble: unschedulable, crash loops, image pulls. In pod-name order."""
+def _last_line(text: str | None) -> str:
+    """The last non-empty line of a container's termination message (with the daemon's
+    ``terminationMessagePolicy: FallbackToLogsOnError``: the end of its log), shortened."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    last = lines[-1]
+    return last if len(last) <= DETAIL_CHARS else last[: DETAIL_CHARS - 3] + "..."
+
+
+def waiting_to_start(pod: Mapping[str, Any]) -> bool:
+    """Bound to a node, not deleted, and no container started yet (volumes, sandbox, pull)."""
+    if pod["metadata"].get("deletionTimestamp") or not (pod.get("spec") or {}).get("nodeName"):
+        return False
+    st = pod.get("status") or {}
+    if st.get("phase") not in (None, "Pending"):
+        return False
+    statuses = (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or [])
+    return not statuses or any(
+        ((cs.get("state") or {}).get("waiting") or {}).get("reason") in NOT_STARTED for cs in statuses
+    )
+
+
+def needs_pod_events(pods: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether reading the namespace's Warning Events could explain something (cheap guard)."""
+    return any(waiting_to_start(p) for p in pods)
+
+
+def _start_failure(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> Problem | None:
+    meta = pod["metadata"]
+    mine = [
+        e
+        for e in events
+        if (e.get("involvedObject") or {}).get("name") == meta["name"]
+        and (e.get("involvedObject") or {}).get("uid") in (None, meta.get("uid"))
+        and e.get("reason") in START_FAILURES
+    ]
+    if not mine:
+        return None
+    latest = max(mine, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    message = (latest.get("message") or "").strip()
+    if len(message) > DETAIL_CHARS:
+        message = message[: DETAIL_CHARS - 3] + "..."
+    return Problem(START_FAILURES[latest["reason"]], f"pod {meta['name']}: {latest['reason']}: {message}")
+
+
+def pod_problems(
+    pods: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
+) -> list[Problem]:
+    """Per-pod trouble: unschedulable, volumes that cannot be mounted (from ``events``, the
+    namespace's Warning Events about pods), crash loops, image pulls. In pod-name order."""
     out = []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         if pod["metadata"].get("deletionTimestamp"):
             continue
         name = pod["metadata"]["name"]
         st = pod.get("status") or {}
+        if events and waiting_to_start(pod):
+            failure = _start_failure(pod, events)
+            if failure:
+                out.append(failure)
         for c in st.get("conditions") or []:
             if (
                 c.get("type") == "PodScheduled"
@@ -85,8 +149,10 @@ def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[Problem]:
             last = ((cs.get("lastState") or {}).get("terminated")) or {}
             if last.get("reason"):
                 msg += f", last exit {last.get('reason')} code {last.get('exitCode')}"
-            if waiting.get("message"):
-                msg += f": {waiting['message']}"
+            # What the container said before it died names the problem better than the back-off.
+            detail = _last_line(last.get("message")) or waiting.get("message")
+            if detail:
+                msg += f": {detail}"
             out.append(Problem(reason, msg))
     return out
 
@@ -146,17 +212,21 @@ def compute(
     previous: Mapping[str, Any] | None,
     now: str,
     blocker: Problem | None = None,
+    pod_events: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Conditions, counts and observedGeneration.
 
     ``blocker`` is a problem that stopped the operator from applying this generation (InvalidSpec,
     NoEligibleNodes): the children then still carry the previous spec, observedGeneration stays
     where it was, and Ready is False because the current generation is not served.
+    ``pod_events``: Warning Events about pods of the namespace (see :func:`needs_pod_events`).
     """
     previous = previous or {}
     prev_conds = previous.get("conditions") or []
     counts = _counts(deployment)
-    problems = ([blocker] if blocker else []) + deployment_problems(deployment) + pod_problems(pods)
+    problems = (
+        ([blocker] if blocker else []) + deployment_problems(deployment) + pod_problems(pods, pod_events)
+    )
     current = blocker is None and rolled_out(deployment, desired, desired_hash)
     ready = (
         current

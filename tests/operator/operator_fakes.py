@@ -106,6 +106,13 @@ class FakeKube:
     def topologies(self) -> list[dict[str, Any]]:
         return self.list("NodeTopology")
 
+    def pod_warnings(self, namespace: str) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.list("Event", namespace)
+            if (e.get("involvedObject") or {}).get("kind") == "Pod" and e.get("type") == "Warning"
+        ]
+
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
         if "name" not in meta and "generateName" in meta:

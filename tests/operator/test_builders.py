@@ -288,3 +288,12 @@ def test_merge_for_replace_keeps_what_others_own():
     assert body["metadata"]["labels"]["added-by-someone"] == "x"
     assert body["spec"]["clusterIP"] == "10.0.0.7"
     assert kids.service["metadata"].get("resourceVersion") is None  # the desired object is not mutated
+
+
+def test_daemon_says_why_it_died_and_leaves_endpoints_before_sigterm():
+    _, kids = build()
+    c = container(kids)
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(builders.PRE_STOP_DELAY_S)]
+    grace = kids.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > builders.PRE_STOP_DELAY_S

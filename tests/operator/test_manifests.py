@@ -313,3 +313,41 @@ def test_helm_template_options(helm):
     assert dep["spec"]["replicas"] == 2
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_topology_agent_runs_in_the_host_network_namespace(helm):
+    """A pod's own network namespace hides the node's NICs from /sys/class/net."""
+    ds = next(d for d in render(helm) if d["kind"] == "DaemonSet")
+    assert ds["spec"]["template"]["spec"]["hostNetwork"] is True
+    assert ds["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+
+
+def test_quickstart_example_is_the_cpu_variant_of_the_example():
+    """examples/quickstart-inferenceservice.yaml (what `make quickstart` applies) is valid, and
+    differs from examples/inferenceservice.yaml only where its header says."""
+    quick = load(ROOT / "examples" / "quickstart-inferenceservice.yaml")
+    assert validate(quick, isvc_schema()) == []
+    from pagoda_operator.spec import parse
+
+    s = parse(quick["metadata"]["name"], "default", quick["spec"])
+    assert s.gpus == 0 and s.device == "cpu" and s.model.source == "hostPath" and s.autoscaling is None
+    full = load(EXAMPLE)["spec"]
+    for key in ("port",):
+        assert quick["spec"][key] == full[key]
+    assert quick["spec"]["pod"]["env"] == full["pod"]["env"]
+    assert set(quick["spec"]) <= set(full)
+
+
+def test_local_cluster_values_render(helm):
+    """The values the quickstart and the real-container e2e tests install the chart with."""
+    values = ROOT / "e2e" / "quickstart" / "values.yaml"
+    out = helm("template", "rel", str(CHART), "--namespace", "pagoda-system", "-f", str(values))
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == "pagoda-operator:dev" and c["imagePullPolicy"] == "Never"
+    assert "--daemon-image=pagoda-daemon:dev" in c["args"] and "--image-pull-policy=Never" in c["args"]
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["key"] == "pagoda.dev/local-node"

@@ -337,3 +337,39 @@ def test_child_rejected_by_the_api_server_is_invalid_spec(fake_kube, monkeypatch
         and "labels: Invalid value" in deg["message"]
     )
     assert r.events[0][:2] == ("Warning", "InvalidSpec")
+
+
+def test_a_volume_that_cannot_be_mounted_is_degraded(fake_kube):
+    """A hostPath that is not there: the pod stays ContainerCreating; only an Event says why."""
+    fake_kube.put(isvc(replicas=1))
+    ctx = make(fake_kube)
+    reconcile(ctx, "default", "llama", "create")
+    labels = fake_kube.objects[("Deployment", "default", "llama")]["spec"]["template"]["metadata"]["labels"]
+    fake_kube.put(
+        {
+            "kind": "Pod",
+            "metadata": {"name": "llama-0", "namespace": "default", "labels": labels, "uid": "u0"},
+            "spec": {"nodeName": "node-1"},
+            "status": {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {"name": "daemon", "state": {"waiting": {"reason": "ContainerCreating"}}}
+                ],
+            },
+        }
+    )
+    fake_kube.put(
+        {
+            "kind": "Event",
+            "metadata": {"name": "llama-0.1", "namespace": "default"},
+            "involvedObject": {"kind": "Pod", "name": "llama-0", "uid": "u0"},
+            "type": "Warning",
+            "reason": "FailedMount",
+            "message": 'MountVolume.SetUp failed for volume "model" : hostPath type check failed: /m is not a directory',
+        }
+    )
+    r = reconcile(ctx, "default", "llama", "pod")
+    deg = condition(status(fake_kube), "Degraded")
+    assert (deg["status"], deg["reason"]) == ("True", "VolumeMountFailed")
+    assert "/m is not a directory" in deg["message"]
+    assert ("Warning", "VolumeMountFailed") in [(t, reason) for t, reason, _ in r.events]

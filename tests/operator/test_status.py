@@ -262,3 +262,112 @@ def test_last_transition_time_moves_only_with_status():
 def test_counts_default_to_zero():
     st = run({"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": {}}, desired=1)
     assert (st["replicas"], st["readyReplicas"], st["updatedReplicas"], st["desiredReplicas"]) == (0, 0, 0, 1)
+
+
+def test_crash_loop_names_what_the_container_said():
+    """With terminationMessagePolicy FallbackToLogsOnError the last log line is the message."""
+    log_tail = "loading...\nTraceback (most recent call last):\n  ...\npagoda serve: model path '/models' has no config.json\n"
+    p = pod(
+        "x",
+        containerStatuses=[
+            {
+                "name": "daemon",
+                "restartCount": 2,
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s restarting"}},
+                "lastState": {"terminated": {"reason": "Error", "exitCode": 2, "message": log_tail}},
+            }
+        ],
+    )
+    deg = condition(run(dep(ready=0), pods=[p]), "Degraded")
+    assert deg["reason"] == "CrashLoopBackOff"
+    assert deg["message"] == (
+        "pod x container daemon: CrashLoopBackOff (restarted 2 times), last exit Error code 2: "
+        "pagoda serve: model path '/models' has no config.json"
+    )
+
+
+def test_long_termination_messages_are_shortened():
+    p = pod(
+        "x",
+        containerStatuses=[
+            {
+                "name": "daemon",
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {"reason": "Error", "exitCode": 1, "message": "E" * 1000}},
+            }
+        ],
+    )
+    msg = condition(run(dep(ready=0), pods=[p]), "Degraded")["message"]
+    assert msg.endswith("E...") and len(msg) < 400
+
+
+def starting(name="x", uid="u-x"):
+    return {
+        "metadata": {"name": name, "uid": uid},
+        "spec": {"nodeName": "node-1"},
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [{"name": "daemon", "state": {"waiting": {"reason": "ContainerCreating"}}}],
+        },
+    }
+
+
+def warning(pod_name, reason, message, uid="u-x", ts="2024-05-01T11:59:00Z"):
+    return {
+        "involvedObject": {"kind": "Pod", "name": pod_name, "uid": uid},
+        "type": "Warning",
+        "reason": reason,
+        "message": message,
+        "lastTimestamp": ts,
+    }
+
+
+def test_pods_stuck_before_start_are_explained_by_their_events():
+    from pagoda_operator.status import needs_pod_events
+
+    stuck = starting()
+    assert needs_pod_events([stuck]) and not needs_pod_events([pod("y")])
+    events = [
+        warning("x", "FailedMount", "old message", ts="2024-05-01T11:00:00Z"),
+        warning(
+            "x",
+            "FailedMount",
+            'MountVolume.SetUp failed for volume "model" : hostPath type check failed: /data/m is not a directory',
+        ),
+        warning("other", "FailedMount", "not ours", uid="u-other"),
+        warning("x", "FailedMount", "an earlier pod of the same name", uid="u-old"),
+        warning("x", "BackOff", "not a start failure"),
+    ]
+    st = compute(
+        generation=1,
+        desired=1,
+        desired_hash=H,
+        deployment=dep(replicas=1, ready=0),
+        pods=[stuck],
+        previous=None,
+        now=NOW,
+        pod_events=events,
+    )
+    deg = condition(st, "Degraded")
+    assert (deg["status"], deg["reason"]) == ("True", "VolumeMountFailed")
+    assert deg["message"] == (
+        'pod x: FailedMount: MountVolume.SetUp failed for volume "model" : hostPath type check failed: '
+        "/data/m is not a directory"
+    )
+    # Without events (or once the pod runs) there is nothing to report.
+    assert condition(run(dep(replicas=1, ready=0), desired=1, pods=[stuck]), "Degraded")["status"] == "False"
+    running = {
+        **stuck,
+        "status": {"phase": "Running", "containerStatuses": [{"name": "daemon", "state": {"running": {}}}]},
+    }
+    st = compute(
+        generation=1,
+        desired=1,
+        desired_hash=H,
+        deployment=dep(replicas=1, ready=0),
+        pods=[running],
+        previous=None,
+        now=NOW,
+        pod_events=events,
+    )
+    assert condition(st, "Degraded")["status"] == "False" and not needs_pod_events([running])

@@ -300,3 +300,24 @@ def test_captured_reports_replay(path, schema):
     assert len(plan.workers) == max(1, len(report.gpus))
     for pin in plan.workers:
         assert pin.cpus is None or pin.cpus <= report.allowed_cpus
+
+
+def test_publish_at_start_says_forbidden_in_one_line(monkeypatch, caplog):
+    """A daemon whose ServiceAccount may not write NodeTopology logs one short line, not the
+    API server's whole response (the chart's topology agent publishes the object)."""
+    import logging
+
+    from pagoda_daemon.topology import publish
+
+    class Forbidden(Exception):
+        status, reason = 403, "Forbidden"
+
+    def connect():
+        raise Forbidden("(403)\nReason: Forbidden\nHTTP response headers: ...\nHTTP response body: {...}")
+
+    monkeypatch.setenv("NODE_NAME", "node-1")
+    monkeypatch.setattr(publish, "connect", connect)
+    with caplog.at_level(logging.WARNING, logger=publish.log.name):
+        assert publish.publish_at_start() is None
+    (record,) = caplog.records
+    assert record.getMessage() == "not publishing NodeTopology for node-1: 403 Forbidden (the topology agent publishes it)"

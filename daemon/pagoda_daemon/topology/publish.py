@@ -178,5 +178,12 @@ def publish_at_start(sysfs_root: str = "/") -> str | None:
         log.info("NodeTopology %s: %s", node, result)
         return result
     except Exception as exc:  # the daemon serves whether or not the report could be written
-        log.warning("could not publish NodeTopology for %s: %s", node, exc)
+        status, reason = getattr(exc, "status", None), getattr(exc, "reason", None)
+        if status in (401, 403):
+            # The usual case: the pod's ServiceAccount may not write NodeTopology; the chart's
+            # topology agent does it. One line, not the API server's whole response.
+            log.warning("not publishing NodeTopology for %s: %s %s (the topology agent publishes it)",
+                        node, status, reason)
+        else:
+            log.warning("could not publish NodeTopology for %s: %s", node, exc)
         return None

@@ -1,0 +1,303 @@
+"""The main job with real containers: the chart's operator runs an InferenceService on a real
+kubelet (``local_cluster``: Debian's dockerd, the images built here, the tiny Qwen3 on a host
+path), and the official ``openai`` client talks to the daemons.
+
+There is no kube-proxy, so Service ClusterIPs route nowhere: clients find the ready pods in the
+Service's Endpoints (which the endpoints controller keeps from the Service's selector and the
+pods' readiness, as kube-proxy would) and talk to the pod IPs, which this machine reaches over
+the node's bridge. The tests in this module build on each other, in file order, around one
+InferenceService: apply, scale, roll, kill a container, delete.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "quickstart-inferenceservice.yaml"
+NAME = "tiny-qwen3"
+PORT = 8000
+MESSAGES = [{"role": "user", "content": "What is paged attention?"}]
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+
+def manifest(local_cluster, name: str = NAME, model_path: str | None = None) -> dict[str, Any]:
+    """examples/quickstart-inferenceservice.yaml, with this session's model directory."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["model"]["hostPath"]["path"] = model_path or str(local_cluster.model_dir)
+    return doc
+
+
+def isvc(local_cluster, ns: str, name: str = NAME) -> dict[str, Any]:
+    return local_cluster.kubectl_json("get", "inferenceservice", name, "-n", ns)
+
+
+def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def wait_ready(local_cluster, ns: str, replicas: int, timeout: float = 240, name: str = NAME) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        obj = isvc(local_cluster, ns, name)
+        st = obj.get("status") or {}
+        ok = (
+            cond(obj, "Ready").get("status") == "True"
+            and st.get("observedGeneration") == obj["metadata"]["generation"]
+            and st.get("readyReplicas") == replicas
+            and len(local_cluster.endpoints(name, ns)) == replicas
+        )
+        return obj if ok else None
+
+    try:
+        return local_cluster.wait_for(ready, timeout=timeout, interval=0.5, what=f"{ns}/{name} Ready with {replicas}")
+    except TimeoutError:
+        pods = local_cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout
+        status = json.dumps(isvc(local_cluster, ns, name).get("status"), indent=1)
+        raise AssertionError(f"not Ready:\n{status}\n{pods}") from None
+
+
+def client(ip: str) -> openai.OpenAI:
+    # No keep-alive: every request opens a connection to the pod it names, as a client behind a
+    # connection-level load balancer would, and nothing outlives a pod going away.
+    return openai.OpenAI(
+        base_url=f"http://{ip}:{PORT}/v1",
+        api_key="none",
+        max_retries=0,
+        timeout=30,
+        http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=30),
+    )
+
+
+def ask(ip: str, max_tokens: int = 8) -> str:
+    reply = client(ip).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=max_tokens, temperature=0)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    return reply.choices[0].message.content or ""
+
+
+def requests_served(ip: str) -> float:
+    text = httpx.get(f"http://{ip}:{PORT}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
+    )
+
+
+@pytest.fixture(scope="module")
+def ns(local_cluster):
+    name = local_cluster.create_namespace("real")
+    yield name
+    local_cluster.delete_namespace(name)
+
+
+def test_apply_ready_and_complete(local_cluster, ns):
+    local_cluster.apply(manifest(local_cluster), namespace=ns)
+    obj = wait_ready(local_cluster, ns, replicas=1)
+    assert cond(obj, "Degraded")["status"] == "False"
+    (ip,) = local_cluster.endpoints(NAME, ns)
+    pod = local_cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"pagoda.dev/inferenceservice={NAME}")["items"][0]
+    assert pod["status"]["podIP"] == ip and pod["spec"]["nodeName"] == local_cluster.node
+    # A real container of the image the chart's operator was told to use.
+    assert pod["status"]["containerStatuses"][0]["image"].endswith(local_cluster.daemon_image)
+
+    c = client(ip)
+    assert [m.id for m in c.models.list().data] == [NAME]
+    plain = c.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=16, temperature=0)
+    assert plain.usage.completion_tokens == 16 and plain.choices[0].finish_reason == "length"
+    chunks = [
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=16, temperature=0, stream=True
+        )
+        if ch.choices
+    ]
+    assert len(chunks) > 1 and "".join(chunks) == plain.choices[0].message.content
+    # The status the operator keeps: placement from the daemon, the endpoint of the Service.
+    assert obj["status"]["endpoint"] == f"http://{NAME}.{ns}.svc:{PORT}"
+    assert [p["node"] for p in obj["status"]["placement"]] == [local_cluster.node]
+
+
+def test_pod_network_stays_on_this_machine(local_cluster, ns):
+    """Pods route through the node IP only; the node changed no iptables rule and no kernel
+    setting of this machine (ip_forward, the kubelet's and dockerd's favourite sysctls); logs and
+    exec go through the kubelet as on any cluster."""
+    assert local_cluster.host_settings() == local_cluster.host_settings_before
+    pod = local_cluster.kubectl_json("get", "pods", "-n", ns)["items"][0]["metadata"]["name"]
+    routes = local_cluster.kubectl("exec", "-n", ns, pod, "--", "cat", "/proc/net/route").stdout.splitlines()[1:]
+    gateways = {r.split()[2] for r in routes if r.split()[1] == "00000000"}  # default route: little-endian hex
+    node_ip_hex = "".join(f"{int(b):02X}" for b in reversed(local_cluster.node_ip.split(".")))
+    assert gateways == {node_ip_hex}, routes
+    # The API server reaches the kubelet (logs, exec) with its client certificate.
+    local_cluster.kubectl("logs", "-n", ns, pod)
+
+
+def test_scale_to_two_and_both_serve(local_cluster, ns):
+    local_cluster.kubectl("scale", f"inferenceservice/{NAME}", "-n", ns, "--replicas=2")
+    wait_ready(local_cluster, ns, replicas=2)
+    ips = local_cluster.endpoints(NAME, ns)
+    assert len(set(ips)) == 2
+    for ip in ips:
+        before = requests_served(ip)
+        assert ask(ip)
+        assert requests_served(ip) == before + 1  # this very pod served it
+
+
+def test_spec_change_rolls_without_failed_requests(local_cluster, ns):
+    """A client loops over the ready endpoints while the pods are replaced one by one."""
+    old_pods = {p["metadata"]["name"] for p in local_cluster.kubectl_json("get", "pods", "-n", ns)["items"]}
+    stop = threading.Event()
+    served: Counter[str] = Counter()
+    failures: list[str] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            ips = local_cluster.endpoints(NAME, ns)
+            if not ips:
+                failures.append("no ready endpoint")
+                time.sleep(0.2)
+                continue
+            ip = random.choice(ips)
+            try:
+                ask(ip, max_tokens=4)
+                served[ip] += 1
+            except Exception as e:
+                failures.append(f"{ip}: {type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        time.sleep(2)
+        local_cluster.kubectl(
+            "patch", "inferenceservice", NAME, "-n", ns, "--type=merge", "-p",
+            json.dumps({"spec": {"engine": {"maxNumSeqs": 8}}}),
+        )
+
+        def rolled() -> bool:
+            pods = local_cluster.kubectl_json("get", "pods", "-n", ns)["items"]
+            names = {p["metadata"]["name"] for p in pods}
+            return not names & old_pods and len(names) == 2
+
+        local_cluster.wait_for(rolled, timeout=300, interval=0.5, what="old pods replaced")
+        wait_ready(local_cluster, ns, replicas=2)
+        time.sleep(2)
+    finally:
+        stop.set()
+        thread.join(60)
+    config = local_cluster.kubectl_json("get", "configmap", f"{NAME}-config", "-n", ns)["data"]["engine.yaml"]
+    assert "max_num_seqs: 8" in config
+    assert failures == [], f"{len(failures)} failed requests during the roll, e.g. {failures[:3]}"
+    new_ips = set(local_cluster.endpoints(NAME, ns))
+    assert sum(served.values()) >= 10 and set(served) & new_ips and set(served) - new_ips, served
+
+
+def _daemon_container(local_cluster, ns: str, pod: str) -> str:
+    out = local_cluster.docker(
+        "ps", "-q", "--filter", f"label=io.kubernetes.pod.namespace={ns}",
+        "--filter", f"label=io.kubernetes.pod.name={pod}", "--filter", "label=io.kubernetes.container.name=daemon",
+    ).stdout.split()
+    assert len(out) == 1, out
+    return out[0]
+
+
+def test_killed_daemon_container_restarts_and_status_recovers(local_cluster, ns):
+    pod = local_cluster.kubectl_json("get", "pods", "-n", ns)["items"][0]["metadata"]["name"]
+    local_cluster.docker("kill", _daemon_container(local_cluster, ns, pod))
+    seen: list[tuple[str, str, str]] = []
+
+    def back_to_ready() -> bool:
+        obj = isvc(local_cluster, ns)
+        state = (cond(obj, "Ready").get("status"), cond(obj, "Progressing").get("status"),
+                 cond(obj, "Degraded").get("status"))
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        return state[0] == "True" and any(s[0] == "False" for s in seen)
+
+    local_cluster.wait_for(back_to_ready, timeout=180, interval=0.2, what="Ready False, then True again")
+    # On the way: not Ready, and either Progressing (waiting for the pod) or Degraded said so.
+    assert any(r == "False" and ("True" in (p, d)) for r, p, d in seen), seen
+    restarted = local_cluster.kubectl_json("get", "pod", pod, "-n", ns)
+    assert restarted["status"]["containerStatuses"][0]["restartCount"] >= 1
+    wait_ready(local_cluster, ns, replicas=2)
+    assert ask(restarted["status"]["podIP"])
+
+
+def test_delete_removes_everything(local_cluster, ns):
+    local_cluster.kubectl("delete", "inferenceservice", NAME, "-n", ns, "--wait=true", "--timeout=60s")
+    selector = f"pagoda.dev/inferenceservice={NAME}"
+
+    def gone() -> bool:
+        left = local_cluster.kubectl(
+            "get", "deployment,replicaset,pod,service,configmap", "-n", ns, "-l", selector, "-o", "name"
+        ).stdout.split()
+        containers = local_cluster.docker("ps", "-aq", "--filter", f"label=io.kubernetes.pod.namespace={ns}").stdout.split()
+        return not left and not containers
+
+    local_cluster.wait_for(gone, timeout=120, interval=1, what="children, pods and containers gone")
+    assert local_cluster.endpoints(NAME, ns) == []
+
+
+def test_bad_model_path_is_degraded_with_the_reason(local_cluster, tmp_path):
+    """Two ways to get the path wrong: nothing there (the kubelet cannot mount it), or a
+    directory without a model (the daemon exits saying so)."""
+    ns = local_cluster.create_namespace("bad-model")
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    empty.chmod(0o755)
+    missing = "/var/lib/pagoda/models/no-such-model"
+    try:
+        local_cluster.apply([manifest(local_cluster, "missing", missing), manifest(local_cluster, "empty", str(empty))],
+                            namespace=ns)
+
+        def degraded(name: str) -> dict[str, Any] | None:
+            c = cond(isvc(local_cluster, ns, name), "Degraded")
+            return c if c.get("status") == "True" else None
+
+        mount = local_cluster.wait_for(lambda: degraded("missing"), timeout=120, what="missing: Degraded")
+        assert mount["reason"] == "VolumeMountFailed", mount
+        assert missing in mount["message"] and "not a directory" in mount["message"]
+
+        crash = local_cluster.wait_for(lambda: degraded("empty"), timeout=180, what="empty: Degraded")
+        assert crash["reason"] in ("CrashLoopBackOff", "ContainerConfigError"), crash
+        assert "has no config.json" in crash["message"], crash
+        for name in ("missing", "empty"):
+            assert cond(isvc(local_cluster, ns, name), "Ready")["status"] == "False"
+    finally:
+        local_cluster.delete_namespace(ns)
+
+
+def test_node_topology_from_the_agent_matches_the_host(local_cluster):
+    """The chart's topology agent (a DaemonSet on the real node) writes NodeTopology/<node>; its
+    spec is what `pagoda topology --json` reports on this machine, less the process fields."""
+    obj = local_cluster.wait_for(
+        lambda: local_cluster.kubectl_json("get", "nodetopology", local_cluster.node), timeout=120,
+        what=f"NodeTopology {local_cluster.node}",
+    )
+    host = json.loads(
+        subprocess.run([sys.executable, "-m", "pagoda_daemon", "topology", "--json"], capture_output=True,
+                       text=True, check=True).stdout
+    )
+    for key in ("hostname", "allowedCpus", "visibility", "warnings"):
+        host.pop(key, None)
+    spec = dict(obj["spec"])
+    summary = spec.pop("summary")
+    for gpu in spec.get("gpus", []):
+        gpu.pop("fabricPeers", None)
+    assert spec == host
+    assert summary["gpuCount"] == len(host["gpus"]) and summary["numaNodeCount"] == len(host["numaNodes"])
+    assert obj["status"]["lastHeartbeatTime"] and obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == (
+        "pagoda-topology-agent"
+    )
