@@ -238,11 +238,10 @@ class EngineCore:
                 s.request.first_scheduled_time = now
         launched = self.runner.execute(sched)
         outputs = self._finish_in_flight()
-        if self.async_scheduling and not sched.is_empty and not self.scheduler.num_needing_host_tokens:
-            self._in_flight = (sched, launched)
-            return outputs
-        with phase("pagoda.update"):
-            return outputs + self._outputs(sched, launched.result())
+        self._in_flight = (sched, launched)
+        if not self.async_scheduling or sched.is_empty or self.scheduler.num_needing_host_tokens:
+            outputs += self._finish_in_flight()  # this step's own outputs, now
+        return outputs
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:

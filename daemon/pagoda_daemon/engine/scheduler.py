@@ -117,13 +117,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending_tokens and self._will_finish_by_length(req):
+            if req.num_pending_tokens and self._length_reached(req, req.num_pending_tokens):
                 i += 1  # its pending token ends it: nothing more to compute
                 continue
             num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
-                i += 1
-                continue
             new_blocks = self.kv_cache.allocate_slots(req, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # latest arrival loses its blocks
@@ -173,12 +170,11 @@ class Scheduler:
             req.num_pending_tokens += 1
         return ScheduledRequest(req, num_new, block_ids, is_new, start, samples)
 
-    def _will_finish_by_length(self, req: Request) -> bool:
-        """Whether the tokens already sampled (some still pending) reach max_tokens or max_model_len."""
-        num_output = req.num_output_tokens + req.num_pending_tokens
+    def _length_reached(self, req: Request, num_pending: int = 0) -> bool:
+        """Whether the request's tokens, with `num_pending` still to arrive, reach max_tokens or max_model_len."""
         max_tokens = req.sampling_params.max_tokens
-        return (max_tokens is not None and num_output >= max_tokens) or (
-            req.num_tokens + req.num_pending_tokens >= self.max_model_len
+        return (max_tokens is not None and req.num_output_tokens + num_pending >= max_tokens) or (
+            req.num_tokens + num_pending >= self.max_model_len
         )
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -224,9 +220,7 @@ class Scheduler:
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
+        if self._length_reached(req):
             return RequestStatus.FINISHED_LENGTH
         return None
 

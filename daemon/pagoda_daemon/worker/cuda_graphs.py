@@ -50,10 +50,6 @@ class CudaGraphRunner:
         self.num_replays = 0
         self.input_addresses: dict[str, int] = {}  # where the graphs read their inputs (tests check)
 
-    @property
-    def captured(self) -> bool:
-        return bool(self.graphs)
-
     def padded_size(self, num_seqs: int) -> int | None:
         """The graph size a decode step of num_seqs sequences replays, or None (run eagerly)."""
         if not self.graphs or num_seqs > self.max_batch_size:

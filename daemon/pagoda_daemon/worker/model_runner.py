@@ -140,7 +140,7 @@ class StagingBuffers:
         return dev[: len(rows), :width]
 
     def flip(self) -> None:
-        """Switch every host buffer to its other half (GPU only; see the class docstring)."""
+        """Switch every host buffer to its other half (a no-op on CPU; see the class docstring)."""
         for buf in self._all:
             if len(buf) == 5:
                 buf[0], buf[1], buf[3], buf[4] = buf[3], buf[4], buf[0], buf[1]
@@ -254,8 +254,7 @@ class ModelRunner:
         """Fill the staging buffers for this step. With pad_to (a CUDA-graph size), rows past
         the batch up to pad_to become padding the graph can run over harmlessly."""
         b = self.buffers
-        if self.device.type == "cuda":
-            b.flip()
+        b.flip()
         ids_np, pos_np, slot_np = b.input_ids[1], b.positions[1], b.slot_mapping[1]
         qsl_np, lens_np, bt_np, li_np = b.query_start_loc[1], b.seq_lens[1], b.block_tables[1], b.logits_indices[1]
         num_seqs = len(sched.scheduled)
