@@ -384,13 +384,19 @@ def kube_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     finally:
         cluster.stop()
         _CURRENT = None
-        if request.session.testsfailed:
-            reporter = request.config.pluginmanager.getplugin("terminalreporter")
-            if reporter:
-                reporter.write_line(f"kube_cluster: logs of the failed run kept in {cluster.logs_dir}")
-        else:
-            # etcd preallocates 64 MB of WAL; keep certs and logs, drop the data.
-            shutil.rmtree(state_dir / "etcd", ignore_errors=True)
+        _keep_logs_or_drop_data(request, "kube_cluster", cluster, state_dir)
+
+
+def _keep_logs_or_drop_data(request: pytest.FixtureRequest, name: str, cluster: KubeCluster,
+                            state_dir: Path) -> None:
+    """After a stopped cluster: point at its logs when the run failed; otherwise drop etcd's
+    data (64 MB of preallocated WAL), keeping certs and logs."""
+    if request.session.testsfailed:
+        reporter = request.config.pluginmanager.getplugin("terminalreporter")
+        if reporter:
+            reporter.write_line(f"{name}: logs of the failed run kept in {cluster.logs_dir}")
+    else:
+        shutil.rmtree(state_dir / "etcd", ignore_errors=True)
 
 
 _LOCAL: LocalCluster | None = None
@@ -423,12 +429,7 @@ def local_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     finally:
         cluster.stop()
         _LOCAL = None
-        if request.session.testsfailed:
-            reporter = request.config.pluginmanager.getplugin("terminalreporter")
-            if reporter:
-                reporter.write_line(f"local_cluster: logs of the failed run kept in {cluster.logs_dir}")
-        else:
-            shutil.rmtree(state_dir / "etcd", ignore_errors=True)
+        _keep_logs_or_drop_data(request, "local_cluster", cluster, state_dir)
 
 
 @pytest.fixture
