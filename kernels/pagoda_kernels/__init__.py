@@ -3,12 +3,13 @@
 | module | kernels |
 |---|---|
 | `cache_write` | K/V of a step into their paged-cache slots (slot mapping), fp8 quantisation |
-| `decode_attention` | paged decode attention, split-KV (flash-decoding) with a reduce kernel |
+| `decode_attention` | paged decode attention: a per-step work plan, balanced chunks (flash-decoding), a combine kernel |
 | `prefill_attention` | paged prefill/extend attention (varlen, causal, cached prefix) and varlen on fresh K/V |
 | `rmsnorm` | RMSNorm with optional fused residual add |
 | `rope` | neox-style rotary embedding from a cos/sin table |
 | `activation` | SiLU-and-mul |
 | `fused_moe` | softmax top-k routing, moe_align block padding, grouped expert GEMMs, the fused MoE |
+| `sampling` | temperature sampling and greedy decoding in one read of the logits (Gumbel-max) |
 | `reference` | the pure-torch twins of all of the above (no Triton needed) |
 | `bench` | the GPU benchmark script (prints JSON) |
 

@@ -95,6 +95,7 @@ def _launch_everything(torch) -> None:
         prefill_attention,
         rmsnorm,
         rope,
+        sampling,
     )
     from pagoda_kernels.reference import rope_cos_sin_ref
 
@@ -108,9 +109,8 @@ def _launch_everything(torch) -> None:
             qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
             q = torch.zeros(2, 32, d, dtype=q_dtype)
             kv = torch.zeros(2, 8, d, dtype=q_dtype)
-            for splits, window in ((1, None), (4, 100)):
-                decode_attention.paged_decode_attention(q, cache, tables, seq_lens, 0.1, window, 0.5, 0.5,
-                                                        num_splits=splits)
+            for window in (None, 100):
+                decode_attention.paged_decode_attention(q, cache, tables, seq_lens, 0.1, window, 0.5, 0.5)
                 prefill_attention.paged_prefill_attention(q, cache, tables, qsl, seq_lens, 0.1, window, 0.5, 0.5,
                                                           max_query_len=1)
                 prefill_attention.varlen_attention(q, kv, kv, qsl, 0.1, window, max_query_len=1)
@@ -123,6 +123,10 @@ def _launch_everything(torch) -> None:
         rmsnorm.rmsnorm(x, torch.zeros(hidden, dtype=bf16), 1e-6, x)
         rmsnorm.rmsnorm(x, torch.zeros(hidden, dtype=bf16), 1e-6)
     activation.silu_and_mul(torch.zeros(2, 1536, dtype=bf16))
+    for logits_dtype in (bf16, torch.float16, torch.float32):
+        for rows in (1, 256):  # one chunk per row (direct) and several (two stages)
+            sampling.sample_tokens(torch.zeros(rows, 151936 if rows > 1 else 2000, dtype=logits_dtype),
+                                   torch.zeros(rows), seed=1)
     for tokens in (4, 512):
         x = torch.zeros(tokens, 2048, dtype=bf16)
         ids = torch.zeros(tokens, 8, dtype=torch.int32)

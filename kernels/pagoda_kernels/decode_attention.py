@@ -1,21 +1,28 @@
 """Paged decode attention: one query token per sequence over a paged KV cache.
 
-Flash-decoding: the grid is (sequence, KV head, split). Each program takes every query head
-of one KV head (GQA/MQA heads packed into the rows of a tensor-core tile), walks its share
-of the context in tiles of BLOCK_N tokens (a tile may span pages), and keeps an online
-softmax. With one split the program writes the output directly; with several, each writes
-its partial output and log-sum-exp and a second kernel combines them.
+Flash-decoding with a work plan. A sequence's context is cut into chunks of a common
+number of tiles (BLOCK_N tokens each; a tile may span pages), and every (chunk, KV head)
+is one program, so a few long sequences among many short ones (what a serving batch
+looks like) still spread evenly over the SMs: no program holds more than about 1/16 of
+an SM's share of the step. A program takes every query head of its KV head (GQA/MQA
+heads packed into the rows of a tensor-core tile) and keeps an online softmax over its
+chunk. A sequence with one chunk writes its output directly; otherwise each chunk writes
+a partial output and log-sum-exp and a second kernel combines them.
+
+`plan_decode` computes the plan on the device from seq_lens (one small kernel, no host
+sync), so a CUDA graph captures it with the attention kernels and replays it with the
+lengths of the step; the launch grid depends on the number of sequences only.
 
 Head sizes need not be powers of two (64, 80, 96, 128, 256 ...): the head dim is padded to
 the next power of two and masked. Sliding window: only the last `sliding_window` positions
-are visible. fp8 caches (e4m3, per-tensor k_scale/v_scale) are dequantised on load.
+are visible (the plan ignores the window; chunks wholly outside it return empty). fp8
+caches (e4m3, per-tensor k_scale/v_scale) are dequantised on load.
 Twin: `reference.paged_attention_ref` with one query per sequence.
-
-CUDA graphs: the launch depends on num_seqs and num_splits only; pass a fixed `num_splits`
-when capturing (the kernel accepts any context length with any split count).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,36 +33,120 @@ from pagoda_kernels._paged import load_paged_tile
 from pagoda_kernels._utils import cdiv, is_fp8, next_pow2, num_sms, scale_tensor
 
 LOG2E = 1.4426950408889634
+# A chunk holds at most 1/WORK_PER_SM of one SM's share of the step's tiles (so the tail
+# after the last wave is short) and at least MIN_CHUNK_TILES tiles (so a chunk's fixed
+# costs, loading q and combining partial results, stay small against its reads).
+WORK_PER_SM = 16
+MIN_CHUNK_TILES = 2
+# Short chunks cost: each program pays a prologue (lookups, the first loads) and a partial
+# result to combine. When the step has work enough for LONG_CHUNK_PROGRAMS_PER_SM programs
+# of LONG_CHUNK_TILES tiles on every SM, chunks are at least that long (an H200 at batch 64
+# x 4,096 tokens: 0.97 of the copy rate in one chunk a sequence, 0.86 in 16-tile chunks).
+LONG_CHUNK_TILES = 32
+LONG_CHUNK_PROGRAMS_PER_SM = 4
+
+
+@dataclass
+class DecodePlan:
+    """Where each sequence's chunks sit in the flat work list, on the device.
+
+    num_chunks[s]: chunks of sequence s; chunk_ends[s]: inclusive prefix sum of num_chunks
+    (sequence s owns work items chunk_ends[s] - num_chunks[s] .. chunk_ends[s] - 1);
+    chunk_tiles[s]: tiles per chunk of sequence s (its tiles spread evenly over its chunks);
+    work_items[w]: sequence << 16 | chunk << 1 | (1 if the sequence has one chunk), valid
+    below chunk_ends[-1] (one load tells a program what to do). max_work bounds the work
+    items for any lengths (the grid width).
+    """
+
+    num_chunks: torch.Tensor  # [S] int32
+    chunk_ends: torch.Tensor  # [S] int32
+    chunk_tiles: torch.Tensor  # [S] int32
+    work_items: torch.Tensor  # [max_work] int32
+    num_seqs: int
+    max_work: int
+    block_n: int
+    num_kv_heads: int
 
 
 @triton.jit
-def _decode_split_kernel(
+def _decode_plan_kernel(seq_lens_ptr, num_chunks_ptr, chunk_ends_ptr, chunk_tiles_ptr, work_items_ptr,
+                        num_seqs, programs, long_work,
+                        NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                        LONG_TILES: tl.constexpr, BLOCK_S: tl.constexpr):
+    offs = tl.arange(0, BLOCK_S)
+    mask = offs < num_seqs
+    lens = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
+    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    total = tl.sum(tiles, 0) * NUM_KV_HEADS
+    chunk = tl.maximum((total + programs - 1) // programs, MIN_TILES)  # the largest chunk allowed
+    if total >= long_work:
+        chunk = tl.maximum(chunk, LONG_TILES)
+    n = (tiles + chunk - 1) // chunk
+    ends = tl.cumsum(n, 0)
+    tl.store(num_chunks_ptr + offs, n, mask=mask)
+    tl.store(chunk_ends_ptr + offs, ends, mask=mask)
+    tl.store(chunk_tiles_ptr + offs, (tiles + n - 1) // tl.maximum(n, 1), mask=mask)
+    item = (offs << 16) | (n == 1).to(tl.int32)
+    for c in range(0, tl.max(n, 0)):
+        tl.store(work_items_ptr + ends - n + c, item | (c << 1), mask=mask & (c < n))
+
+
+def plan_decode(seq_lens: torch.Tensor, num_kv_heads: int, block_n: int,
+                work_per_sm: int = WORK_PER_SM, min_chunk_tiles: int = MIN_CHUNK_TILES) -> DecodePlan:
+    """The work plan of one decode step (shared by every layer of the step)."""
+    num_seqs = seq_lens.shape[0]
+    sms = num_sms(seq_lens.device)
+    # sum(cdiv(tiles_s, chunk)) <= S + total / chunk, and chunk >= total * KVH / programs;
+    # max_work is a grid dimension of the chunk kernel (at most 65,535)
+    programs = min(work_per_sm * sms, (65535 - num_seqs) * num_kv_heads)
+    max_work = num_seqs + cdiv(programs, num_kv_heads)
+    assert num_seqs < 1 << 15, "work items hold the sequence index in 15 bits"
+    assert programs > 0
+    buf = torch.empty(3 * num_seqs + max_work, dtype=torch.int32, device=seq_lens.device)
+    plan = DecodePlan(*buf[: 3 * num_seqs].view(3, num_seqs), buf[3 * num_seqs :], num_seqs, max_work, block_n,
+                      num_kv_heads)
+    if num_seqs:
+        _decode_plan_kernel[(1,)](seq_lens, plan.num_chunks, plan.chunk_ends, plan.chunk_tiles, plan.work_items,
+                                  num_seqs, programs, LONG_CHUNK_TILES * LONG_CHUNK_PROGRAMS_PER_SM * sms,
+                                  NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, MIN_TILES=min_chunk_tiles,
+                                  LONG_TILES=LONG_CHUNK_TILES,
+                                  BLOCK_S=next_pow2(num_seqs))
+    return plan
+
+
+@triton.jit
+def _decode_chunk_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    chunk_ends_ptr, chunk_tiles_ptr, work_items_ptr,
     out_ptr, mid_o_ptr, mid_lse_ptr,
-    scale_log2,
+    num_seqs, scale_log2,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ot, stride_oh,
-    stride_ms, stride_mh, stride_mp, stride_ls, stride_lh,
+    stride_mw, stride_mh, stride_lw,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    IS_FP8: tl.constexpr, IEEE: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    IS_FP8: tl.constexpr, IEEE: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    # KV heads on the fastest grid axis: the step's work items start first and the padding
+    # programs past them (the grid is sized for the worst case) queue behind, not between.
+    kv_head = tl.program_id(0)
+    work = tl.program_id(1)
+    num_work = tl.load(chunk_ends_ptr + num_seqs - 1)
+    item = tl.load(work_items_ptr + work)
+    if work >= num_work:
+        return  # past the step's work: the grid is sized for the worst case
+    seq = item >> 16
+    chunk = (item >> 1) & 0x7FFF
+    chunk_tiles = tl.load(chunk_tiles_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
+    tile_lo = chunk * chunk_tiles
+    tile_hi = tl.minimum(tile_lo + chunk_tiles, tl.cdiv(seq_len, BLOCK_N))
     start = 0
     if SLIDING_WINDOW > 0:
         start = tl.maximum(seq_len - SLIDING_WINDOW, 0)
-    # Tiles are aligned to absolute positions; split s takes a contiguous run of them.
-    first_tile = start // BLOCK_N
-    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-    per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = first_tile + split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, first_tile + num_tiles)
+        tile_lo = tl.maximum(tile_lo, start // BLOCK_N)  # may leave the chunk empty
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -94,51 +185,55 @@ def _decode_split_kernel(
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
-    if DIRECT_OUT:
+    if (item & 1) == 1:  # the sequence's only chunk
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  cast_to(out, out_ptr.dtype.element_ty), mask=mask)
     else:
-        # partial output and log2-sum-exp of this split; an empty split stores -inf
-        mid = seq * stride_ms + heads * stride_mh + split * stride_mp
-        tl.store(mid_o_ptr + mid[:, None] + offs_d[None, :], out, mask=mask)
-        tl.store(mid_lse_ptr + seq * stride_ls + heads * stride_lh + split,
-                 m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g_mask)
+        # partial output and log2-sum-exp of this chunk; an empty chunk stores -inf
+        tl.store(mid_o_ptr + work * stride_mw + heads[:, None] * stride_mh + offs_d[None, :], out, mask=mask)
+        tl.store(mid_lse_ptr + work * stride_lw + heads, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g_mask)
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
-    stride_ms, stride_mh, stride_mp, stride_ls, stride_lh,
-    stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _decode_combine_kernel(
+    num_chunks_ptr, chunk_ends_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mw, stride_mh, stride_lw, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+    n_chunks = tl.load(num_chunks_ptr + seq)
+    if n_chunks <= 1:
+        return  # written directly by the chunk kernel
+    first = tl.load(chunk_ends_ptr + seq) - n_chunks
+    offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)  # empty splits weigh 0
-    o = tl.load(mid_o_ptr + seq * stride_ms + head * stride_mh + offs_s[:, None] * stride_mp + offs_d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, cast_to(out, out_ptr.dtype.element_ty),
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        c_mask = c0 + offs_c < n_chunks
+        rows = first + c0 + offs_c
+        lse = tl.load(mid_lse_ptr + rows * stride_lw + head, mask=c_mask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # only empty chunks so far
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)  # empty chunks weigh 0
+        o = tl.load(mid_o_ptr + rows[:, None] * stride_mw + head * stride_mh + offs_d[None, :],
+                    mask=c_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, cast_to(acc / total, out_ptr.dtype.element_ty),
              mask=d_mask)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                       block_n: int = 64) -> int:
-    """Enough programs to fill the device about twice, never fewer than 4 tiles a split.
-
-    (Tried on an H100: ~16 programs per SM helps batch 32 with mixed lengths but costs 2-4
-    points at batch 64-256, uniform or mixed; docs/benchmarks/2026-11-21-e2e-h100.md.)
-    """
-    programs = num_seqs * num_kv_heads
-    want = cdiv(2 * num_sms(device), max(1, programs))
-    by_len = max(1, cdiv(max_seq_len, 4 * block_n))
-    return max(1, min(want, by_len, 32))
+def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """KV tile length that compiles without register spills on sm_90 (checked with cuobjdump)."""
+    if dtype == torch.float32:  # IEEE float32 dots run on FMAs and hold more registers
+        return 16
+    return 64 if head_dim <= 128 else 32
 
 
 def paged_decode_attention(
@@ -150,8 +245,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
-    num_splits: int | None = None,
-    max_seq_len: int | None = None,
+    plan: DecodePlan | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -160,7 +254,8 @@ def paged_decode_attention(
     """q [num_seqs, H, D] (token i is sequence i's one new token) over kv_cache
     [2, blocks, page, KVH, D] -> out [num_seqs, H, D] in q's dtype.
 
-    `max_seq_len` (a host int) only feeds the split heuristic when `num_splits` is None.
+    Pass the step's `plan` (from `plan_decode` with the same block_n) to share it between
+    layers; without it one is made here.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, cache_dim = kv_cache.shape
@@ -170,50 +265,39 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
+    block_n = block_n or decode_block_n(head_dim, q.dtype)
+    if plan is None:
+        plan = plan_decode(seq_lens, num_kv_heads, block_n)
+    assert plan.block_n == block_n and plan.num_seqs == num_seqs and plan.num_kv_heads == num_kv_heads
     group = num_heads // num_kv_heads
     block_d = next_pow2(head_dim)
-    block_g = max(16, next_pow2(group))  # tensor-core tiles need 16 rows
-    if block_n is None:  # tiles that compile without register spills on sm_90 (checked with cuobjdump)
-        if q.dtype == torch.float32:  # IEEE float32 dots run on FMAs and hold more registers
-            block_n = 16
-        else:
-            block_n = 64 if head_dim <= 128 else 32
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len or 4096, q.device, block_n)
     fp8 = is_fp8(kv_cache.dtype)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # scales are read through pointers only for fp8 caches
     ks, vs = (scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)) if fp8 else (seq_lens, seq_lens)
-    direct = num_splits == 1
-    if direct:
-        mid_o = mid_lse = out  # unused
-        mstrides = (0, 0, 0, 0, 0)
-    else:
-        # partial outputs [S, H, splits, BLOCK_D] and their log2-sum-exps [S, H, splits], float32
-        mid_o = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        mstrides = (*mid_o.stride()[:3], *mid_lse.stride()[:2])
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    # partial outputs of chunks [work, H, BLOCK_D] and their log2-sum-exps [work, H], float32
+    mid_o = torch.empty((plan.max_work, num_heads, block_d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((plan.max_work, num_heads), dtype=torch.float32, device=q.device)
+    mstrides = (mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0))
+    _decode_chunk_kernel[(num_kv_heads, plan.max_work)](
         q, k_cache, v_cache, block_tables, seq_lens, ks, vs,
+        plan.chunk_ends, plan.chunk_tiles, plan.work_items,
         out, mid_o, mid_lse,
-        scale * LOG2E,
+        num_seqs, scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *mstrides,
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page, BLOCK_N=block_n, SLIDING_WINDOW=sliding_window or 0,
-        IS_FP8=fp8, IEEE=q.dtype == torch.float32, DIRECT_OUT=direct,
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)),  # tensor-core tiles need 16 rows
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, SLIDING_WINDOW=sliding_window or 0,
+        IS_FP8=fp8, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if not direct:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            mid_o, mid_lse, out,
-            *mstrides,
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4,
-        )
+    _decode_combine_kernel[(num_seqs, num_heads)](
+        plan.num_chunks, plan.chunk_ends, mid_o, mid_lse, out,
+        *mstrides, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_C=16,
+        num_warps=4,
+    )
     return out
-

@@ -4,10 +4,11 @@ Sequence i brings q_len new tokens (query_start_loc) that are the last q_len of 
 seq_lens[i] positions, so a chunked prefill or a prefix-cache hit attends to the cached
 prefix and causally to itself. Decode rows (q_len 1) mixed into the batch are fine too.
 
-The grid is (sequence, query head, query tile of BLOCK_M); programs past a sequence's
-q_len return at once. Each program walks KV tiles of BLOCK_N: first the tiles every row of
-its query tile sees in full (no mask), then the diagonal tiles under the causal mask (with
-a sliding window every tile is masked). Head dims are padded to a power of two and masked.
+The grid is (sequence, query head, query tile of BLOCK_M), the last query tiles (most
+causal work) launched first; programs past a sequence's q_len return at once. Each
+program walks KV tiles of BLOCK_N: first the tiles every row of its query tile sees in
+full (no mask), then the diagonal tiles under the causal mask (with a sliding window
+every tile is masked). Head dims are padded to a power of two and masked.
 
 `varlen_attention` is the same kernel over the step's fresh K/V laid end to end (no
 cache): what a prefill-only step or the memory-profiling pass needs.
@@ -83,7 +84,10 @@ def _prefill_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    m_tile = tl.program_id(2)
+    # Blocks start in launch order, the last grid axis slowest: the query tiles with the most
+    # causal work go first, so the short ones fill in the end of the kernel (with few heads
+    # the other order leaves the SMs idle behind a last wave of long tiles).
+    m_tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if m_tile * BLOCK_M >= q_len:
@@ -143,6 +147,8 @@ def _blocks(head_dim: int, dtype: torch.dtype, block_m: int | None, block_n: int
 
     16-bit paged: 64 x 64 tiles, 3 stages (an H100 sweep of eight configurations: 0.466 of
     the matmul rate against 0.427 for 128 x 64 x 2; docs/benchmarks/2026-11-21-e2e-h100.md).
+    16-bit contiguous: 128 x 64, 3 stages (an H200 sweep, 16 / 8 heads: 0.43 of the matmul
+    rate against 0.35 with 2 stages; docs/benchmarks/2026-11-21-kernels-h200.md).
     """
     stages = 2
     if dtype == torch.float32:  # IEEE float32 dots run on FMAs; some spilling remains (a correctness path)
@@ -152,7 +158,7 @@ def _blocks(head_dim: int, dtype: torch.dtype, block_m: int | None, block_n: int
     elif paged:
         m, n, stages = 64, 64, 3
     else:
-        m, n = 128, 64
+        m, n, stages = 128, 64, 3
     return block_m or m, block_n or n, num_stages or stages
 
 

@@ -184,3 +184,21 @@ def grouped_gemm_ref(a, b, topk_ids, top_k: int, topk_weights=None) -> torch.Ten
     if topk_weights is not None:
         out = out * topk_weights.flatten()[:, None].to(acc)
     return out.to(a.dtype)
+
+
+# ---- sampling ---------------------------------------------------------------------------
+
+
+def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row: a draw from softmax(logits / T) in float32 where T > 0 (the
+    exponential race, argmax p / q with q ~ Exp(1), as the engine's torch sampler draws it),
+    argmax(logits) where T == 0 (ties to the lowest index). The kernel draws its own Philox
+    numbers, so the two agree in distribution (and exactly on greedy rows), not token for
+    token."""
+    logits = logits.to(torch.float32)
+    greedy = logits.argmax(dim=-1)
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    probs = (logits / temp.unsqueeze(1)).softmax(dim=-1)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.where(temperature > 0, probs.div(q).argmax(dim=-1), greedy)

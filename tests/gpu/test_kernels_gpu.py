@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from pagoda_kernels.activation import silu_and_mul
 from pagoda_kernels.cache_write import write_kv_cache
-from pagoda_kernels.decode_attention import paged_decode_attention
+from pagoda_kernels.decode_attention import decode_block_n, paged_decode_attention, plan_decode
 from pagoda_kernels.fused_moe import fused_moe, route_topk
 from pagoda_kernels.prefill_attention import paged_prefill_attention, varlen_attention
 from pagoda_kernels.reference import (
@@ -101,25 +101,28 @@ def test_decode_grid(head_dim, heads, kv_heads, dtype):
     ctx = [0, 15, 16, 17, *_ragged(5, 1, 2500, head_dim + heads)]
     b = Batch([1] * len(ctx), ctx, heads, kv_heads, head_dim, 16, dtype, seed=head_dim * heads)
     out = nan_like(b.q)
-    paged_decode_attention(b.q, b.kv_cache, b.block_tables, b.seq_lens, head_dim**-0.5,
-                           max_seq_len=b.max_seq_len, out=out)
+    paged_decode_attention(b.q, b.kv_cache, b.block_tables, b.seq_lens, head_dim**-0.5, out=out)
     ref = paged_attention_ref(b.q.double(), b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens,
                               head_dim**-0.5)
     check(out, ref, dtype)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize(("page", "splits", "window", "fp8"),
-                         [(16, 1, None, False), (32, 7, None, False), (64, 3, 300, False), (128, 16, 1000, False),
-                          (16, None, None, True), (16, 5, 200, True)])
-def test_decode_variants(head_dim, page, splits, window, fp8):
+@pytest.mark.parametrize(("page", "chunking", "window", "fp8"),
+                         [(16, "whole", None, False), (32, "fine", None, False), (64, "default", 300, False),
+                          (128, "fine", 1000, False), (16, "default", None, True), (16, "fine", 200, True)])
+def test_decode_variants(head_dim, page, chunking, window, fp8):
     dtype = BF16
     ctx = _ragged(8, 1, 3000, page + head_dim)
     b = Batch([1] * 8, ctx, 32, 8, head_dim, page, dtype, FP8 if fp8 else None, seed=page)
     scales = (0.6, 0.3) if fp8 else (None, None)
     out = nan_like(b.q)
+    plan = None
+    if chunking != "default":  # every sequence one chunk, or chunks of one tile
+        work_per_sm, min_tiles = (1, 1 << 20) if chunking == "whole" else (1 << 12, 1)
+        plan = plan_decode(b.seq_lens, 8, decode_block_n(head_dim, dtype), work_per_sm, min_tiles)
     paged_decode_attention(b.q, b.kv_cache, b.block_tables, b.seq_lens, head_dim**-0.5, window, *scales,
-                           num_splits=splits, max_seq_len=b.max_seq_len, out=out)
+                           plan=plan, out=out)
     ref = paged_attention_ref(b.q.double(), b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens,
                               head_dim**-0.5, window, *scales)
     check(out, ref, dtype)
@@ -292,3 +295,34 @@ def test_triton_backend_matches_torch_backend(dtype):
     out = TritonPagedAttention(16, 4, 128, 128**-0.5).forward(b.q, k, v, c2, meta)
     assert torch.equal(c1, c2)
     check(out, ref, dtype)
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_sampling_greedy_rows_are_argmax(batch, dtype):
+    """A real vocabulary (151,936): temperature-0 rows equal torch.argmax, ties included."""
+    from pagoda_kernels.sampling import sample_tokens
+
+    gen = torch.Generator().manual_seed(batch)
+    logits = (torch.randn(batch, 151936, generator=gen) * 3).to(dtype).cuda()
+    logits[0, 151935] = logits[0, 7] = logits[0].max() + 1  # a tie: the lower index wins
+    out = sample_tokens(logits, torch.zeros(batch, device="cuda"), seed=batch)
+    assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_sampling_follows_softmax_over_temperature():
+    """20,000 rows of the same 12 logits at T = 0.7: frequencies within 0.01 of softmax(l / T)
+    and far from softmax(l) (the assertion could fail if temperature were ignored)."""
+    from pagoda_kernels.sampling import sample_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(12, generator=gen) * 2
+    logits = row.repeat(20000, 1).to(torch.bfloat16).cuda()
+    temp = torch.full((20000,), 0.7, device="cuda")
+    freq = torch.bincount(sample_tokens(logits, temp, seed=11), minlength=12).float().cpu() / 20000
+    want = (logits[0].float().cpu() / 0.7).softmax(-1)
+    assert (freq - want).abs().max() < 0.01
+    assert (freq - logits[0].float().cpu().softmax(-1)).abs().max() > 0.03

@@ -13,27 +13,37 @@ import torch
 
 from tests.kernels.interp import TOL, PagedBatch, assert_close, poisoned, randint, randn
 
-from pagoda_kernels.decode_attention import default_num_splits, paged_decode_attention  # isort: skip
+from pagoda_kernels.decode_attention import paged_decode_attention, plan_decode  # isort: skip
 from pagoda_kernels.prefill_attention import paged_prefill_attention, varlen_attention  # isort: skip
 from pagoda_kernels.reference import paged_attention_ref, varlen_attention_ref  # isort: skip
 
 FP8 = torch.float8_e4m3fn
 F16, F32 = torch.float16, torch.float32
+# How the decode plan cuts contexts: (work per SM, minimum tiles per chunk). "whole": every
+# sequence is one chunk (outputs written directly); "fine": chunks of one tile (combined).
+CHUNKING = {"whole": (1, 1 << 20), "fine": (1 << 12, 1), "default": None}
 
-# (head_dim, heads, kv_heads, page, dtype, cache dtype, sliding window, splits, block_n)
+# (head_dim, heads, kv_heads, page, dtype, cache dtype, sliding window, chunking, block_n)
 DECODE_CASES = [
-    (64, 4, 4, 16, F16, None, None, 1, 16),  # MHA, one split writes the output directly
-    (80, 8, 2, 16, F32, None, None, 3, 16),  # GQA 4, non-power-of-2 head, split-KV
-    (96, 6, 1, 8, F16, None, 20, 2, 32),  # MQA, tile spans pages, window
-    (128, 4, 2, 16, F16, FP8, None, 4, 16),  # fp8 cache, more splits than some contexts have tiles
-    (256, 2, 1, 8, F32, None, 9, 1, 8),  # head 256, window, tile smaller than a page
-    (128, 16, 2, 16, F16, FP8, 33, 2, 16),  # GQA 8 with fp8 and window
+    (64, 4, 4, 16, F16, None, None, "whole", 16),  # MHA
+    (80, 8, 2, 16, F32, None, None, "fine", 16),  # GQA 4, non-power-of-2 head, split-KV
+    (96, 6, 1, 8, F16, None, 20, "fine", 32),  # MQA, tile spans pages, window (chunks outside it are empty)
+    (128, 4, 2, 16, F16, FP8, None, "default", 16),  # fp8 cache
+    (256, 2, 1, 8, F32, None, 9, "whole", 8),  # head 256, window, tile smaller than a page
+    (128, 16, 2, 16, F16, FP8, 33, "fine", 16),  # GQA 8 with fp8 and window
 ]
 
 
-@pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "page", "dtype", "cache_dtype", "window", "splits",
+def _plan(b: PagedBatch, kv_heads: int, block_n: int, chunking: str):
+    if CHUNKING[chunking] is None:
+        return None
+    work_per_sm, min_tiles = CHUNKING[chunking]
+    return plan_decode(b.seq_lens, kv_heads, block_n, work_per_sm=work_per_sm, min_chunk_tiles=min_tiles)
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "page", "dtype", "cache_dtype", "window", "chunking",
                           "block_n"), DECODE_CASES)
-def test_decode_matches_twin(gen, head_dim, heads, kv_heads, page, dtype, cache_dtype, window, splits, block_n):
+def test_decode_matches_twin(gen, head_dim, heads, kv_heads, page, dtype, cache_dtype, window, chunking, block_n):
     # contexts of 1 token, exactly one page, one past a page, and random
     ctx = [0, page - 1, page, *randint(gen, 1, 5 * page, 2)]
     b = PagedBatch(gen, [1] * len(ctx), ctx, heads, kv_heads, head_dim, page, dtype, cache_dtype)
@@ -41,22 +51,46 @@ def test_decode_matches_twin(gen, head_dim, heads, kv_heads, page, dtype, cache_
     scale = head_dim**-0.5
     out = poisoned(b.q.shape, dtype)
     paged_decode_attention(b.q, b.kv_cache, b.block_tables, b.seq_lens, scale, window, *scales,
-                           num_splits=splits, out=out, block_n=block_n)
+                           plan=_plan(b, kv_heads, block_n, chunking), out=out, block_n=block_n)
     ref = paged_attention_ref(b.q, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale, window, *scales)
     assert_close(out, ref, TOL[dtype])
 
 
-def test_decode_strided_query_and_default_splits(gen):
-    """q as the model hands it over (a view into the qkv projection), splits by heuristic."""
+def test_decode_strided_query_and_default_plan(gen):
+    """q as the model hands it over (a view into the qkv projection), the default plan."""
     b = PagedBatch(gen, [1] * 3, randint(gen, 65, 200, 3), 4, 2, 64, 16, F16)
     qkv = randn(gen, 3, 8, 64, dtype=F16)
     q = qkv[:, :4]
-    splits = default_num_splits(3, 2, b.max_seq_len, q.device, block_n=16)
-    assert splits > 1  # 3 x 2 programs cannot fill a device: the heuristic splits
-    out = paged_decode_attention(q, b.kv_cache, b.block_tables, b.seq_lens, 0.125, max_seq_len=b.max_seq_len,
-                                 block_n=16)
+    out = paged_decode_attention(q, b.kv_cache, b.block_tables, b.seq_lens, 0.125, block_n=16)
     ref = paged_attention_ref(q, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 0.125)
     assert_close(out, ref, TOL[F16])
+
+
+@pytest.mark.parametrize("num_seqs", [1, 7, 64, 300])
+def test_decode_plan_covers_every_tile_in_balanced_chunks(gen, num_seqs):
+    """Each sequence's chunks cover its tiles exactly; chunks are small against one SM's
+    share of the work; the work list always fits the grid sized from num_seqs alone."""
+    for _ in range(3):
+        lens = torch.tensor(randint(gen, 1, 3000, num_seqs), dtype=torch.int32)
+        if num_seqs > 1:
+            lens[0] = 4000  # one long sequence among short ones
+        plan = plan_decode(lens, 8, 64)
+        n, per_chunk = plan.num_chunks.tolist(), plan.chunk_tiles.tolist()
+        tiles = (-(-lens // 64)).tolist()
+        programs = 16 * 8  # WORK_PER_SM x the nominal 8 SMs of a CPU device
+        total = sum(tiles) * 8
+        largest = max(2, -(-total // programs))  # at most 1/16 of an SM's share, unless held up by the minimum
+        if total >= 32 * 4 * 8:  # work enough for four 32-tile programs per SM: chunks of 32 tiles at least
+            largest = max(largest, 32)
+        for t, c, size in zip(tiles, n, per_chunk):
+            assert c == -(-t // largest)  # as few chunks as the largest size allows
+            assert (c - 1) * size < t <= c * size and size <= largest  # even sizes, covering every tile
+        ends = torch.tensor(n).cumsum(0).tolist()
+        assert plan.chunk_ends.tolist() == ends
+        assert ends[-1] <= plan.max_work
+        items = plan.work_items[: ends[-1]].tolist()  # in order: sequence, then chunk
+        want = [(s << 16) | (c << 1) | int(n[s] == 1) for s in range(num_seqs) for c in range(n[s])]
+        assert items == want
 
 
 # (head_dim, heads, kv_heads, page, dtype, cache dtype, sliding window, block_m, block_n)

@@ -17,3 +17,4 @@ def test_bench_smoke_prints_json(capsys):
     assert all("fraction_of_copy" in r for r in report["decode"]["headline"] + report["decode"]["table"])
     assert all("fraction_of_matmul" in r for r in report["prefill"]["cases"])
     assert report["moe"][0]["fraction_of_dense"] > 0
+    assert all(r["speedup"] > 0 and r["fraction_of_copy"] > 0 for r in report["sampling"])

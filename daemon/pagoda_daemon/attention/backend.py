@@ -8,7 +8,7 @@ sequence laid end to end. Backends write the step's K/V into the paged cache
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,10 @@ class AttentionMetadata:
     is_prefill_only: bool = False
     # False only in the memory-profiling pass, which runs without a cache
     has_kv_cache: bool = True
+    # What a backend computes once per step and every layer reuses (the Triton decode work
+    # plan). Filled inside the forward pass, so a CUDA graph captures that work too: a graph
+    # must be captured with fresh metadata, never with one a warm-up pass has filled.
+    backend_state: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

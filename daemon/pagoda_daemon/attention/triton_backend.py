@@ -11,8 +11,9 @@ device sync):
   paged prefill/extend kernel, which handles one-token rows too.
 
 fp8 caches: set `k_scale` / `v_scale` (floats or 1-element tensors) on the instance;
-they default to 1.0. `decode_num_splits`, when set, pins the split count of the decode
-kernel (what CUDA-graph capture needs); otherwise a heuristic picks it per step.
+they default to 1.0. The decode kernel's work plan (how each context is cut into chunks)
+is made on the device by the first layer of a step and kept in `meta.backend_state` for
+the others; its launch shapes depend on the number of sequences only (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ class TritonPagedAttention(AttentionBackend):
 
         self._write = cache_write.write_kv_cache
         self._decode = decode_attention.paged_decode_attention
+        self._plan_decode = decode_attention.plan_decode
+        self._decode_block_n = decode_attention.decode_block_n
         self._extend = prefill_attention.paged_prefill_attention
         self._varlen = prefill_attention.varlen_attention
         self.k_scale: float | torch.Tensor = 1.0
         self.v_scale: float | torch.Tensor = 1.0
-        self.decode_num_splits: int | None = None
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         has_cache = kv_cache is not None and meta.has_kv_cache
@@ -55,9 +57,12 @@ class TritonPagedAttention(AttentionBackend):
             return self._varlen(q, k, v, meta.query_start_loc, self.scale, self.sliding_window,
                                 max_query_len=meta.max_query_len, out=out)
         if meta.is_decode_only:
+            block_n = self._decode_block_n(self.head_dim, q.dtype)
+            plan = meta.backend_state.get("decode_plan")
+            if plan is None:
+                plan = meta.backend_state["decode_plan"] = self._plan_decode(meta.seq_lens, self.num_kv_heads, block_n)
             return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
-                                self.k_scale, self.v_scale, num_splits=self.decode_num_splits,
-                                max_seq_len=meta.max_seq_len, out=out)
+                                self.k_scale, self.v_scale, plan=plan, out=out, block_n=block_n)
         return self._extend(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
                             self.sliding_window, self.k_scale, self.v_scale,
                             max_query_len=meta.max_query_len, out=out)

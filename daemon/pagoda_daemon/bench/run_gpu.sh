@@ -2,7 +2,7 @@
 # One call on the GPU machine: set up, check, benchmark. Results land in $OUT (the device
 # tool's output folder) or ./.out, to be copied into docs/benchmarks/.
 #
-#   bash daemon/pagoda_daemon/bench/run_gpu.sh [all|parity|parity-triton|kernels|tests|graphs|serve|
+#   bash daemon/pagoda_daemon/bench/run_gpu.sh [all|parity|parity-triton|kernels|kernels-attention|tests|graphs|serve|
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               vllm-stash|vllm] ...
 #
@@ -54,6 +54,13 @@ if has kernels; then
   step "Triton kernels: GPU correctness grid, then benchmarks against the copy/matmul rates of this run"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py 2>&1 | tail -15 | tee "$OUT/kernels-pytest.txt" || status=1
   python3 -m pagoda_kernels.bench --out "$OUT/kernels-bench.json" | tail -40 || status=1
+fi
+if has kernels-attention; then
+  step "Triton attention and sampling kernels: their GPU tests, then their benchmarks"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "decode or prefill or varlen or backend or sampl" \
+    2>&1 | tail -15 | tee "$OUT/kernels-pytest.txt" || status=1
+  python3 -m pagoda_kernels.bench --only decode,decode-mixed,prefill,sampling --out "$OUT/kernels-bench.json" | tail -40 \
+    || status=1
 fi
 if has gpu-tests; then
   step "GPU tests: kernel grid, CUDA graphs, transformers parity"

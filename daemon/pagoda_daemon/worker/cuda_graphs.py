@@ -10,7 +10,8 @@ length 1, token 0; their outputs are never read.
 
 What must hold for a graph to be valid at replay (checked in tests/gpu):
 - every shape in the forward pass depends on the padded batch size only (the Triton
-  backend's decode path: `uses_kernels`, with a fixed split count per size);
+  backend's decode path: `uses_kernels`; its work plan is computed on the device inside
+  the graph, from the replayed step's context lengths);
 - the inputs live at the same addresses at capture and replay (StagingBuffers);
 - the KV cache is allocated before capture and never reallocated.
 """
@@ -35,14 +36,12 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, buffers, max_batch_size: int, max_seq_len: int, num_kv_heads: int,
-                 device: torch.device) -> None:
+    def __init__(self, model, buffers, max_batch_size: int, max_seq_len: int, device: torch.device) -> None:
         self.model = model
         self.buffers = buffers
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.num_kv_heads = num_kv_heads
         self.device = device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -74,14 +73,9 @@ class CudaGraphRunner:
             is_prefill_only=False,
         )
 
-    def _attention_layers(self):
-        return [m.attn for m in self.model.modules() if hasattr(m, "attn") and hasattr(m.attn, "decode_num_splits")]
-
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
         """Capture one graph per size, largest first so that smaller ones reuse its memory pool."""
-        from pagoda_kernels.decode_attention import default_num_splits
-
         start = time.perf_counter()
         b = self.buffers
         n = self.max_batch_size
@@ -95,26 +89,18 @@ class CudaGraphRunner:
             b.to_device(buf, n)
         b.to_device(b.query_start_loc, n + 1)
         b.block_tables[2].zero_()
-        layers = self._attention_layers()
         self.input_addresses = self.current_input_addresses()
         pool = None
-        try:
-            for size in reversed(self.sizes):
-                splits = default_num_splits(size, self.num_kv_heads, self.max_seq_len, self.device)
-                for layer in layers:
-                    layer.decode_num_splits = splits
-                meta = self.metadata(size)
-                args = (b.input_ids[2][:size], b.positions[2][:size], kv_caches, meta)
-                self.model(*args)  # compiles this configuration's kernels outside the capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.model(*args)
-                pool = graph.pool()
-                self.graphs[size] = graph
-        finally:
-            for layer in layers:
-                layer.decode_num_splits = None  # eager steps pick their own split count again
+        for size in reversed(self.sizes):
+            inputs = (b.input_ids[2][:size], b.positions[2][:size], kv_caches)
+            self.model(*inputs, self.metadata(size))  # compiles this size's kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                # fresh metadata: the per-step work the backend keeps in it must be captured
+                self.outputs[size] = self.model(*inputs, self.metadata(size))
+            pool = graph.pool()
+            self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d CUDA graphs for decode batches of %d..%d sequences in %.1f s",

@@ -173,7 +173,7 @@ class ModelRunner:
         self.head_dim = model.model.layers[0].self_attn.head_dim
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StagingBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed=engine_config.seed)
         self.requests: dict[str, RunnerRequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor | None] = [None] * self.num_layers
@@ -220,7 +220,7 @@ class ModelRunner:
         """Capture decode graphs over the allocated KV cache (call once, after allocate_kv_cache)."""
         assert self.kv_cache is not None, "allocate the KV cache before capturing graphs"
         graphs = CudaGraphRunner(self.model, self.buffers, self.max_cudagraph_batch_size, self.max_model_len,
-                                 self.num_kv_heads, self.device)
+                                 self.device)
         graphs.capture(self.kv_caches)
         self.cuda_graphs = graphs
 

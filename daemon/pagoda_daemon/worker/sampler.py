@@ -2,10 +2,16 @@
 
 Seeded rows draw from their own generator one row at a time, so a request with a
 seed samples the same tokens whatever else shares its batch.
+
+A batch that needs nothing but temperature (greedy rows included) samples on CUDA through
+one fused Triton kernel (`pagoda_kernels.sampling`: Gumbel-max over the logits in one read,
+instead of the half dozen passes and launches below); everything else takes the torch path.
 """
 
 from __future__ import annotations
 
+import functools
+import random
 from dataclasses import dataclass
 
 import torch
@@ -90,26 +96,73 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | 
     return probs.div(q).argmax(dim=-1)
 
 
+@functools.cache
+def _fused_available() -> bool:
+    try:
+        import triton  # noqa: F401
+
+        import pagoda_kernels.sampling  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _temperature_only(batch: SamplingBatch) -> bool:
+    """True when the batch needs no more than temperature scaling (or greedy) per row."""
+    return (batch.top_k is None and batch.top_p is None and batch.min_p is None and not batch.generators
+            and batch.repetition_penalty is None and batch.presence_penalty is None
+            and batch.frequency_penalty is None)
+
+
 class Sampler:
+    """seed: the fused path draws one 64-bit Philox seed per step from `random.Random(seed)`,
+    so a run's samples follow from the engine seed without a device sync. fused: None uses
+    the fused kernel where it applies (CUDA logits, Triton installed, a temperature-only
+    batch); True uses it for every temperature-only batch, CPU tensors included (the tests
+    run it there under TRITON_INTERPRET=1); False never uses it."""
+
+    def __init__(self, seed: int = 0, fused: bool | None = None) -> None:
+        self.fused = fused
+        self._rng = random.Random(seed)
+
+    def _use_fused(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        if self.fused is False or not _temperature_only(batch):
+            return False
+        if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return False
+        return self.fused or (logits.is_cuda and _fused_available())
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.to(torch.float32)
-        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
-        if batch.repetition_penalty is not None:
-            logits = apply_penalties(logits, batch)
-        greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            sampled = greedy
+        if self._use_fused(logits, batch):
+            from pagoda_kernels.sampling import sample_tokens
+
+            if logits.stride(-1) != 1:
+                logits = logits.contiguous()
+            temperature = batch.temperature.to(device=logits.device, dtype=torch.float32)
+            sampled = sample_tokens(logits, temperature, self._rng.getrandbits(64))
         else:
-            temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-            scaled = logits / temp.unsqueeze(1)
-            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
-            if batch.min_p is not None:
-                scaled = apply_min_p(scaled, batch.min_p)
-            sampled = random_sample(scaled.softmax(dim=-1), batch.generators)
-            sampled = torch.where(batch.temperature > 0, sampled, greedy)
+            logits = logits.to(torch.float32)
+            sampled = self._sample_torch(logits, batch)
         out = SamplerOutput(sampled=sampled)
-        if raw_logprobs is not None:
+        if batch.max_num_logprobs is not None:  # of the raw logits: before penalties and temperature
+            raw_logprobs = logits.to(torch.float32).log_softmax(dim=-1)
             out.sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
             if batch.max_num_logprobs > 0:
                 out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
         return out
+
+    @staticmethod
+    def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits: float32 (not modified)."""
+        if batch.repetition_penalty is not None:
+            logits = apply_penalties(logits, batch)
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+        scaled = logits / temp.unsqueeze(1)
+        scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+        if batch.min_p is not None:
+            scaled = apply_min_p(scaled, batch.min_p)
+        sampled = random_sample(scaled.softmax(dim=-1), batch.generators)
+        return torch.where(batch.temperature > 0, sampled, greedy)
