@@ -112,7 +112,10 @@ def test_apply_ready_and_complete(local_cluster, ns):
     pod = local_cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"pagoda.dev/inferenceservice={NAME}")["items"][0]
     assert pod["status"]["podIP"] == ip and pod["spec"]["nodeName"] == local_cluster.node
     # A real container of the image the chart's operator was told to use.
-    assert pod["status"]["containerStatuses"][0]["image"].endswith(local_cluster.daemon_image)
+    # the image we built (by ID: docker names an image by any one of its tags, and a quickstart
+    # on the same docker may have tagged the same image :dev)
+    built = local_cluster.docker("image", "inspect", "--format", "{{.Id}}", local_cluster.daemon_image).stdout.strip()
+    assert pod["status"]["containerStatuses"][0]["imageID"].endswith(built)
 
     c = client(ip)
     assert [m.id for m in c.models.list().data] == [NAME]
