@@ -7,6 +7,7 @@ sequence laid end to end. Backends write the step's K/V into the paged cache
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -75,7 +76,7 @@ def get_attention_backend(name: str, device: torch.device) -> type[AttentionBack
     """torch: the pure-torch reference (any device). triton: Pagoda's Triton kernels.
     auto: Triton on a GPU (CUDA or ROCm) when the triton package imports, torch otherwise."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+        name = "triton" if device.type == "cuda" and triton_kernels_available() else "torch"
     if name == "torch":
         from pagoda_daemon.attention.torch_paged import TorchPagedAttention
 
@@ -89,7 +90,9 @@ def get_attention_backend(name: str, device: torch.device) -> type[AttentionBack
     raise ValueError(f"unknown attention backend {name!r} (known: auto, torch, triton)")
 
 
-def _triton_available() -> bool:
+@functools.cache
+def triton_kernels_available() -> bool:
+    """Whether Triton and Pagoda's kernels import here (the sampler asks too)."""
     try:
         import triton  # noqa: F401
 

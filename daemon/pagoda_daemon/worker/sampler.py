@@ -10,11 +10,12 @@ instead of the half dozen passes and launches below); everything else takes the 
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass
 
 import torch
+
+from pagoda_daemon.attention.backend import triton_kernels_available
 
 _NEG_INF = float("-inf")
 
@@ -96,17 +97,6 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | 
     return probs.div(q).argmax(dim=-1)
 
 
-@functools.cache
-def _fused_available() -> bool:
-    try:
-        import triton  # noqa: F401
-
-        import pagoda_kernels.sampling  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _temperature_only(batch: SamplingBatch) -> bool:
     """True when the batch needs no more than temperature scaling (or greedy) per row."""
     return (batch.top_k is None and batch.top_p is None and batch.min_p is None and not batch.generators
@@ -130,7 +120,7 @@ class Sampler:
             return False
         if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return False
-        return self.fused or (logits.is_cuda and _fused_available())
+        return self.fused or (logits.is_cuda and triton_kernels_available())
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._use_fused(logits, batch):
