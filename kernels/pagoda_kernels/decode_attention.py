@@ -1,10 +1,10 @@
 """Paged decode attention: one query token per sequence over a paged KV cache.
 
-Flash-decoding with a work plan. A sequence's context is cut into chunks of a common
-number of tiles (BLOCK_N tokens each; a tile may span pages), and every (chunk, KV head)
-is one program, so a few long sequences among many short ones (what a serving batch
-looks like) still spread evenly over the SMs: no program holds more than about 1/16 of
-an SM's share of the step. A program takes every query head of its KV head (GQA/MQA
+Flash-decoding with a work plan. Each sequence's context is cut into even chunks of
+BLOCK_N-token tiles (a tile may span pages), no longer than a bound the whole step's work
+sets (see WORK_PER_SM and LONG_CHUNK_TILES), and every (chunk, KV head) is one program, so
+a few long sequences among many short ones (what a serving batch looks like) still spread
+evenly over the SMs. A program takes every query head of its KV head (GQA/MQA
 heads packed into the rows of a tensor-core tile) and keeps an online softmax over its
 chunk. A sequence with one chunk writes its output directly; otherwise each chunk writes
 a partial output and log-sum-exp and a second kernel combines them.
