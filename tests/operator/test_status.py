@@ -33,7 +33,7 @@ def conds(st):
     return {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
 
 
-def run(deployment, desired=3, pods=(), previous=None, blocker=None, generation=5):
+def run(deployment, desired=3, pods=(), previous=None, blocker=None, generation=5, pod_events=()):
     return compute(
         generation=generation,
         desired=desired,
@@ -43,6 +43,7 @@ def run(deployment, desired=3, pods=(), previous=None, blocker=None, generation=
         previous=previous,
         now=NOW,
         blocker=blocker,
+        pod_events=pod_events,
     )
 
 
@@ -338,17 +339,8 @@ def test_pods_stuck_before_start_are_explained_by_their_events():
         warning("x", "FailedMount", "an earlier pod of the same name", uid="u-old"),
         warning("x", "BackOff", "not a start failure"),
     ]
-    st = compute(
-        generation=1,
-        desired=1,
-        desired_hash=H,
-        deployment=dep(replicas=1, ready=0),
-        pods=[stuck],
-        previous=None,
-        now=NOW,
-        pod_events=events,
-    )
-    deg = condition(st, "Degraded")
+    deg = condition(run(dep(replicas=1, ready=0), desired=1, pods=[stuck], generation=1, pod_events=events),
+                    "Degraded")
     assert (deg["status"], deg["reason"]) == ("True", "VolumeMountFailed")
     assert deg["message"] == (
         'pod x: FailedMount: MountVolume.SetUp failed for volume "model" : hostPath type check failed: '
@@ -360,14 +352,5 @@ def test_pods_stuck_before_start_are_explained_by_their_events():
         **stuck,
         "status": {"phase": "Running", "containerStatuses": [{"name": "daemon", "state": {"running": {}}}]},
     }
-    st = compute(
-        generation=1,
-        desired=1,
-        desired_hash=H,
-        deployment=dep(replicas=1, ready=0),
-        pods=[running],
-        previous=None,
-        now=NOW,
-        pod_events=events,
-    )
+    st = run(dep(replicas=1, ready=0), desired=1, pods=[running], generation=1, pod_events=events)
     assert condition(st, "Degraded")["status"] == "False" and not needs_pod_events([running])
