@@ -22,6 +22,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=e2e/lib.sh
+. "$HERE/lib.sh"
 REPO=$(cd "$HERE/.." && pwd)
 QS=${PAGODA_QUICKSTART_DIR:-/tmp/pagoda-quickstart}
 STATE=$QS/cluster
@@ -44,21 +46,18 @@ say() { echo "[quickstart $(elapsed)] $*"; }
 # stage N DESCRIPTION LOGNAME CMD...: run one stage with its output in its own log; on failure
 # say which stage broke, where its log is, and show the log's end.
 stage() {
-  local n=$1 desc=$2 log=$LOGS/$3.log t0 rc; shift 3
+  local n=$1 desc=$2 log=$LOGS/$3.log t0; shift 3
   t0=$(date +%s)
   echo "[quickstart $n/$TOTAL] $desc ... (log: $log)"
-  set +e
-  ( set -euo pipefail; "$@" ) > "$log" 2>&1
-  rc=$?
-  set -e
-  [ "$rc" = 0 ] || fail_stage "$n" "$desc" "$log" "$rc"
+  run_logged "$log" "$@"
+  [ "$RUN_RC" = 0 ] || fail_stage "$n" "$desc" "$log" "$RUN_RC"
   echo "[quickstart $n/$TOTAL]   done in $(( $(date +%s) - t0 ))s"
 }
 fail_stage() {
   echo >&2
   echo "[quickstart] FAILED at stage $1/$TOTAL ($2), exit code $4." >&2
   echo "[quickstart] Log: $3 ; its last 40 lines:" >&2
-  tail -n 40 "$3" | sed 's/^/    /' >&2
+  log_tail "$3" 40
   echo "[quickstart] Fix what it says and run 'make quickstart' again: finished stages are cached." >&2
   exit 1
 }

@@ -33,6 +33,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=../lib.sh
+. "$HERE/../lib.sh"
 
 # ---- pins ---------------------------------------------------------------------------
 # The Kubernetes version comes from the version stamp the build uses, so the two cannot drift.
@@ -81,22 +83,18 @@ say() { echo "[ensure-k8s $(( $(date +%s) - T_START ))s] $*"; }
 die() { echo "[ensure-k8s] ERROR: $*" >&2; exit 1; }
 
 # run_step NAME DESCRIPTION CMD...: run CMD with its output in $LOGS/NAME.log; on failure
-# say which step broke, where the log is, and show its tail. The command runs in a subshell
-# with `set -e` outside any `if`, because bash ignores `set -e` inside a condition.
+# say which step broke, where the log is, and show its tail.
 run_step() {
   local name=$1 desc=$2; shift 2
-  local log=$LOGS/$name.log t0 rc
+  local log=$LOGS/$name.log t0
   t0=$(date +%s)
   say "$desc (log: $log)"
-  set +e
-  ( set -euo pipefail; "$@" ) >"$log" 2>&1
-  rc=$?
-  set -e
-  if [ "$rc" != 0 ]; then
-    echo "[ensure-k8s] ERROR: step '$name' ($desc) failed with exit code $rc." >&2
+  run_logged "$log" "$@"
+  if [ "$RUN_RC" != 0 ]; then
+    echo "[ensure-k8s] ERROR: step '$name' ($desc) failed with exit code $RUN_RC." >&2
     echo "[ensure-k8s] Full log: $log ; last 30 lines:" >&2
-    tail -n 30 "$log" | sed 's/^/    /' >&2
-    exit "$rc"
+    log_tail "$log" 30
+    exit "$RUN_RC"
   fi
   say "  done: $name in $(( $(date +%s) - t0 ))s"
 }

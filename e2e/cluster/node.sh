@@ -40,6 +40,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=e2e/lib.sh
+. "$HERE/../lib.sh"
 CMD=${1:-}
 D=${2:-${PAGODA_K8S_STATE:-/tmp/pagoda-k8s-$(id -u)}}
 mkdir -p "$D"
@@ -54,7 +56,7 @@ elapsed() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1fs", b - a 
 say() { echo "[node $(elapsed)] $*"; }
 die() {
   echo "[node] ERROR: $1" >&2
-  if [ -n "${2:-}" ] && [ -f "$2" ]; then echo "[node] last lines of $2:" >&2; tail -n 25 "$2" | sed 's/^/    /' >&2; fi
+  if [ -n "${2:-}" ] && [ -f "$2" ]; then echo "[node] last lines of $2:" >&2; log_tail "$2" 25; fi
   exit 1
 }
 

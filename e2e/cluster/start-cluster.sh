@@ -31,6 +31,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=e2e/lib.sh
+. "$HERE/../lib.sh"
 D=${1:-${PAGODA_K8S_STATE:-/tmp/pagoda-k8s-$(id -u)}}
 mkdir -p "$D"
 D=$(cd "$D" && pwd)     # absolute: it ends up in the kubeconfig and in process args
@@ -45,7 +47,7 @@ say() { echo "[start-cluster $(elapsed)] $*"; }
 fail() {
   # Show why, then stop whatever did start, so a failed start leaves nothing running.
   echo "[start-cluster] ERROR: $1" >&2
-  if [ -n "${2:-}" ] && [ -f "$2" ]; then echo "[start-cluster] last lines of $2:" >&2; tail -n 25 "$2" | sed 's/^/    /' >&2; fi
+  if [ -n "${2:-}" ] && [ -f "$2" ]; then echo "[start-cluster] last lines of $2:" >&2; log_tail "$2" 25; fi
   "$HERE/stop-cluster.sh" "$D" >&2 || true
   exit 1
 }

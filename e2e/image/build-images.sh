@@ -34,6 +34,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=../lib.sh
+. "$HERE/../lib.sh"
 REPO=$(cd "$HERE/../.." && pwd)
 CACHE=${PAGODA_CACHE:-$HOME/.cache/pagoda}
 IMG=$CACHE/images
@@ -62,17 +64,13 @@ T_START=$(date +%s)
 say() { echo "[build-images $(( $(date +%s) - T_START ))s] $*"; }
 die() { echo "[build-images] ERROR: $*" >&2; exit 1; }
 run_step() {
-  local name=$1 desc=$2 log rc; shift 2
-  log=$LOGS/$name.log
+  local name=$1 desc=$2 log=$LOGS/$1.log; shift 2
   say "$desc (log: $log)"
-  set +e
-  ( set -euo pipefail; "$@" ) > "$log" 2>&1
-  rc=$?
-  set -e
-  if [ "$rc" != 0 ]; then
-    echo "[build-images] ERROR: step '$name' ($desc) failed with exit code $rc. Log: $log ; last 30 lines:" >&2
-    tail -n 30 "$log" | sed 's/^/    /' >&2
-    exit "$rc"
+  run_logged "$log" "$@"
+  if [ "$RUN_RC" != 0 ]; then
+    echo "[build-images] ERROR: step '$name' ($desc) failed with exit code $RUN_RC. Log: $log ; last 30 lines:" >&2
+    log_tail "$log" 30
+    exit "$RUN_RC"
   fi
 }
 
