@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,6 +45,7 @@ def scale_tensor(scale: float | torch.Tensor | None, device: torch.device) -> to
     return torch.full((1,), float(scale), dtype=torch.float32, device=device)
 
 
+@functools.lru_cache(maxsize=16)  # asked every step (decode plan, sampler); the driver call is not free
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (compute units on ROCm) of a device; a nominal 8 on CPU."""
     if device.type == "cuda" and torch.cuda.is_available():

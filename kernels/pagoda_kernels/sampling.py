@@ -191,7 +191,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: int, of
     out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
     if bsz == 0:
         return out
-    chunk = chunk_size(bsz, vocab, _sms(logits.device))
+    chunk = chunk_size(bsz, vocab, num_sms(logits.device))
     num_chunks = cdiv(vocab, chunk)
     if num_chunks > 1:  # each chunk's best score and its index, in one allocation
         part = torch.empty((2, bsz, num_chunks), dtype=torch.float32, device=logits.device)
@@ -212,11 +212,6 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: int, of
         _sample_reduce_kernel[(bsz,)](vals, idxs, out, num_chunks, BLOCK_C=next_pow2(cdiv(vocab, MIN_CHUNK)),
                                       num_warps=1)
     return out
-
-
-@functools.lru_cache(maxsize=16)
-def _sms(device: torch.device) -> int:
-    return num_sms(device)
 
 
 def _fast_log2(device: torch.device) -> bool:
