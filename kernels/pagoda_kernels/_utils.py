@@ -55,3 +55,18 @@ def num_sms(device: torch.device) -> int:
 
 def is_hip() -> bool:
     return torch.version.hip is not None
+
+
+def aligned_buffers(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Flat tensors of these lengths carved from one allocation, each starting 16-byte aligned.
+
+    Triton specialises a kernel on each pointer argument's 16-byte alignment: views at
+    offsets that follow the batch size would compile new variants while serving.
+    """
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += cdiv(n, per) * per
+    buf = torch.empty(total, dtype=dtype, device=device)
+    return [buf[s : s + n] for s, n in zip(starts, sizes)]

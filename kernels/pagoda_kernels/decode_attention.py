@@ -30,7 +30,7 @@ import triton.language as tl
 
 from pagoda_kernels._device import cast_to, dot
 from pagoda_kernels._paged import load_paged_tile
-from pagoda_kernels._utils import cdiv, is_fp8, next_pow2, num_sms, scale_tensor
+from pagoda_kernels._utils import aligned_buffers, cdiv, is_fp8, next_pow2, num_sms, scale_tensor
 
 LOG2E = 1.4426950408889634
 # A chunk holds at most 1/WORK_PER_SM of one SM's share of the step's tiles (so the tail
@@ -44,6 +44,9 @@ MIN_CHUNK_TILES = 2
 # x 4,096 tokens: 0.97 of the copy rate in one chunk a sequence, 0.86 in 16-tile chunks).
 LONG_CHUNK_TILES = 32
 LONG_CHUNK_PROGRAMS_PER_SM = 4
+# The plan kernel reads every sequence length in one block of at least this many lanes: one
+# compiled variant for any batch up to it (engines run at most 256 sequences by default).
+PLAN_MIN_BLOCK = 256
 
 
 @dataclass
@@ -68,7 +71,9 @@ class DecodePlan:
     num_kv_heads: int
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised (1 / multiple of 16 /
+# other would be three compiled variants, the later ones compiled while serving).
+@triton.jit(do_not_specialize=["num_seqs", "programs", "long_work"])
 def _decode_plan_kernel(seq_lens_ptr, num_chunks_ptr, chunk_ends_ptr, chunk_tiles_ptr, work_items_ptr,
                         num_seqs, programs, long_work,
                         NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
@@ -102,19 +107,18 @@ def plan_decode(seq_lens: torch.Tensor, num_kv_heads: int, block_n: int,
     max_work = num_seqs + cdiv(programs, num_kv_heads)
     assert num_seqs < 1 << 15, "work items hold the sequence index in 15 bits"
     assert programs > 0
-    buf = torch.empty(3 * num_seqs + max_work, dtype=torch.int32, device=seq_lens.device)
-    plan = DecodePlan(*buf[: 3 * num_seqs].view(3, num_seqs), buf[3 * num_seqs :], num_seqs, max_work, block_n,
-                      num_kv_heads)
+    bufs = aligned_buffers([num_seqs] * 3 + [max_work], torch.int32, seq_lens.device)
+    plan = DecodePlan(*bufs, num_seqs, max_work, block_n, num_kv_heads)
     if num_seqs:
         _decode_plan_kernel[(1,)](seq_lens, plan.num_chunks, plan.chunk_ends, plan.chunk_tiles, plan.work_items,
                                   num_seqs, programs, LONG_CHUNK_TILES * LONG_CHUNK_PROGRAMS_PER_SM * sms,
                                   NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, MIN_TILES=min_chunk_tiles,
                                   LONG_TILES=LONG_CHUNK_TILES,
-                                  BLOCK_S=next_pow2(num_seqs))
+                                  BLOCK_S=max(PLAN_MIN_BLOCK, next_pow2(num_seqs)))
     return plan
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _decode_chunk_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     chunk_ends_ptr, chunk_tiles_ptr, work_items_ptr,

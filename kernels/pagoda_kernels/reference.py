@@ -120,9 +120,12 @@ def rmsnorm_ref(x, weight, eps, residual=None):
     return out if residual is None else (out, residual)
 
 
-def rope_neox_ref(positions, q, k, cos, sin):
+def rope_neox_ref(positions, q, k, cos, sin, q_norm_weight=None, k_norm_weight=None, eps=1e-6):
     """Neox rotary embedding with the engine's casts: the float32 cos/sin table rows cast to
-    the input dtype, then x * cos + rotate_half(x) * sin in that dtype."""
+    the input dtype, then x * cos + rotate_half(x) * sin in that dtype. With norm weights,
+    each head goes through the engine's RMSNorm first."""
+    if q_norm_weight is not None:
+        q, k = rmsnorm_ref(q, q_norm_weight, eps), rmsnorm_ref(k, k_norm_weight, eps)
 
     def apply(x):
         c = cos[positions].unsqueeze(1).to(x.dtype)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.language.random import philox_impl
 
-from pagoda_kernels._utils import cdiv, is_hip, next_pow2, num_sms
+from pagoda_kernels._utils import aligned_buffers, cdiv, is_hip, next_pow2, num_sms
 
 # BLOCK logits per loop iteration: four sub-blocks of BLOCK // 4, one Philox call per
 # element of a sub-block (its four output words serve the four sub-blocks). With 4 warps
@@ -64,7 +64,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "offset_lo", "offset_hi"])
+# Arguments that change between steps are not specialised: each value class (1, a multiple of
+# 16, other) would be a variant compiled while serving (see pagoda_kernels.jit_watch).
+@triton.jit(do_not_specialize=["num_chunks", "seed_lo", "seed_hi", "offset_lo", "offset_hi"])
 def _sample_partial_kernel(
     logits_ptr, temp_ptr, val_ptr, idx_ptr, out_ptr,
     stride_row, V, chunk, num_chunks,
@@ -147,7 +149,7 @@ def _sample_partial_kernel(
         tl.store(idx_ptr + row * num_chunks + pid_c, i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
@@ -194,8 +196,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: int, of
     chunk = chunk_size(bsz, vocab, num_sms(logits.device))
     num_chunks = cdiv(vocab, chunk)
     if num_chunks > 1:  # each chunk's best score and its index, in one allocation
-        part = torch.empty((2, bsz, num_chunks), dtype=torch.float32, device=logits.device)
-        vals, idxs = part[0], part[1].view(torch.int32)
+        vals, idxs = aligned_buffers([bsz * num_chunks] * 2, torch.float32, logits.device)
+        idxs = idxs.view(torch.int32)
     else:
         vals, idxs = out, out  # unused
     seed_lo, seed_hi = _int32_halves(seed)

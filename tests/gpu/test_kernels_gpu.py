@@ -226,20 +226,22 @@ def test_rmsnorm(dtype, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(d, h, kvh) for d in HEAD_DIMS for h, kvh in GQA])
-def test_rope(dtype, head_dim, heads, kv_heads):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm-rope"])
+def test_rope(dtype, head_dim, heads, kv_heads, qk_norm):
     g = torch.Generator().manual_seed(head_dim)
     cos, sin = rope_cos_sin_ref(head_dim, 8192)
     cos, sin = cos.to(DEV), sin.to(DEV)
     pos = torch.randint(0, 8192, (333,), generator=g).to(DEV)
-    q = torch.randn((333, heads, head_dim), generator=g).to(dtype).to(DEV)
-    k = torch.randn((333, kv_heads, head_dim), generator=g).to(dtype).to(DEV)
-    a, b = rope_neox(pos, q, k, cos, sin)
-    a2, b2 = rope_neox_ref(pos, q.double(), k.double(), cos.double(), sin.double())
+    q = (3 * torch.randn((333, heads, head_dim), generator=g)).to(dtype).to(DEV)
+    k = (3 * torch.randn((333, kv_heads, head_dim), generator=g)).to(dtype).to(DEV)
+    ws = [(1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype).to(DEV) for _ in range(2)] if qk_norm else []
+    a, b = rope_neox(pos, q, k, cos, sin, None, None, *ws)
+    a2, b2 = rope_neox_ref(pos, q.double(), k.double(), cos.double(), sin.double(), *[w.double() for w in ws])
     check(a, a2, dtype)
     check(b, b2, dtype)
     if dtype != F32:  # same rounding steps as the engine's torch code: nearly always identical
-        a3, _ = rope_neox_ref(pos, q, k, cos, sin)
-        assert (a != a3).float().mean() < 1e-3
+        a3, _ = rope_neox_ref(pos, q, k, cos, sin, *ws)
+        assert (a != a3).float().mean() < (2e-2 if qk_norm else 1e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

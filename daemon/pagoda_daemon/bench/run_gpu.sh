@@ -6,7 +6,9 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               vllm-stash|vllm] ...
 #
-# e2e: end-to-end engine benchmarks on random-weight models (bench/throughput.py).
+# e2e: end-to-end engine benchmarks on random-weight models (bench/throughput.py). The default
+# throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
+# kernels compiled during each round.
 # vllm-stash / vllm: the two steps of the vLLM anchor kit (../shared/anchors/vllm), made as
 # two device calls back to back: the first carries .vllm_stash (core.part.00), the second
 # carries .vllm_b (core.part.01, SHA256SUMS, stage2.sh, bench_vllm.py, model configs) and
@@ -106,8 +108,8 @@ fi
 T="python3 -m pagoda_daemon.bench.throughput"
 e2e() { $T "$@" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }
 if has e2e || has e2e-throughput || has vllm; then
-  step "Pagoda end to end: Qwen3-0.6B shape, nano-vllm workload (CUDA graphs + async scheduling)"
-  e2e $CFG/qwen3-0.6b
+  step "Pagoda end to end: Qwen3-0.6B shape, nano-vllm workload (CUDA graphs + async scheduling), ${E2E_ROUNDS:-2} rounds"
+  e2e $CFG/qwen3-0.6b --rounds "${E2E_ROUNDS:-2}"
 fi
 if has e2e || has e2e-throughput; then
   step "the same without async scheduling, then without CUDA graphs"

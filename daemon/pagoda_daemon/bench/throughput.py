@@ -82,22 +82,34 @@ def run_requests(core, prompts, params, tag: str) -> tuple[int, list[float]]:
 
 
 def throughput(args) -> dict:
+    """The workload, timed; with --rounds N, N times on the same engine (later rounds show what
+    the first paid for kernels compiled during its run: `triton_compiles` per round)."""
+    from pagoda_kernels.jit_watch import watch_compiles
+
     t0 = time.perf_counter()
     core = build_core(args)
     init_s = time.perf_counter() - t0
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature,
                           core.model_config.vocab_size)
-    sync()
-    t = time.perf_counter()
-    generated, steps = run_requests(core, prompts, params, "tput")
-    sync()
-    elapsed = time.perf_counter() - t
+    rounds = []
+    for r in range(args.rounds):
+        sync()
+        with watch_compiles() as compiles:
+            t = time.perf_counter()
+            generated, steps = run_requests(core, prompts, params, f"tput{r}")
+            sync()
+            elapsed = time.perf_counter() - t
+        core.kv_cache.reset_prefix_cache()  # every round prefills from scratch
+        rounds.append({"time_s": round(elapsed, 3), "output_tok_per_s": round(generated / elapsed, 1),
+                       "output_tokens_generated": generated, "steps": len(steps),
+                       "triton_compiles": compiles.summary()})
+    first = rounds[0]
     return {
         "bench": "throughput", "num_seqs": args.num_seqs, "prompt_tokens": sum(map(len, prompts)),
-        "output_tokens_requested": sum(p.max_tokens for p in params), "output_tokens_generated": generated,
-        "time_s": round(elapsed, 3), "output_tok_per_s": round(generated / elapsed, 1), "steps": len(steps),
+        "output_tokens_requested": sum(p.max_tokens for p in params), **first,
         "init_s": round(init_s, 1), "cuda_graphs": core.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
         "preemptions": core.scheduler.stats.num_preemptions, "kv_blocks": core.kv_cache.num_blocks,
+        **({"later_rounds": rounds[1:]} if len(rounds) > 1 else {}),
     }
 
 
@@ -236,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--rounds", type=int, default=1, help="run the workload this many times on one engine")
     ap.add_argument("--latency", action="store_true")
     ap.add_argument("--latency-prompt-len", type=int, default=127)
     ap.add_argument("--latency-output-len", type=int, default=146)

@@ -134,12 +134,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+        """Rotate q [T, H, D] and k [T, KVH, D]; with q_norm and k_norm (Qwen3), normalise each
+        head first. The kernel does both in one launch, in place: q and k are views of the
+        qkv projection's output, which nothing reads afterwards."""
+        if q_norm is not None and not self._fuses(q, q_norm, k_norm):
+            q, k = q_norm(q), k_norm(k)
+            q_norm = k_norm = None
         if self._kernel is not None:
-            return self._kernel(positions, q, k, self.cos, self.sin)
+            if q_norm is None:
+                return self._kernel(positions, q, k, self.cos, self.sin, q, k)
+            return self._kernel(positions, q, k, self.cos, self.sin, q, k, q_norm.weight, k_norm.weight, q_norm.eps)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+
+
+    def _fuses(self, q: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> bool:
+        """The kernel takes the norms when their output dtype is q's (weights in the model's dtype)."""
+        return (self._kernel is not None and q_norm.eps == k_norm.eps
+                and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
