@@ -116,8 +116,9 @@ def _launch_everything(torch) -> None:
                 prefill_attention.varlen_attention(q, kv, kv, qsl, 0.1, window, max_query_len=1)
             cache_write.write_kv_cache(kv, kv, cache, torch.zeros(2, dtype=torch.int64), 0.5, 0.5)
         cos, sin = rope_cos_sin_ref(d, 16)
-        rope.rope_neox(torch.zeros(2, dtype=torch.int64), torch.zeros(2, 32, d, dtype=bf16),
-                       torch.zeros(2, 8, d, dtype=bf16), cos, sin)
+        for norm in ([], [torch.zeros(d, dtype=bf16)] * 2):  # plain, and with Qwen3's q/k norm
+            rope.rope_neox(torch.zeros(2, dtype=torch.int64), torch.zeros(2, 32, d, dtype=bf16),
+                           torch.zeros(2, 8, d, dtype=bf16), cos, sin, None, None, *norm)
     for hidden in (2048, 4096, 8192):
         x = torch.zeros(2, hidden, dtype=bf16)
         rmsnorm.rmsnorm(x, torch.zeros(hidden, dtype=bf16), 1e-6, x)

@@ -22,7 +22,7 @@ Twin: `reference.paged_attention_ref` with one query per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -69,6 +69,18 @@ class DecodePlan:
     max_work: int
     block_n: int
     num_kv_heads: int
+    # partial outputs [max_work, H, BLOCK_D] and log2-sum-exps [max_work, H] (float32), made by
+    # the step's first layer and reused by the others (two allocations a step, not a layer)
+    scratch: dict = field(default_factory=dict, repr=False)
+
+    def partials(self, num_heads: int, block_d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (num_heads, block_d)
+        if key not in self.scratch:
+            self.scratch[key] = (
+                torch.empty((self.max_work, num_heads, block_d), dtype=torch.float32, device=device),
+                torch.empty((self.max_work, num_heads), dtype=torch.float32, device=device),
+            )
+        return self.scratch[key]
 
 
 # Integer arguments that change from step to step are not specialised (1 / multiple of 16 /
@@ -279,9 +291,7 @@ def paged_decode_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # scales are read through pointers only for fp8 caches
     ks, vs = (scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)) if fp8 else (seq_lens, seq_lens)
-    # partial outputs of chunks [work, H, BLOCK_D] and their log2-sum-exps [work, H], float32
-    mid_o = torch.empty((plan.max_work, num_heads, block_d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((plan.max_work, num_heads), dtype=torch.float32, device=q.device)
+    mid_o, mid_lse = plan.partials(num_heads, block_d, q.device)
     mstrides = (mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0))
     _decode_chunk_kernel[(num_kv_heads, plan.max_work)](
         q, k_cache, v_cache, block_tables, seq_lens, ks, vs,

@@ -17,12 +17,14 @@ so the two figures compare one for one. Prints one JSON line prefixed RESULT.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from random import randint, seed
 
 import torch
@@ -65,8 +67,20 @@ def workload(num_seqs: int, max_input: int, max_output: int, temperature: float,
     return prompts, params
 
 
-def run_requests(core, prompts, params, tag: str) -> tuple[int, list[float]]:
-    """Add all requests, step until done; returns generated tokens and per-step wall times."""
+CLOCK_SAMPLE_STEPS = (0, 2, 5, 10, 20, 50, 200)
+
+
+def sm_clock_mhz() -> int | None:
+    """The GPU's SM clock now (NVML, through torch), or None where NVML is missing."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # pynvml absent, or not an NVIDIA GPU: a diagnostic, not a result
+        return None
+
+
+def run_requests(core, prompts, params, tag: str, clocks: dict | None = None) -> tuple[int, list[float]]:
+    """Add all requests, step until done; returns generated tokens and per-step wall times.
+    With `clocks`, records the SM clock before some steps (a GPU idle before the run starts slow)."""
     from pagoda_daemon.engine.request import Request
 
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -74,6 +88,8 @@ def run_requests(core, prompts, params, tag: str) -> tuple[int, list[float]]:
     generated = 0
     step_times = []
     while core.has_unfinished_requests():
+        if clocks is not None and len(step_times) in CLOCK_SAMPLE_STEPS:
+            clocks[len(step_times)] = sm_clock_mhz()
         t = time.perf_counter()
         for out in core.step():
             generated += len(out.new_token_ids)
@@ -91,18 +107,24 @@ def throughput(args) -> dict:
     init_s = time.perf_counter() - t0
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature,
                           core.model_config.vocab_size)
-    rounds = []
+    rounds, step_times = [], []
     for r in range(args.rounds):
         sync()
-        with watch_compiles() as compiles:
+        with watch_compiles() as compiles, gpu_kernel_profile(args.profile_run and r == args.rounds - 1) as kernels, \
+                host_stalls() as stalls:
+            clocks: dict = {}
             t = time.perf_counter()
-            generated, steps = run_requests(core, prompts, params, f"tput{r}")
+            generated, steps = run_requests(core, prompts, params, f"tput{r}", clocks if torch.cuda.is_available() else None)
             sync()
             elapsed = time.perf_counter() - t
         core.kv_cache.reset_prefix_cache()  # every round prefills from scratch
         rounds.append({"time_s": round(elapsed, 3), "output_tok_per_s": round(generated / elapsed, 1),
                        "output_tokens_generated": generated, "steps": len(steps),
-                       "triton_compiles": compiles.summary()})
+                       "triton_compiles": compiles.summary(), **stalls, **kernels,
+                       **({"sm_clock_mhz_before_step": clocks} if clocks else {})})
+        step_times.append(steps)
+    if len(step_times) > 1 and len(step_times[0]) == len(step_times[1]):
+        rounds[0]["excess_over_round_2_ms"] = excess_by_phase(step_times[0], step_times[1])
     first = rounds[0]
     return {
         "bench": "throughput", "num_seqs": args.num_seqs, "prompt_tokens": sum(map(len, prompts)),
@@ -111,6 +133,68 @@ def throughput(args) -> dict:
         "preemptions": core.scheduler.stats.num_preemptions, "kv_blocks": core.kv_cache.num_blocks,
         **({"later_rounds": rounds[1:]} if len(rounds) > 1 else {}),
     }
+
+
+def excess_by_phase(first: list[float], second: list[float]) -> dict:
+    """Where the first round lost time to the second, step by step (both rounds schedule the
+    same steps): the early steps are the prefill-heavy ones."""
+    diff = [(a - b) * 1e3 for a, b in zip(first, second)]
+    bounds = [(0, 50), (50, 200), (200, len(diff))]
+    out = {f"steps {lo}-{hi - 1}": round(sum(diff[lo:hi]), 1) for lo, hi in bounds if lo < len(diff)}
+    worst = sorted(range(len(diff)), key=lambda i: -diff[i])[:8]
+    out["worst_steps"] = [[i, round(first[i] * 1e3, 2), round(second[i] * 1e3, 2)] for i in worst]
+    return out
+
+
+@contextmanager
+def host_stalls():
+    """What else can stall a step on the host: Python's garbage collector (time, full
+    collections) and the CUDA caching allocator going to the driver (cudaMalloc calls, and
+    retries after freeing its cache, which synchronise the device)."""
+    result: dict = {}
+    gc_ms, started, full = [0.0], [0.0], [0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - started[0]) * 1e3
+            full[0] += info.get("generation") == 2
+
+    cuda = torch.cuda.is_available()
+    before = torch.cuda.memory_stats() if cuda else {}
+    gc.callbacks.append(on_gc)
+    try:
+        yield result
+    finally:
+        gc.callbacks.remove(on_gc)
+    result["gc_ms"], result["gc_full_collections"] = round(gc_ms[0], 1), full[0]
+    if cuda:
+        after = torch.cuda.memory_stats()
+        for key, name in (("num_device_alloc", "cuda_mallocs"), ("num_alloc_retries", "allocator_retries")):
+            result[name] = after.get(key, 0) - before.get(key, 0)
+
+
+@contextmanager
+def gpu_kernel_profile(enabled: bool):
+    """GPU time per kernel over a whole run (torch profiler, device activity only), so that
+    prefill and mixed steps count as well as the decode steps `--profile-steps` looks at."""
+    result: dict = {}
+    if not enabled or not torch.cuda.is_available():
+        yield result
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield result
+    totals: Counter = Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            totals[e.name[:80]] += e.time_range.end - e.time_range.start
+    gpu_ms = sum(totals.values()) / 1e3
+    result["gpu_kernel_ms"] = {"total": round(gpu_ms, 1),
+                               **{name: round(us / 1e3, 1) for name, us in totals.most_common(20)}}
 
 
 def latency(args) -> dict:
@@ -249,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--rounds", type=int, default=1, help="run the workload this many times on one engine")
+    ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over the last round")
     ap.add_argument("--latency", action="store_true")
     ap.add_argument("--latency-prompt-len", type=int, default=127)
     ap.add_argument("--latency-output-len", type=int, default=146)
