@@ -200,8 +200,8 @@ class EngineCore:
     def _warm_up_full_step(self) -> None:
         """One prefill step at the scheduler's token budget (several prompts where one sequence
         cannot hold it), sampled: the largest activations, matmul shapes and prefill grids of
-        serving get their memory, cuBLAS choices and first launch now, not in the first busy
-        step (on an H200 the first prefill steps of a run took 2-3x their steady time)."""
+        serving get their memory, cuBLAS choices and first launch before the engine reports
+        ready, not in its first busy step."""
         from pagoda_daemon.sampling_params import SamplingParams
 
         bs = self.config.block_size
