@@ -6,6 +6,7 @@ so this loop can later run in its own process behind a socket unchanged.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,16 @@ def resolve_dtype(name: str, model_config, device: torch.device) -> torch.dtype:
         return torch.float32
     ckpt = loader.checkpoint_dtype(model_config)
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive now (modules, the model, configs: they live
+    as long as the process) out of the garbage collector's reach. Full collections then scan
+    only what serving allocates: on an H100, one full collection over the un-frozen heap
+    stalled a serving step for 200 ms (docs/benchmarks/2026-11-21-h100-h200-session4.md).
+    vLLM's engine core does the same after start-up."""
+    gc.collect()
+    gc.freeze()
 
 
 class EngineCore:
@@ -196,6 +207,7 @@ class EngineCore:
         self.kv_cache.pool.drain_events()  # the warm-up's blocks were never real
         self.kv_cache.stats = type(self.kv_cache.stats)()
         self.scheduler.stats = SchedulerStats()
+        freeze_startup_heap()
 
     def _warm_up_full_step(self) -> None:
         """One prefill step at the scheduler's token budget (several prompts where one sequence
