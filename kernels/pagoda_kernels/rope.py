@@ -4,8 +4,10 @@ The table is the engine's (`pagoda_daemon.models.layers.RotaryEmbedding`): float
 [max_positions, head_dim], both halves of each row filled (so llama3 and other scalings
 live in the table, not here). Casts as the engine does them: the table row to the input
 dtype, then x * cos + rotate_half(x) * sin, each product and the sum rounded to that dtype.
-One program per token covers all query and key heads. Optionally each head is RMS-normalised
-first (Qwen3's q/k norm), fused into the same pass. Twin: `reference.rope_neox_ref`.
+Two programs per token, one for its query heads and one for its key heads (at batch 1 a
+single program for both was the slowest small kernel of a Llama-8B decode step).
+Optionally each head is RMS-normalised first (Qwen3's q/k norm), fused into the same pass.
+Twin: `reference.rope_neox_ref`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def _rope_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    is_key = tl.program_id(1) == 1
     offs_j = tl.arange(0, BLOCK_J)
     j_mask = offs_j < HALF
     dtype = q_ptr.dtype.element_ty
@@ -62,10 +65,12 @@ def _rope_kernel(
     s1 = cast_to(tl.load(sin_ptr + row, mask=j_mask, other=0.0), dtype).to(tl.float32)[None, :]
     c2 = cast_to(tl.load(cos_ptr + row + HALF, mask=j_mask, other=0.0), dtype).to(tl.float32)[None, :]
     s2 = cast_to(tl.load(sin_ptr + row + HALF, mask=j_mask, other=0.0), dtype).to(tl.float32)[None, :]
-    _rotate(q_ptr, q_out_ptr, q_w_ptr, eps, t, stride_qt, stride_qh, stride_oqt, stride_oqh, c1, s1, c2, s2,
-            offs_j, j_mask, NUM_Q_HEADS, BLOCK_H, HALF, NORM)
-    _rotate(k_ptr, k_out_ptr, k_w_ptr, eps, t, stride_kt, stride_kh, stride_okt, stride_okh, c1, s1, c2, s2,
-            offs_j, j_mask, NUM_K_HEADS, BLOCK_H, HALF, NORM)
+    if is_key:
+        _rotate(k_ptr, k_out_ptr, k_w_ptr, eps, t, stride_kt, stride_kh, stride_okt, stride_okh, c1, s1, c2, s2,
+                offs_j, j_mask, NUM_K_HEADS, BLOCK_H, HALF, NORM)
+    else:
+        _rotate(q_ptr, q_out_ptr, q_w_ptr, eps, t, stride_qt, stride_qh, stride_oqt, stride_oqh, c1, s1, c2, s2,
+                offs_j, j_mask, NUM_Q_HEADS, BLOCK_H, HALF, NORM)
 
 
 def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -95,7 +100,7 @@ def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: to
         half = head_dim // 2
         block_j = next_pow2(half)
         block_h = min(next_pow2(max(num_q_heads, num_k_heads)), max(1, 2048 // block_j))
-        _rope_kernel[(num_tokens,)](
+        _rope_kernel[(num_tokens, 2)](  # per token: one program for the query heads, one for the keys
             positions, q, k, cos, sin, q_out, k_out,
             q_norm_weight if norm else cos, k_norm_weight if norm else cos, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
