@@ -130,7 +130,7 @@ def plan_decode(seq_lens: torch.Tensor, num_kv_heads: int, block_n: int,
     return plan
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs"])  # the block-table stride is fixed per engine: specialised
 def _decode_chunk_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     chunk_ends_ptr, chunk_tiles_ptr, work_items_ptr,

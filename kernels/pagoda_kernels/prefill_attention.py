@@ -72,9 +72,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len,
     return acc, l_i, m_i
 
 
-# A block table's row stride only scales a scalar index: no use specialising on it (a new
-# value class would compile a new variant while serving; see pagoda_kernels.jit_watch).
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, scale_log2,
@@ -184,7 +182,11 @@ def _launch(q, k, v, block_tables, query_start_loc, seq_lens, scale, sliding_win
         *((scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)) if fp8 else (query_start_loc,) * 2),
         out, scale * LOG2E,
         q.stride(0), q.stride(1), stride_k[0], stride_k[1], stride_v[0],
-        stride_k[2], stride_k[3], block_tables.stride(0) if paged else 0, out.stride(0), out.stride(1),
+        stride_k[2], stride_k[3],
+        # one value per engine (its block-table width; 0 without a cache) so that every step
+        # runs the variant the warm-up compiled (Triton specialises integers: 1, % 16, other)
+        block_tables.stride(0) if paged else 0,
+        out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page,
         SLIDING_WINDOW=sliding_window or 0, PAGED=paged, IS_FP8=fp8, IEEE=q.dtype == torch.float32,
