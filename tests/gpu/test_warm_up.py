@@ -3,7 +3,7 @@
 A kernel compiled mid-run stalls every request of that step for up to a second: three
 such compiles (new specialisations of an integer argument or of a pointer's alignment)
 made the first of three identical throughput runs 26% slower on an H100
-(docs/benchmarks/2026-11-21-h100-e2e-session4.md). Each case runs the throughput benchmark
+(docs/benchmarks/2026-11-21-session4.md). Each case runs the throughput benchmark
 in a fresh process, where Triton's in-memory caches start empty, on a workload whose
 batches vary widely: 48 requests finishing one by one, chunked prefill, a vocabulary that
 the sampler splits into several chunks; once with CUDA graphs and once eager.

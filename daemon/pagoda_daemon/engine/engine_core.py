@@ -82,7 +82,7 @@ def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (modules, the model, configs: they live
     as long as the process) out of the garbage collector's reach. Full collections then scan
     only what serving allocates: on an H100, one full collection over the un-frozen heap
-    stalled a serving step for 200 ms (docs/benchmarks/2026-11-21-h100-h200-session4.md).
+    stalled a serving step for 200 ms (docs/benchmarks/2026-11-21-session4.md).
     vLLM's engine core does the same after start-up."""
     gc.collect()
     gc.freeze()
