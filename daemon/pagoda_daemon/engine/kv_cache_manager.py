@@ -67,6 +67,8 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
     ) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens; returns the newly added blocks, or None if full."""
+        if not new_computed_blocks and self._fits_in_held_blocks(request, num_new_tokens):
+            return []  # most decode steps: room in the last block, and no block filled to register
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -84,6 +86,18 @@ class KVCacheManager:
         held.extend(new_blocks)
         self._cache_full_blocks(request, held, total_tokens)
         return new_computed_blocks + new_blocks
+
+    def _fits_in_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        held = self.req_blocks.get(request.request_id)
+        if held is None:
+            return False
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        if total_tokens > len(held) * self.block_size:
+            return False
+        if not self.enable_caching:
+            return True
+        num_full = min(total_tokens // self.block_size, len(request.block_hashes))
+        return num_full <= self.num_hashed_blocks.get(request.request_id, 0)
 
     def _cache_full_blocks(self, request: Request, held: list[KVCacheBlock], num_tokens: int) -> None:
         """Register blocks that will be full once this step's tokens are written."""

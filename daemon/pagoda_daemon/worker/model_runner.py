@@ -11,7 +11,7 @@ schedule the next step while this one runs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,8 +29,18 @@ log = logging.getLogger(__name__)
 class RunnerRequestState:
     """What the runner remembers of a request between steps."""
 
-    block_ids: list[int] = field(default_factory=list)
+    block_table: np.ndarray  # the request's block ids in its first num_blocks entries (int32)
+    num_blocks: int = 0
     generator: torch.Generator | None = None
+
+    def set_blocks(self, block_ids: list[int]) -> None:
+        self.block_table[: len(block_ids)] = block_ids
+        self.num_blocks = len(block_ids)
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self.block_table[self.num_blocks : self.num_blocks + len(block_ids)] = block_ids
+            self.num_blocks += len(block_ids)
 
 
 @dataclass
@@ -239,16 +249,16 @@ class ModelRunner:
             rid = s.request.request_id
             state = self.requests.get(rid)
             if state is None:
-                state = RunnerRequestState()
+                state = RunnerRequestState(np.zeros(self.max_blocks_per_seq, dtype=np.int32))
                 seed = s.request.sampling_params.seed
                 if seed is not None:
                     state.generator = torch.Generator(device=self.device)
                     state.generator.manual_seed(seed)
                 self.requests[rid] = state
             if s.is_new:  # first schedule or resumed after preemption: the block list is whole
-                state.block_ids = list(s.new_block_ids)
+                state.set_blocks(s.new_block_ids)
             else:
-                state.block_ids.extend(s.new_block_ids)
+                state.add_blocks(s.new_block_ids)
 
     def prepare_inputs(self, sched: SchedulerOutput, pad_to: int | None = None):
         """Fill the staging buffers for this step. With pad_to (a CUDA-graph size), rows past
@@ -276,8 +286,8 @@ class ModelRunner:
                 ids_np[t] = req.all_token_ids[start]
             else:
                 ids_np[t : t + n] = req.all_token_ids[start : start + n]
-            block_ids = self.requests[req.request_id].block_ids
-            bt_np[i, : len(block_ids)] = block_ids
+            state = self.requests[req.request_id]  # an array row copy: a third of a list's cost
+            bt_np[i, : state.num_blocks] = state.block_table[: state.num_blocks]
             starts[i] = start
             t += n
             qsl_np[i + 1] = t
