@@ -150,7 +150,6 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
 
-
     def _fuses(self, q: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> bool:
         """The kernel takes the norms when their output dtype is q's (weights in the model's dtype)."""
         return (self._kernel is not None and q_norm.eps == k_norm.eps
