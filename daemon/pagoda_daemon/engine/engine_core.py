@@ -182,9 +182,9 @@ class EngineCore:
     def warm_up(self) -> None:
         """Before serving, send short requests through every kind of step, so that every kernel
         is compiled before the engine reports ready: a prefill-only step, decodes, and a
-        step that mixes a decode with a prefill (the paged extend path); on a GPU, also one
-        step at the full token budget. Then forget them: no cached blocks, no counted steps.
-        (tests/gpu/test_warm_up.py checks that serving afterwards compiles no kernel.)"""
+        step that mixes a decode with a prefill (the paged extend path). Then forget them:
+        no cached blocks, no counted steps. (tests/gpu/test_warm_up.py checks that serving
+        afterwards compiles no kernel.)"""
         from pagoda_daemon.engine.scheduler import SchedulerStats
         from pagoda_daemon.sampling_params import SamplingParams
 
@@ -201,34 +201,12 @@ class EngineCore:
         while self.has_unfinished_requests():
             self.step()
         if self.device.type == "cuda":
-            self._warm_up_full_step()
             torch.cuda.synchronize(self.device)
         self.kv_cache.reset_prefix_cache()
         self.kv_cache.pool.drain_events()  # the warm-up's blocks were never real
         self.kv_cache.stats = type(self.kv_cache.stats)()
         self.scheduler.stats = SchedulerStats()
         freeze_startup_heap()
-
-    def _warm_up_full_step(self) -> None:
-        """One prefill step at the scheduler's token budget (several prompts where one sequence
-        cannot hold it), sampled: the largest activations, matmul shapes and prefill grids of
-        serving get their memory, cuBLAS choices and first launch before the engine reports
-        ready, not in its first busy step."""
-        from pagoda_daemon.sampling_params import SamplingParams
-
-        bs = self.config.block_size
-        budget = min(self.config.max_num_batched_tokens, self.kv_cache.num_free_blocks // 2 * bs)
-        vocab = self.model_config.vocab_size
-        params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
-        i = 0
-        while budget > 0 and i < self.config.max_num_seqs:
-            n = min(budget, self.max_model_len - 1)
-            prompt = [3 + (i * 7919 + j) % (vocab - 3) for j in range(n)]  # no two share a prefix
-            self.add_request(Request(f"__warmup_full_{i}__", prompt, params, None, bs))
-            budget -= n
-            i += 1
-        while self.has_unfinished_requests():
-            self.step()
 
     # ---- requests ---------------------------------------------------------------------
 
