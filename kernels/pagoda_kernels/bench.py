@@ -190,6 +190,38 @@ def sampling_case(device, timer, batch, vocab, temperature=0.6, dtype=torch.bflo
             "host_seconds": host(lambda: sample_tokens(logits, temp, 1234))}
 
 
+GEMV_SHAPES = {  # (N, K) of Llama-3-8B's projections at batch 1; down with the activation fused
+    "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
+}
+GEMV_SWEEP = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+              for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for st in (1, 3)]
+
+
+def gemv_case(device, timer, rows, n, k, dtype, silu_mul=False, tiles: dict | None = None) -> dict:
+    """The skinny kernel against torch's matmul (cuBLAS) on the same operands, both replayed
+    from CUDA graphs; GB/s over the weight bytes (what batch-1 decode must read)."""
+    import torch.nn.functional as F
+
+    from pagoda_kernels.activation import silu_and_mul
+    from pagoda_kernels.gemv import gemv
+
+    w = torch.randn((n, k), dtype=dtype, device=device) * k**-0.5
+    x = torch.randn((rows, 2 * k if silu_mul else k), dtype=dtype, device=device)
+    out = torch.empty((rows, n), dtype=dtype, device=device)
+    t = timer(graphed(lambda: gemv(x, w, out=out, silu_mul=silu_mul, **(tiles or {})), device))
+    act = torch.empty((rows, k), dtype=dtype, device=device)
+    if silu_mul:
+        t_ref = timer(graphed(lambda: torch.matmul(silu_and_mul(x, out=act), w.t(), out=out), device))
+    else:
+        t_ref = timer(graphed(lambda: torch.matmul(x, w.t(), out=out), device))
+    ref = F.linear(silu_and_mul(x) if silu_mul else x, w).float()
+    err = ((gemv(x, w, silu_mul=silu_mul, **(tiles or {})).float() - ref).norm() / ref.norm()).item()
+    nbytes = w.numel() * w.element_size()
+    return {"rows": rows, "n": n, "k": k, "silu_mul": silu_mul, "tiles": tiles or "default", "seconds": t,
+            "torch_seconds": t_ref, "GB_per_s": nbytes / t / 1e9, "torch_GB_per_s": nbytes / t_ref / 1e9,
+            "speedup": t_ref / t, "rel_err": err}
+
+
 def run(only: set[str], smoke: bool) -> dict:
     device = torch.device("cpu" if smoke else "cuda")
     timer = make_timer(device)
@@ -279,6 +311,28 @@ def run(only: set[str], smoke: bool) -> dict:
         for r in rows:
             r["fraction_of_copy"] = r["GB_per_s"] / copy["GB_per_s"]
         report["sampling"] = rows
+    if "gemv" in only or "gemv-sweep" in only:
+        copy = report.get("copy") or copy_bandwidth(device, timer, 1 << 16 if smoke else 2 << 30)
+        report["copy"] = copy
+        shapes = {"small": (40, 96)} if smoke else GEMV_SHAPES
+        rows = []
+        for name, (n, k) in shapes.items():
+            for m in (1, 2, 4):
+                r = gemv_case(device, timer, m, n, k, dtype, silu_mul=name == "down")
+                rows.append({"name": name, **r, "fraction_of_copy": r["GB_per_s"] / copy["GB_per_s"],
+                             "torch_fraction_of_copy": r["torch_GB_per_s"] / copy["GB_per_s"]})
+        report["gemv"] = rows
+        if "gemv-sweep" in only:
+            sweep = []
+            for name, (n, k) in shapes.items():
+                for tiles in GEMV_SWEEP[:1] if smoke else GEMV_SWEEP:
+                    try:
+                        r = gemv_case(device, timer, 1, n, k, dtype, silu_mul=name == "down", tiles=tiles)
+                        sweep.append({"name": name, "tiles": tiles, "fraction_of_copy": r["GB_per_s"] / copy["GB_per_s"],
+                                      "torch_fraction_of_copy": r["torch_GB_per_s"] / copy["GB_per_s"]})
+                    except Exception as e:  # a tile that does not fit is a result too
+                        sweep.append({"name": name, "tiles": tiles, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            report["gemv_sweep"] = sweep
     return report
 
 

@@ -92,6 +92,7 @@ def _launch_everything(torch) -> None:
         cache_write,
         decode_attention,
         fused_moe,
+        gemv,
         prefill_attention,
         rmsnorm,
         rope,
@@ -124,6 +125,10 @@ def _launch_everything(torch) -> None:
         rmsnorm.rmsnorm(x, torch.zeros(hidden, dtype=bf16), 1e-6, x)
         rmsnorm.rmsnorm(x, torch.zeros(hidden, dtype=bf16), 1e-6)
     activation.silu_and_mul(torch.zeros(2, 1536, dtype=bf16))
+    for rows in (1, 2, 4):
+        w = torch.zeros(4096, 2048, dtype=bf16)
+        gemv.gemv(torch.zeros(rows, 2048, dtype=bf16), w, torch.zeros(4096, dtype=bf16))
+        gemv.gemv(torch.zeros(rows, 4096, dtype=bf16), w, silu_mul=True)
     for logits_dtype in (bf16, torch.float16, torch.float32):
         for rows in (1, 256):  # one chunk per row (direct) and several (two stages)
             sampling.sample_tokens(torch.zeros(rows, 151936 if rows > 1 else 2000, dtype=logits_dtype),

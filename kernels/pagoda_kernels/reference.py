@@ -149,6 +149,15 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             silu_mul: bool = False) -> torch.Tensor:
+    """The skinny matmul: float32 products and sums, one rounding to x's dtype; with silu_mul
+    the activation first, as the engine's SiluAndMul rounds it."""
+    a = silu_and_mul_ref(x) if silu_mul else x
+    y = F.linear(a.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 # ---- mixture of experts -------------------------------------------------------------------
 
 

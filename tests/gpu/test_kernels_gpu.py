@@ -20,8 +20,10 @@ from pagoda_kernels.activation import silu_and_mul
 from pagoda_kernels.cache_write import write_kv_cache
 from pagoda_kernels.decode_attention import decode_block_n, paged_decode_attention, plan_decode
 from pagoda_kernels.fused_moe import fused_moe, route_topk
+from pagoda_kernels.gemv import gemv
 from pagoda_kernels.prefill_attention import paged_prefill_attention, varlen_attention
 from pagoda_kernels.reference import (
+    gemv_ref,
     moe_ref,
     paged_attention_ref,
     quantize_fp8_ref,
@@ -249,6 +251,21 @@ def test_silu_and_mul(dtype):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn((300, 2 * 6144), generator=g) * 3).to(dtype).to(DEV)
     check(silu_and_mul(x), silu_and_mul_ref(x.double()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("n, k, silu_mul", [(6144, 4096, False), (4096, 14336, True), (32000, 4096, False),
+                                            (1000, 1000, False)])
+def test_gemv(dtype, rows, n, k, silu_mul):
+    """Llama-8B's qkv, down (activation fused) and a vocabulary; 1000 x 1000 hangs over every tile."""
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    w = (torch.randn((n, k), generator=g) * k**-0.5).to(dtype).to(DEV)
+    x = (torch.randn((rows, 2 * k if silu_mul else k), generator=g) * 2).to(dtype).to(DEV)
+    out = torch.full((rows, n), float("nan"), dtype=dtype, device=DEV)
+    gemv(x, w, out=out, silu_mul=silu_mul)
+    ref = gemv_ref(x.double(), w.double(), silu_mul=silu_mul)
+    check(out, ref, dtype)
 
 
 # ---- fused MoE -------------------------------------------------------------------------------

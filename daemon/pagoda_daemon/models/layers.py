@@ -56,34 +56,53 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class MergedLinear(nn.Module):
+class Linear(nn.Module):
+    """x @ W^T (+ b). With kernels, one 16-bit row on the GPU (batch-1 decode; the logits of one
+    sequence) goes through `pagoda_kernels.gemv`, which streams the weights nearer the copy
+    rate than the split-K kernels cuBLAS picks at that shape (docs/kernels.md)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, kernels: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._gemv = None
+        if kernels:
+            from pagoda_kernels.gemv import gemv
+
+            self._gemv = gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny(x):
+            return self._gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def skinny(self, x: torch.Tensor) -> bool:
+        """The one shape the kernel wins: at two rows cuBLAS is as fast, at four faster."""
+        return (self._gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
+                and x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16)
+                and x.stride(-1) == 1)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """This projection of silu(gate) * up, the activation computed as the kernel reads its
+        input (a skinny `gate_up` only: the down projection without SiluAndMul's launch)."""
+        assert self.skinny(gate_up)
+        return self._gemv(gate_up, self.weight, self.bias, silu_mul=True)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input in one matmul (q/k/v, gate/up).
 
     `shards` names the checkpoint tensors that fill consecutive row ranges.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
-        super().__init__()
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False, kernels: bool = False) -> None:
+        offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shards.items():
-            self.shard_offsets[name] = (offset, size)
+            offsets[name] = (offset, size)
             offset += size
-        self.weight = nn.Parameter(torch.empty(offset, in_features))
-        self.bias = nn.Parameter(torch.empty(offset)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        super().__init__(in_features, offset, bias, kernels)
+        self.shard_offsets = offsets
 
 
 def rope_parameters(config) -> dict:

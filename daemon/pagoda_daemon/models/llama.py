@@ -35,9 +35,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias
+            config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias, kernels
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias, kernels)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by every layer
@@ -58,12 +58,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, kernels: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        self.gate_up_proj = MergedLinear(hidden_size, shards, kernels=kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, kernels=kernels)
         self.act = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.skinny(gate_up):  # batch-1 decode: the activation inside the down projection
+            return self.down_proj.forward_silu_mul(gate_up)
+        return self.down_proj(self.act(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -118,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope_parameters(config), backend.uses_kernels)
         layers = [self.make_layer(config, backend, rotary, i) for i in range(config.num_hidden_layers)]
         self.model = DecoderModel(config, layers, backend.uses_kernels)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, kernels=backend.uses_kernels)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
