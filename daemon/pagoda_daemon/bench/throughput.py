@@ -110,7 +110,7 @@ def throughput(args) -> dict:
     rounds, step_times = [], []
     for r in range(args.rounds):
         sync()
-        with watch_compiles() as compiles, gpu_kernel_profile(args.profile_run and r == args.rounds - 1) as kernels, \
+        with watch_compiles() as compiles, gpu_kernel_profile(args.profile_run) as kernels, \
                 host_stalls() as stalls:
             clocks: dict = {}
             t = time.perf_counter()
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--rounds", type=int, default=1, help="run the workload this many times on one engine")
-    ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over the last round")
+    ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over each round")
     ap.add_argument("--latency", action="store_true")
     ap.add_argument("--latency-prompt-len", type=int, default=127)
     ap.add_argument("--latency-output-len", type=int, default=146)

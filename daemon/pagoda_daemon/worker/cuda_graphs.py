@@ -8,6 +8,11 @@ the same storage every step, so a replay costs nothing beyond the usual host-to-
 copies. Rows past B are padding: cache slot -1 (the cache-write kernel skips it), context
 length 1, token 0; their outputs are never read.
 
+The graph ends with the logits of every row. Outside a graph the LM head would be a cuBLAS
+call whose row count changes whenever a sequence finishes, and cuBLAS pays 0.2-10 ms of host
+time the first time it sees a shape (H100, 2026-11-22: docs/benchmarks/2026-11-22-session5.md);
+inside, that cost is paid once per size, at capture, and the step launches nothing more.
+
 What must hold for a graph to be valid at replay (checked in tests/gpu):
 - every shape in the forward pass depends on the padded batch size only (the Triton
   backend's decode path: `uses_kernels`; its work plan is computed on the device inside
@@ -93,12 +98,13 @@ class CudaGraphRunner:
         pool = None
         for size in reversed(self.sizes):
             inputs = (b.input_ids[2][:size], b.positions[2][:size], kv_caches)
-            self.model(*inputs, self.metadata(size))  # compiles this size's kernels outside the capture
+            # compiles this size's kernels (and picks its cuBLAS kernels) outside the capture
+            self.model.compute_logits(self.model(*inputs, self.metadata(size)))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 # fresh metadata: the per-step work the backend keeps in it must be captured
-                self.outputs[size] = self.model(*inputs, self.metadata(size))
+                self.outputs[size] = self.model.compute_logits(self.model(*inputs, self.metadata(size)))
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -112,7 +118,8 @@ class CudaGraphRunner:
         return {name: getattr(b, name)[2].data_ptr() for name in names}
 
     def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of `size`; its inputs must already sit in the staging buffers."""
+        """Run the graph of `size` and return its logits [size, vocab]; the inputs must already
+        sit in the staging buffers."""
         self.num_replays += 1
         self.graphs[size].replay()
         return self.outputs[size]

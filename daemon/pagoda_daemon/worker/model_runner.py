@@ -374,14 +374,16 @@ class ModelRunner:
             graph_size = self.graph_size(sched)
             input_ids, positions, meta, logits_indices, rows = self.prepare_inputs(sched, graph_size)
         with phase("pagoda.forward"):
-            if graph_size is not None:
-                hidden = self.cuda_graphs.replay(graph_size)
+            if graph_size is not None:  # the graph computes every row's logits
+                all_logits = self.cuda_graphs.replay(graph_size)
+                every_row = len(rows) == len(sched.scheduled)  # then logits_indices is 0, 1, 2, ...
+                logits = all_logits[: len(rows)] if every_row else all_logits[logits_indices]
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                logits = self.model.compute_logits(hidden[logits_indices]) if rows else None
         if not rows:
             return LaunchedStep.empty()
         with phase("pagoda.sample"):
-            logits = self.model.compute_logits(hidden[logits_indices])
             batch = self._sampling_batch(sched, rows)
             out = self.sampler(logits, batch)
             reqs = [sched.scheduled[i].request for i in rows]
