@@ -1,7 +1,7 @@
 """Kernel benchmarks for the GPU machine; prints one JSON document.
 
     python -m pagoda_kernels.bench                 # everything, on cuda:0
-    python -m pagoda_kernels.bench --only decode   # decode | prefill | moe | sampling (comma-separated)
+    python -m pagoda_kernels.bench --only decode   # decode | prefill | moe | sampling | gemv (comma-separated)
     python -m pagoda_kernels.bench --smoke         # tiny shapes on CPU under TRITON_INTERPRET=1
 
 Every figure comes with its floor, measured in the same run on the same device:
@@ -12,7 +12,9 @@ Every figure comes with its floor, measured in the same run on the same device:
 - fused MoE at Qwen3-30B-A3B shapes (128 experts, top-8, hidden 2048, intermediate 768):
   TFLOP/s against a dense bf16 matmul of the same FLOPs ([T*k, H] x [H, 3I]);
 - sampling (vocabulary 151936, bf16 logits, temperature 0.6): the fused kernel against the
-  engine's torch sampler on the same batch, and its read of the logits against a copy.
+  engine's torch sampler on the same batch, and its read of the logits against a copy;
+- gemv (batch-1 projections of Llama-3-8B): the kernel against torch.matmul on the same
+  operands, and its read of the weights against a copy.
 """
 
 from __future__ import annotations
@@ -338,7 +340,7 @@ def run(only: set[str], smoke: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="decode,prefill,moe,sampling")
+    parser.add_argument("--only", default="decode,prefill,moe,sampling,gemv")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (needs TRITON_INTERPRET=1)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)

@@ -18,3 +18,4 @@ def test_bench_smoke_prints_json(capsys):
     assert all("fraction_of_matmul" in r for r in report["prefill"]["cases"])
     assert report["moe"][0]["fraction_of_dense"] > 0
     assert all(r["speedup"] > 0 and r["fraction_of_copy"] > 0 for r in report["sampling"])
+    assert all(r["speedup"] > 0 and r["rel_err"] < 1e-2 and "torch_fraction_of_copy" in r for r in report["gemv"])
