@@ -77,7 +77,8 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def skinny(self, x: torch.Tensor) -> bool:
-        """The one shape the kernel wins: at two rows cuBLAS is as fast, at four faster."""
+        """The shape the kernel wins everywhere: at two rows it led on an H100 but not on an H200,
+        at four cuBLAS is faster (docs/benchmarks/2026-11-22-session5.md)."""
         return (self._gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
                 and x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16)
                 and x.stride(-1) == 1)
