@@ -29,11 +29,14 @@ def test_serve_publishes_the_node_topology_at_start(kube_cluster, tmp_path):
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     try:
-        obj = kube_cluster.wait_for(lambda: kube_cluster.kubectl_json("get", "nodetopology", node), timeout=90,
-                                    what=f"NodeTopology {node}")
+        def published():
+            # the daemon creates the object, then writes its status in a second call
+            obj = kube_cluster.kubectl_json("get", "nodetopology", node)
+            return obj if obj.get("status", {}).get("lastHeartbeatTime") else None
+
+        obj = kube_cluster.wait_for(published, timeout=90, what=f"NodeTopology {node} with a heartbeat")
         spec = obj["spec"]
         assert spec["numaNodes"] and spec["cpu"]["logicalCpus"] >= 1
-        assert obj["status"]["lastHeartbeatTime"]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
