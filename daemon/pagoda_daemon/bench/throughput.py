@@ -152,14 +152,15 @@ def host_stalls():
     collections) and the CUDA caching allocator going to the driver (cudaMalloc calls, and
     retries after freeing its cache, which synchronise the device)."""
     result: dict = {}
-    gc_ms, started, full = [0.0], [0.0], [0]
+    gc_ms, started, full = 0.0, 0.0, 0
 
     def on_gc(phase: str, info: dict) -> None:
+        nonlocal gc_ms, started, full
         if phase == "start":
-            started[0] = time.perf_counter()
+            started = time.perf_counter()
         else:
-            gc_ms[0] += (time.perf_counter() - started[0]) * 1e3
-            full[0] += info.get("generation") == 2
+            gc_ms += (time.perf_counter() - started) * 1e3
+            full += info.get("generation") == 2
 
     cuda = torch.cuda.is_available()
     before = torch.cuda.memory_stats() if cuda else {}
@@ -168,7 +169,7 @@ def host_stalls():
         yield result
     finally:
         gc.callbacks.remove(on_gc)
-    result["gc_ms"], result["gc_full_collections"] = round(gc_ms[0], 1), full[0]
+    result["gc_ms"], result["gc_full_collections"] = round(gc_ms, 1), full
     if cuda:
         after = torch.cuda.memory_stats()
         for key, name in (("num_device_alloc", "cuda_mallocs"), ("num_alloc_retries", "allocator_retries")):

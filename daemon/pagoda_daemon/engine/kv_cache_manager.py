@@ -96,15 +96,18 @@ class KVCacheManager:
             return False
         if not self.enable_caching:
             return True
-        num_full = min(total_tokens // self.block_size, len(request.block_hashes))
-        return num_full <= self.num_hashed_blocks.get(request.request_id, 0)
+        return self._num_full_blocks(request, total_tokens) <= self.num_hashed_blocks.get(request.request_id, 0)
+
+    def _num_full_blocks(self, request: Request, num_tokens: int) -> int:
+        """Blocks full (and hashable) once num_tokens of the request are written."""
+        return min(num_tokens // self.block_size, len(request.block_hashes))
 
     def _cache_full_blocks(self, request: Request, held: list[KVCacheBlock], num_tokens: int) -> None:
         """Register blocks that will be full once this step's tokens are written."""
         if not self.enable_caching:
             return
         start = self.num_hashed_blocks.get(request.request_id, 0)
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        num_full = self._num_full_blocks(request, num_tokens)
         bs = self.block_size
         for i in range(start, num_full):
             if self.pool.record_events:
