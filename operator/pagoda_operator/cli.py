@@ -95,9 +95,9 @@ def parser() -> argparse.ArgumentParser:
     adm.add_argument(
         "--admission-policy",
         default=None,
-        metavar="FILE",
-        help="YAML allowlists (the chart's admission values); default: built-in defaults. "
-        "The --daemon-image repository is always allowed",
+        metavar="YAML",
+        help="the allowlists as a YAML or JSON mapping (the chart's admission.policy values); "
+        "default: built-in defaults. The --daemon-image repository is always allowed",
     )
     p.add_argument(
         "--log-level",
@@ -108,13 +108,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def admission_policy(args: argparse.Namespace) -> Policy:
-    """The webhook's policy: the ``--admission-policy`` file, plus the daemon image's repository."""
-    values = {}
-    if args.admission_policy:
-        with open(args.admission_policy) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{args.admission_policy}: expected a mapping of allowlists")
+    """The webhook's policy: ``--admission-policy``, plus the daemon image's repository."""
+    values = yaml.safe_load(args.admission_policy or "") or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"expected a mapping of allowlists, got {args.admission_policy!r}")
     return Policy.from_values(values, extra_images=(image_repository(args.daemon_image),))
 
 
@@ -160,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         try:
             policy = admission_policy(args)
-        except (OSError, ValueError, yaml.YAMLError) as e:
+        except (ValueError, yaml.YAMLError) as e:
             print(f"pagoda operator: admission policy: {e}", file=sys.stderr)
             return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -3,6 +3,7 @@ the SubjectAccessReview client against a loopback API stand-in."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import http.server
 import json
@@ -35,6 +36,7 @@ from pagoda_operator.admission import (
 from pagoda_operator.cli import main
 from pagoda_operator.kube import Kube
 from pagoda_operator.webhook import AdmissionWebhook, decide
+from tests.operator.test_manifests import helm, render  # noqa: F401  (the helm fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 DAEMON = "ghcr.io/pagoda-serving/pagoda"
@@ -483,12 +485,84 @@ def answers(port: int, cert: Path, spec: dict[str, Any], field: str) -> None:
         assert client.post(f"https://127.0.0.1:{port}/x", content=b"{not json").status_code == 400
 
 
-def test_cli_refuses_a_webhook_without_certificates_or_with_a_bad_policy(tmp_path, tls, capsys):
+def test_cli_refuses_a_webhook_without_certificates_or_with_a_bad_policy(tls, capsys):
     assert main(["--admission-port=9443"]) == 2
     assert "--admission-cert-file" in capsys.readouterr().err
-    bad = tmp_path / "policy.yaml"
-    bad.write_text("tolerationKey: [x]\n")
     cert, key = tls
     argv = ["--admission-port=9443", f"--admission-cert-file={cert}", f"--admission-key-file={key}"]
-    assert main([*argv, f"--admission-policy={bad}"]) == 2
+    assert main([*argv, '--admission-policy={"tolerationKey": ["x"]}']) == 2
     assert "unknown admission policy keys" in capsys.readouterr().err
+    assert main([*argv, "--admission-policy=[x]"]) == 2
+    assert "expected a mapping" in capsys.readouterr().err
+
+
+# ---- the chart ------------------------------------------------------------------------------
+def test_chart_wires_the_webhook_to_every_replica_with_a_matching_certificate(helm, tmp_path):  # noqa: F811
+    docs = render(helm)
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    config = by_kind[("ValidatingWebhookConfiguration", "rel-pagoda-admission")]
+    (hook,) = config["webhooks"]
+    assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None" and hook["timeoutSeconds"] <= 10
+    assert hook["rules"] == [
+        {
+            "apiGroups": ["pagoda.dev"],
+            "apiVersions": ["*"],
+            "resources": ["inferenceservices"],
+            "operations": ["CREATE", "UPDATE"],
+            "scope": "Namespaced",
+        }
+    ]
+    ref = hook["clientConfig"]["service"]
+    assert ref["namespace"] == "pagoda-system"
+    service = by_kind[("Service", ref["name"])]
+    deployment = by_kind[("Deployment", "rel-pagoda-operator")]
+    pod = deployment["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    container = pod["spec"]["containers"][0]
+    assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in container["ports"]
+    args = dict(a.split("=", 1) for a in container["args"] if a.startswith("--admission-"))
+    assert args["--admission-port"] == "9443"
+    policy = Policy.from_values(json.loads(args["--admission-policy"]))
+    assert policy == Policy(), "the chart's defaults are the operator's defaults"
+    # the certificate the pods mount is signed by the caBundle, for the Service's DNS name
+    secret = by_kind[("Secret", "rel-pagoda-webhook-tls")]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "webhook-tls"]
+    assert volume["secret"]["secretName"] == "rel-pagoda-webhook-tls"
+    assert secret["data"]["ca.crt"] == hook["clientConfig"]["caBundle"]
+    for key in ("ca.crt", "tls.crt"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    dns = f"{ref['name']}.pagoda-system.svc"
+    check = subprocess.run(
+        [
+            "openssl",
+            "verify",
+            "-CAfile",
+            str(tmp_path / "ca.crt"),
+            "-verify_hostname",
+            dns,
+            str(tmp_path / "tls.crt"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    # RBAC: SubjectAccessReviews, and no write access to webhook configurations
+    role = by_kind[("ClusterRole", "rel-pagoda-admission")]
+    assert role["rules"] == [
+        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]}
+    ]
+    assert not any(
+        "admissionregistration.k8s.io" in r["apiGroups"]
+        for d in docs
+        if d["kind"] == "ClusterRole"
+        for r in d["rules"]
+    )
+
+
+def test_chart_without_admission_renders_no_webhook(helm):  # noqa: F811
+    docs = render(helm, "admission.enabled=false")
+    assert not {"ValidatingWebhookConfiguration", "Secret"} & {d["kind"] for d in docs}
+    container = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][
+        0
+    ]
+    assert not any(a.startswith("--admission-") for a in container["args"])
