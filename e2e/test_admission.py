@@ -19,6 +19,8 @@ import test_operator
 import yaml
 from test_operator import Operator, free_port, isvc
 
+from tests.operator.test_admission import self_signed_for_loopback
+
 ROOT = Path(__file__).resolve().parents[1]
 # test_operator's fixtures: the CRDs installed, a fake GPU node
 cluster = test_operator.cluster
@@ -64,22 +66,12 @@ ESCALATIONS: dict[str, tuple[dict[str, Any], str, bool]] = {
 }
 
 
-def tls_pair(d: Path) -> tuple[Path, Path]:
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-addext", "basicConstraints=critical,CA:TRUE",
-         "-keyout", str(d / "tls.key"), "-out", str(d / "tls.crt")],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return d / "tls.crt", d / "tls.key"
-
-
 @pytest.fixture(scope="module")
 def ns(cluster, gpu_node, tmp_path_factory):
     """A namespace under the webhook, alice's and bob's RBAC there, and the operator serving."""
     name = cluster.create_namespace("admission")
     cluster.kubectl("label", "namespace", name, f"{LABEL}={name}")
-    cert, key = tls_pair(tmp_path_factory.mktemp("webhook-tls"))
+    cert, key = self_signed_for_loopback(tmp_path_factory.mktemp("webhook-tls"))
     port = free_port()
     op = Operator(
         cluster,
@@ -246,3 +238,28 @@ def test_an_update_that_adds_an_escalation_is_refused(cluster, ns):
         check=False,
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_the_charts_webhook_answers_through_its_service_on_the_real_node(local_cluster):
+    """The chart as the quickstart installs it: the API server calls the webhook Service at its
+    endpoint (the operator pod's IP, --enable-aggregator-routing) with the chart's certificate."""
+    ns = local_cluster.create_namespace("admission-real")
+    try:
+        local_cluster.apply(
+            [
+                role(
+                    "isvc-author",
+                    [{"apiGroups": ["pagoda.dev"], "resources": ["inferenceservices"], "verbs": ["*"]}],
+                ),
+                binding("alice", "isvc-author"),
+            ],
+            namespace=ns,
+        )
+        quick = yaml.safe_load((ROOT / "examples" / "quickstart-inferenceservice.yaml").read_text())
+        out = apply_as(local_cluster, "alice", ns, quick, "--dry-run=server")
+        assert out.returncode == 0, out.stderr
+        quick["spec"]["model"]["hostPath"]["path"] = "/"
+        out = apply_as(local_cluster, "alice", ns, quick, "--dry-run=server")
+        assert out.returncode != 0 and "spec.model.hostPath.path" in out.stderr, out.stderr
+    finally:
+        local_cluster.delete_namespace(ns)

@@ -175,10 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
     kube = Kube(load_configuration(args.kubeconfig))
+    if policy is not None:  # first: /healthz (readiness) then means the webhook answers too
+        start_admission_webhook(args, policy, kube)
     if args.metrics_port:
         telemetry.serve(args.metrics_port, args.metrics_address)
-    if policy is not None:
-        start_admission_webhook(args, policy, kube)
 
     # An asyncio.Event on our own loop: kopf waits for a threading.Event (or a concurrent Future)
     # in an executor thread, which then blocks the interpreter's exit after SIGTERM.

@@ -374,11 +374,8 @@ def test_requests_for_other_objects_or_garbage_never_crash(body):
 
 
 # ---- over the wire: kopf's HTTPS server, and the SubjectAccessReview client -------------
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory) -> tuple[Path, Path]:
-    if not shutil.which("openssl"):
-        pytest.skip("needs openssl")
-    d = tmp_path_factory.mktemp("tls")
+def self_signed_for_loopback(d: Path) -> tuple[Path, Path]:
+    """A certificate for https://127.0.0.1 that is its own CA (the caBundle), and its key."""
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
          "-addext", "subjectAltName=IP:127.0.0.1", "-addext", "basicConstraints=critical,CA:TRUE",
@@ -386,6 +383,13 @@ def tls(tmp_path_factory) -> tuple[Path, Path]:
         check=True, capture_output=True,
     )  # fmt: skip
     return d / "tls.crt", d / "tls.key"
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> tuple[Path, Path]:
+    if not shutil.which("openssl"):
+        pytest.skip("needs openssl")
+    return self_signed_for_loopback(tmp_path_factory.mktemp("tls"))
 
 
 class FakeAuthorizer(http.server.ThreadingHTTPServer):
