@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import ssl
 import sys
 import threading
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from pagoda_operator.admission import Policy, image_repository
 
 if TYPE_CHECKING:
     from pagoda_operator.kube import Kube
+    from pagoda_operator.webhook import AdmissionWebhook
 
 
 def parser() -> argparse.ArgumentParser:
@@ -93,6 +95,13 @@ def parser() -> argparse.ArgumentParser:
     )
     adm.add_argument("--admission-key-file", default=None, help="PEM private key of the webhook")
     adm.add_argument(
+        "--admission-client-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM CA bundle: only clients with a certificate it signed (the API server's webhook client "
+        "certificate) are answered; default: any client",
+    )
+    adm.add_argument(
         "--admission-policy",
         default=None,
         metavar="YAML",
@@ -115,7 +124,7 @@ def admission_policy(args: argparse.Namespace) -> Policy:
     return Policy.from_values(values, extra_images=(image_repository(args.daemon_image),))
 
 
-def start_admission_webhook(args: argparse.Namespace, policy: Policy, kube: Kube) -> None:
+def start_admission_webhook(args: argparse.Namespace, policy: Policy, kube: Kube) -> AdmissionWebhook:
     """Serve the validating webhook in a thread (every replica, before leader election)."""
     import kopf
 
@@ -126,20 +135,24 @@ def start_admission_webhook(args: argparse.Namespace, policy: Policy, kube: Kube
         port=args.admission_port,
         certfile=args.admission_cert_file,
         pkeyfile=args.admission_key_file,
+        verify_cafile=args.admission_client_ca,
+        verify_mode=ssl.CERT_REQUIRED if args.admission_client_ca else None,
     )
-    AdmissionWebhook(
+    webhook = AdmissionWebhook(
         server,
         policy,
         lambda user, namespace, access: kube.user_can(
             user, access.verb, access.resource, namespace, access.name
         ),
-    ).start()
+    )
+    webhook.start()
     logging.getLogger("pagoda_operator").info(
         "admission webhook on https://%s:%d, images allowed: %s",
         args.admission_address,
         args.admission_port,
         ", ".join(policy.images),
     )
+    return webhook
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from pagoda_operator.admission import (
     refusal,
     review,
 )
-from pagoda_operator.cli import main
+from pagoda_operator.cli import main, parser, start_admission_webhook
 from pagoda_operator.kube import Kube
 from pagoda_operator.webhook import AdmissionWebhook, decide
 from tests.operator.test_manifests import helm, render  # noqa: F401  (the helm fixture)
@@ -525,7 +525,7 @@ def test_chart_wires_the_webhook_to_every_replica_with_a_matching_certificate(he
     container = pod["spec"]["containers"][0]
     assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in container["ports"]
     args = dict(a.split("=", 1) for a in container["args"] if a.startswith("--admission-"))
-    assert args["--admission-port"] == "9443"
+    assert args["--admission-port"] == "9443" and "--admission-client-ca" not in args
     policy = Policy.from_values(json.loads(args["--admission-policy"]))
     assert policy == Policy(), "the chart's defaults are the operator's defaults"
     # the certificate the pods mount is signed by the caBundle, for the Service's DNS name
@@ -563,6 +563,28 @@ def test_chart_wires_the_webhook_to_every_replica_with_a_matching_certificate(he
     )
 
 
+def test_chart_client_ca_reaches_the_operator(helm, tls):  # noqa: F811
+    cert, _ = tls
+    pem = cert.read_text()
+    out = helm(
+        "template",
+        "rel",
+        str(ROOT / "charts" / "pagoda"),
+        "-n",
+        "pagoda-system",
+        "--set-string",
+        f"admission.clientCA={pem}",
+    )
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert base64.b64decode(secret["data"]["client-ca.crt"]).decode() == pem
+    container = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][
+        0
+    ]
+    assert "--admission-client-ca=/etc/pagoda/webhook-tls/client-ca.crt" in container["args"]
+
+
 def test_chart_without_admission_renders_no_webhook(helm):  # noqa: F811
     docs = render(helm, "admission.enabled=false")
     assert not {"ValidatingWebhookConfiguration", "Secret"} & {d["kind"] for d in docs}
@@ -570,3 +592,30 @@ def test_chart_without_admission_renders_no_webhook(helm):  # noqa: F811
         0
     ]
     assert not any(a.startswith("--admission-") for a in container["args"])
+
+
+def test_with_a_client_ca_only_clients_with_a_certificate_it_signed_are_answered(tls, authorizer):
+    """--admission-client-ca: the API server's webhook client certificate, nobody else's."""
+    cert, key = tls
+    port = free_port()
+    args = parser().parse_args(
+        [
+            f"--admission-port={port}",
+            "--admission-address=127.0.0.1",
+            f"--admission-cert-file={cert}",
+            f"--admission-key-file={key}",
+            f"--admission-client-ca={cert}",
+        ]
+    )
+    webhook = start_admission_webhook(args, POLICY, kube_for(authorizer))
+    url = f"https://127.0.0.1:{port}/inferenceservices"
+    request = admission_review("CREATE", ESCALATIONS["service account"][0])
+    try:
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(url, json=request, verify=ssl.create_default_context(cafile=cert), timeout=10)
+        context = ssl.create_default_context(cafile=cert)
+        context.load_cert_chain(cert, key)
+        out = httpx.post(url, json=request, verify=context, timeout=10).json()
+        assert out["response"]["allowed"] is False
+    finally:
+        webhook.stop()
