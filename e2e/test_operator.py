@@ -37,8 +37,11 @@ def free_port() -> int:
 class Operator:
     """``python -m pagoda_operator`` as a subprocess, with its log in the cluster's log dir."""
 
-    def __init__(self, cluster: Any, lease_namespace: str, name: str = "operator"):
+    def __init__(
+        self, cluster: Any, lease_namespace: str, name: str = "operator", extra_args: tuple[str, ...] = ()
+    ):
         self.cluster, self.lease_namespace, self.name = cluster, lease_namespace, name
+        self.extra_args = extra_args
         self.log_path = Path(cluster.logs_dir) / f"pagoda-{name}.log"
         self.process: subprocess.Popen | None = None
         self.metrics_port = 0
@@ -63,6 +66,7 @@ class Operator:
             "--daemon-image=pagoda-test:e2e",
             "--log-level=INFO",
             "--scrape-timeout=1",
+            *self.extra_args,
         ]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(

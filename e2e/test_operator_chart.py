@@ -38,9 +38,11 @@ def test_helm_lint_and_template(kube_cluster):
             "Deployment",
             "Role",
             "RoleBinding",
+            "Secret",
             "Service",
             "ServiceAccount",
             "ServiceMonitor",
+            "ValidatingWebhookConfiguration",
         }
     )
 
@@ -88,6 +90,10 @@ def test_helm_install_wait(kube_cluster, gpu_node):
         assert can("update", "leases.coordination.k8s.io", "-n", "default") == "no"
         assert can("delete", "deployments.apps", "-n", "default") == "no"
         assert can("get", "secrets", "-n", "default") == "no"
+        # the admission webhook asks about requesters, and cannot rewrite its own configuration
+        assert can("create", "subjectaccessreviews.authorization.k8s.io") == "yes"
+        assert can("patch", "validatingwebhookconfigurations.admissionregistration.k8s.io") == "no"
+        kube_cluster.kubectl("get", "validatingwebhookconfiguration", "pagoda-admission")
     finally:
         kube_cluster.helm("uninstall", "pagoda", "--namespace", ns, check=False)
         kube_cluster.delete_namespace(ns)

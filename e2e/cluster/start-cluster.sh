@@ -199,6 +199,8 @@ else ADMISSION_FLAGS=(--enable-admission-plugins="$ADMISSION" --disable-admissio
 # --insecure-port=0: 1.20 would otherwise also serve unauthenticated HTTP on 8080.
 # --endpoint-reconciler-type=none: the `kubernetes` Service would get 127.0.0.1 as its
 #   endpoint, which Endpoints validation rejects (loopback) and logs as an error forever.
+# --enable-aggregator-routing: webhooks referenced by Service (the chart's admission webhook)
+#   are called at an endpoint (pod) IP, which this host reaches; nothing here routes ClusterIPs.
 start kube-apiserver "$BIN/kube-apiserver" \
   --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
   --bind-address="$BIND_IP" --advertise-address="$BIND_IP" --secure-port="$API_PORT" --insecure-port=0 \
@@ -207,7 +209,7 @@ start kube-apiserver "$BIN/kube-apiserver" \
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
   --service-account-key-file="$D/pki/sa.pub" --service-account-signing-key-file="$D/pki/sa.key" \
   --service-cluster-ip-range="$SERVICE_CIDR" --allow-privileged=true \
-  --endpoint-reconciler-type=none \
+  --endpoint-reconciler-type=none --enable-aggregator-routing=true \
   --kubelet-client-certificate="$D/pki/kubelet-client.crt" --kubelet-client-key="$D/pki/kubelet-client.key" \
   --kubelet-preferred-address-types=InternalIP \
   "${ADMISSION_FLAGS[@]}" \

@@ -2,7 +2,8 @@
 
 Standalone, all namespaces unless ``--namespace`` is given (repeatable). With leader election on
 (the default) the process first waits for the Lease, then runs kopf; losing the lease stops kopf
-and exits 1 so that the pod restarts and queues for the lease again.
+and exits 1 so that the pod restarts and queues for the lease again. The admission webhook
+(``--admission-port``) serves from start-up on every replica, leading or not.
 """
 
 from __future__ import annotations
@@ -11,10 +12,20 @@ import argparse
 import asyncio
 import logging
 import os
+import ssl
+import sys
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import yaml
 
 from pagoda_operator import builders, telemetry
+from pagoda_operator.admission import Policy, image_repository
+
+if TYPE_CHECKING:
+    from pagoda_operator.kube import Kube
+    from pagoda_operator.webhook import AdmissionWebhook
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,6 +82,32 @@ def parser() -> argparse.ArgumentParser:
     le.add_argument(
         "--lease-renew", type=float, default=None, help="seconds between renewals (default duration/3)"
     )
+    adm = p.add_argument_group("admission webhook (docs/operator.md, Admission)")
+    adm.add_argument(
+        "--admission-port",
+        type=int,
+        default=0,
+        help="HTTPS port of the validating webhook; 0 (default) disables",
+    )
+    adm.add_argument("--admission-address", default="0.0.0.0")
+    adm.add_argument(
+        "--admission-cert-file", default=None, help="PEM server certificate (chain) of the webhook"
+    )
+    adm.add_argument("--admission-key-file", default=None, help="PEM private key of the webhook")
+    adm.add_argument(
+        "--admission-client-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM CA bundle: only clients with a certificate it signed (the API server's webhook client "
+        "certificate) are answered; default: any client",
+    )
+    adm.add_argument(
+        "--admission-policy",
+        default=None,
+        metavar="YAML",
+        help="the allowlists as a YAML or JSON mapping (the chart's admission.policy values); "
+        "default: built-in defaults. The --daemon-image repository is always allowed",
+    )
     p.add_argument(
         "--log-level",
         default=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
@@ -79,11 +116,63 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def admission_policy(args: argparse.Namespace) -> Policy:
+    """The webhook's policy: ``--admission-policy``, plus the daemon image's repository."""
+    values = yaml.safe_load(args.admission_policy or "") or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"expected a mapping of allowlists, got {args.admission_policy!r}")
+    return Policy.from_values(values, extra_images=(image_repository(args.daemon_image),))
+
+
+def start_admission_webhook(args: argparse.Namespace, policy: Policy, kube: Kube) -> AdmissionWebhook:
+    """Serve the validating webhook in a thread (every replica, before leader election)."""
+    import kopf
+
+    from pagoda_operator.webhook import AdmissionWebhook
+
+    server = kopf.WebhookServer(
+        addr=args.admission_address,
+        port=args.admission_port,
+        certfile=args.admission_cert_file,
+        pkeyfile=args.admission_key_file,
+        verify_cafile=args.admission_client_ca,
+        verify_mode=ssl.CERT_REQUIRED if args.admission_client_ca else None,
+    )
+    webhook = AdmissionWebhook(
+        server,
+        policy,
+        lambda user, namespace, access: kube.user_can(
+            user, access.verb, access.resource, namespace, access.name
+        ),
+    )
+    webhook.start()
+    logging.getLogger("pagoda_operator").info(
+        "admission webhook on https://%s:%d, images allowed: %s",
+        args.admission_address,
+        args.admission_port,
+        ", ".join(policy.images),
+    )
+    return webhook
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser().parse_args(list(argv) if argv is not None else None)
     except SystemExit as e:  # --help, or a usage error: a return code, for `pagoda operator`
         return int(e.code or 0) if not isinstance(e.code, str) else 2
+    policy = None
+    if args.admission_port:
+        if not (args.admission_cert_file and args.admission_key_file):
+            print(
+                "pagoda operator: --admission-port needs --admission-cert-file and --admission-key-file",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            policy = admission_policy(args)
+        except (ValueError, yaml.YAMLError) as e:
+            print(f"pagoda operator: admission policy: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "DEBUG":
         logging.getLogger("kopf").setLevel(logging.WARNING)
@@ -99,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
     kube = Kube(load_configuration(args.kubeconfig))
+    if policy is not None:  # first: /healthz (readiness) then means the webhook answers too
+        start_admission_webhook(args, policy, kube)
     if args.metrics_port:
         telemetry.serve(args.metrics_port, args.metrics_address)
 

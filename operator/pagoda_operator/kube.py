@@ -30,6 +30,7 @@ RESOURCES = {
     "Lease": ("/apis/coordination.k8s.io/v1", "leases", True),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL, True),
     "NodeTopology": (f"/apis/{GROUP}/{VERSION}", TOPOLOGY_PLURAL, False),
+    "SubjectAccessReview": ("/apis/authorization.k8s.io/v1", "subjectaccessreviews", False),
 }
 
 if TYPE_CHECKING:
@@ -191,6 +192,34 @@ class Kube:
             query={"fieldSelector": "involvedObject.kind=Pod,type=Warning"},
         )
         return list((out or {}).get("items") or [])
+
+    def user_can(
+        self,
+        user: Mapping[str, Any],
+        verb: str,
+        resource: str,
+        namespace: str,
+        name: str | None = None,
+    ) -> bool:
+        """Whether ``user`` (an admission request's ``userInfo``: username, uid, groups, extra) may
+        ``verb`` the core-group ``resource`` in ``namespace`` (one object when ``name`` is set), as
+        the API server's authorizers answer a SubjectAccessReview."""
+        attributes = {"verb": verb, "resource": resource, "namespace": namespace}
+        if name is not None:
+            attributes["name"] = name
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": user.get("username") or "",
+                "uid": user.get("uid") or "",
+                "groups": list(user.get("groups") or []),
+                "extra": {k: list(v) for k, v in (user.get("extra") or {}).items()},
+                "resourceAttributes": attributes,
+            },
+        }
+        out = self.request("POST", path("SubjectAccessReview"), review)
+        return bool(((out or {}).get("status") or {}).get("allowed"))
 
     def topologies(self) -> list[dict[str, Any]]:
         """Every NodeTopology; empty when the CRD is not installed."""
