@@ -181,6 +181,22 @@ def test_example_is_valid_and_fully_known():
             "maxReplicas: required",
         ),
         ({"model": {"name": "m", "uri": "hf://a"}, "engine": {"gpuMemoryUtilisation": 0.5}}, "unknown field"),
+        ({"model": {"name": "--port=1", "uri": "hf://a"}}, ".spec.model.name: does not match"),
+        ({"model": {"name": "m", "pvc": {"claimName": "w", "path": "../x"}}}, ".spec.model.pvc.path: does not match"),
+        ({"model": {"name": "m", "pvc": {"claimName": "w", "path": "/x"}}}, ".spec.model.pvc.path: does not match"),
+        ({"model": {"name": "m", "hostPath": {"path": "/a/../etc"}}}, ".spec.model.hostPath.path: does not match"),
+        (
+            {"model": {"name": "m", "uri": "hf://a"}, "kvOffload": {"disk": {"path": "/k/..", "sizeGiB": 1}}},
+            ".spec.kvOffload.disk.path: does not match",
+        ),
+        (
+            {"model": {"name": "m", "uri": "hf://a"}, "server": {"apiKeySecretRef": {"key": "k"}}},
+            ".spec.server.apiKeySecretRef.name: required",
+        ),
+        (
+            {"model": {"name": "m", "uri": "hf://a"}, "server": {"apiKeySecretRef": {"name": "UP"}}},
+            ".spec.server.apiKeySecretRef.name: does not match",
+        ),
     ],
 )
 def test_schema_rejects(spec, fragment):
@@ -194,6 +210,23 @@ def test_schema_rejects(spec, fragment):
         isvc_schema(),
     )
     assert any(fragment in e for e in errors), errors
+
+
+def test_crd_patterns_are_the_operators_patterns():
+    """The schema refuses at apply time what spec.validate refuses later: the same regexes."""
+    from pagoda_operator import spec
+
+    props = isvc_schema()["properties"]["spec"]["properties"]
+    model = props["model"]["properties"]
+    assert model["name"]["pattern"] == spec.MODEL_NAME
+    assert model["pvc"]["properties"]["path"]["pattern"] == spec.RELATIVE_PATH
+    assert model["hostPath"]["properties"]["path"]["pattern"] == spec.ABSOLUTE_PATH
+    assert props["kvOffload"]["properties"]["disk"]["properties"]["path"]["pattern"] == spec.ABSOLUTE_PATH
+    ref = props["server"]["properties"]["apiKeySecretRef"]
+    assert ref["required"] == ["name"]
+    assert ref["properties"]["name"]["pattern"] == spec.DNS1123_SUBDOMAIN
+    assert ref["properties"]["key"]["pattern"] == spec.SECRET_KEY
+    assert ref["properties"]["key"]["default"] == spec.DEFAULT_API_KEY_KEY
 
 
 # -- helm ----------------------------------------------------------------------------------
