@@ -324,6 +324,9 @@ def test_rbac_is_least_privilege(helm):
         assert "delete" not in rule["verbs"], rule  # children go through garbage collection
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert secrets == []
+    verbs = {res: set(rule["verbs"]) for rule in role["rules"] for res in rule["resources"]}
+    # Nothing patches Events (ours and kopf's are created) or reads the status subresource.
+    assert verbs["events"] == {"list", "create"} and verbs["inferenceservices/status"] == {"patch"}
     lease = next(d for d in docs if d["kind"] == "Role")
     assert lease["metadata"]["namespace"] == "pagoda-system"
     assert lease["rules"] == [
@@ -353,6 +356,73 @@ def test_topology_agent_runs_in_the_host_network_namespace(helm):
     ds = next(d for d in render(helm) if d["kind"] == "DaemonSet")
     assert ds["spec"]["template"]["spec"]["hostNetwork"] is True
     assert ds["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+
+
+def test_network_policy_values_reach_the_operator_and_its_rbac(helm):
+    """On by default: the operator gets --network-policy with one peer flag per httpFrom entry
+    (parsed by the operator's own CLI) and may write networkpolicies; off, neither."""
+    from pagoda_operator.cli import parser
+
+    def operator_args(docs):
+        dep = next(d for d in docs if d["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    def role_resources(docs):
+        role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "rel-pagoda-operator")
+        return {r for rule in role["rules"] for r in rule["resources"]}
+
+    docs = render(helm)
+    args = parser().parse_args(operator_args(docs)[1:])
+    assert args.network_policy is True and args.network_policy_http_from == [{"namespaceSelector": {}}]
+    assert "networkpolicies" in role_resources(docs)
+    assert not any(d["kind"] == "NetworkPolicy" for d in docs)  # the operator's own: opt-in
+
+    narrowed = render(
+        helm,
+        "networkPolicy.httpFrom[0].namespaceSelector.matchLabels.team=a",
+        "networkPolicy.httpFrom[1].namespaceSelector.matchLabels.name=monitoring",
+    )
+    assert parser().parse_args(operator_args(narrowed)[1:]).network_policy_http_from == [
+        {"namespaceSelector": {"matchLabels": {"team": "a"}}},
+        {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}},
+    ]
+
+    off = render(helm, "networkPolicy.enabled=false")
+    assert not any(a.startswith("--network-policy") for a in operator_args(off))
+    assert "networkpolicies" not in role_resources(off)
+
+
+def test_operator_network_policy_opens_only_the_metrics_port_and_extra_rules(helm):
+    docs = render(
+        helm,
+        "networkPolicy.operator.enabled=true",
+        "networkPolicy.operator.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
+        "networkPolicy.operator.extraIngress[0].ports[0].port=9443",
+    )
+    (pol,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert pol["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    assert pol["spec"]["ingress"] == [
+        {
+            "ports": [{"port": 8080, "protocol": "TCP"}],
+            "from": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+        },
+        {"ports": [{"port": 9443}]},
+    ]
+
+
+def test_topology_agent_runs_unprivileged(helm):
+    ds = next(d for d in render(helm) if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    sc = pod["containers"][0]["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["privileged"] is False
 
 
 def test_quickstart_example_is_the_cpu_variant_of_the_example():
