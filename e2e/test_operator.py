@@ -269,6 +269,17 @@ def test_crds_apply_and_are_established(cluster):
             {"model": {"name": "m", "uri": "hf://a/b"}, "replicas": -2},
             ["spec.replicas", "should be greater than or equal to 0"],
         ),
+        ({"model": {"name": "--port=1", "uri": "hf://a/b"}}, ["spec.model.name", "should match"]),
+        ({"model": {"name": "m", "pvc": {"claimName": "w", "path": "../x"}}}, ["spec.model.pvc.path", "should match"]),
+        ({"model": {"name": "m", "hostPath": {"path": "/a/../etc"}}}, ["spec.model.hostPath.path", "should match"]),
+        (
+            {"model": {"name": "m", "uri": "hf://a/b"}, "kvOffload": {"disk": {"path": "/kv/..", "sizeGiB": 1}}},
+            ["spec.kvOffload.disk.path", "should match"],
+        ),
+        (
+            {"model": {"name": "m", "uri": "hf://a/b"}, "server": {"apiKeySecretRef": {"name": "Not_A_Name"}}},
+            ["spec.server.apiKeySecretRef.name", "should match"],
+        ),
     ],
 )
 def test_schema_invalid_is_rejected_readably(cluster, ns, spec, fragments):

@@ -134,6 +134,39 @@ def test_apply_ready_and_complete(local_cluster, ns):
     assert [p["node"] for p in obj["status"]["placement"]] == [local_cluster.node]
 
 
+def test_daemon_runs_unprivileged_on_a_read_only_root(local_cluster, ns):
+    """The daemon process (pid 1 of its container) is uid/gid 10001 with no capabilities, no
+    privilege gain, the runtime's seccomp filter, and no service-account token; its root
+    filesystem refuses writes while /tmp and the cache directory take them."""
+    pod = local_cluster.kubectl_json("get", "pods", "-n", ns)["items"][0]["metadata"]["name"]
+
+    def in_pod(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        return local_cluster.kubectl("exec", "-n", ns, pod, "-c", "daemon", "--", *argv, check=check)
+
+    status = dict(
+        line.split(":", 1) for line in in_pod("cat", "/proc/1/status").stdout.splitlines() if ":" in line
+    )
+    assert "pagoda" in in_pod("cat", "/proc/1/cmdline").stdout
+    assert status["Uid"].split() == ["10001"] * 4 and status["Gid"].split() == ["10001"] * 4, status
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, status
+    assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", status
+
+    refused = in_pod("sh", "-c", "echo x > /pagoda-write-test", check=False)
+    assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused
+    for writable in ("/tmp", "/var/cache/pagoda"):
+        in_pod("sh", "-c", f"echo x > {writable}/write-test && rm {writable}/write-test")
+    assert in_pod("ls", "/var/run/secrets/kubernetes.io/serviceaccount", check=False).returncode != 0
+
+    inspect = json.loads(local_cluster.docker("inspect", _daemon_container(local_cluster, ns, pod)).stdout)[0]
+    assert inspect["HostConfig"]["ReadonlyRootfs"] is True and inspect["HostConfig"]["Privileged"] is False
+
+    # The chart turns NetworkPolicies on: the operator wrote one for the pods, the HTTP port only
+    # (this cluster's bridge does not enforce it; the API server accepted it).
+    policy = local_cluster.kubectl_json("get", "networkpolicy", NAME, "-n", ns)
+    assert policy["spec"]["podSelector"]["matchLabels"]["pagoda.dev/inferenceservice"] == NAME
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": PORT}], "from": [{"namespaceSelector": {}}]}]
+
+
 def test_pod_network_stays_on_this_machine(local_cluster, ns):
     """Pods route through the node IP only; the node changed no iptables rule and no kernel
     setting of this machine (ip_forward, the kubelet's and dockerd's favourite sysctls); logs and
@@ -244,7 +277,7 @@ def test_delete_removes_everything(local_cluster, ns):
 
     def gone() -> bool:
         left = local_cluster.kubectl(
-            "get", "deployment,replicaset,pod,service,configmap", "-n", ns, "-l", selector, "-o", "name"
+            "get", "deployment,replicaset,pod,service,configmap,networkpolicy", "-n", ns, "-l", selector, "-o", "name"
         ).stdout.split()
         containers = local_cluster.docker("ps", "-aq", "--filter", f"label=io.kubernetes.pod.namespace={ns}").stdout.split()
         return not left and not containers

@@ -31,6 +31,13 @@ CONFIG_FILE = "engine.yaml"
 CONFIG_DIR = "/etc/pagoda"
 MODEL_DIR = "/models"
 CACHE_DIR = "/var/cache/pagoda"
+TMP_DIR = "/tmp"
+# The images' `pagoda` user (Dockerfile.cuda, Dockerfile.rocm, e2e/image/build-images.sh): the pods
+# pin it by number, so runAsNonRoot holds whatever USER a custom spec.image declares.
+DAEMON_UID = 10001
+API_KEY_ENV = "PAGODA_API_KEY"
+# Every client namespace: the default of --network-policy-http-from.
+ALL_NAMESPACES: tuple[dict[str, Any], ...] = ({"namespaceSelector": {}},)
 DEFAULT_IMAGE = "ghcr.io/pagoda-serving/pagoda:0.1.0"
 # Seconds a terminating daemon keeps serving before it gets SIGTERM: time for the endpoints
 # controller (and every proxy or client watching Endpoints) to stop sending it new requests.
@@ -45,6 +52,10 @@ class Settings:
     image_pull_policy: str = "IfNotPresent"
     progress_deadline_s: int = 1800
     termination_grace_s: int = 60
+    # One NetworkPolicy per InferenceService: its HTTP port open to these NetworkPolicyPeers
+    # only, every other port of its pods to nobody.
+    network_policy: bool = False
+    http_from: tuple[dict[str, Any], ...] = ALL_NAMESPACES
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,12 @@ class Children:
     config_map: dict[str, Any]
     service: dict[str, Any]
     deployment: dict[str, Any]
+    network_policy: dict[str, Any] | None = None
+
+    def all(self) -> list[dict[str, Any]]:
+        """Every child to write, in the order they are applied."""
+        kids = [self.config_map, self.service, self.deployment]
+        return kids + ([self.network_policy] if self.network_policy else [])
 
 
 def digest(obj: Any) -> str:
@@ -206,12 +223,15 @@ def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
         {"name": "POD_NAME", **field_ref("metadata.name")},
         {"name": "POD_NAMESPACE", **field_ref("metadata.namespace")},
         {"name": "PAGODA_INFERENCESERVICE", "value": spec.name},
+        *cache_env(),
     ]
     if spec.model.source == "uri":
-        env += [
-            {"name": "PAGODA_CACHE_DIR", "value": CACHE_DIR},
-            {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
-        ]
+        env.append({"name": "PAGODA_CACHE_DIR", "value": CACHE_DIR})
+    key = spec.api_key_secret
+    if key is not None:
+        env.append(
+            {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}}
+        )
     if spec.parallelism.elastic:
         env += [
             {"name": "PAGODA_ELASTIC_EP_MIN", "value": str(spec.parallelism.min_expert)},
@@ -228,6 +248,21 @@ def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
     return [e for e in env if e["name"] not in overridden] + user
 
 
+def cache_env() -> list[dict[str, str]]:
+    """Where the daemon's libraries write at run time, all under the writable cache emptyDir
+    (the root filesystem is read-only): Triton's compiled kernels and its driver helper, Hugging
+    Face's files, torch's and other XDG caches, CUDA's PTX JIT cache. Temporary files (the
+    engine's IPC sockets, compiler scratch) go to the /tmp emptyDir."""
+    return [
+        {"name": "TRITON_HOME", "value": CACHE_DIR},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "CUDA_CACHE_PATH", "value": f"{CACHE_DIR}/nv"},
+        {"name": "TMPDIR", "value": TMP_DIR},
+    ]
+
+
 def _resources(spec: ServiceSpec) -> dict[str, Any]:
     out: dict[str, dict[str, Any]] = {
         k: dict(v) for k, v in spec.pod.resources.items() if k in ("requests", "limits")
@@ -242,10 +277,14 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_map_name(spec)}},
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": TMP_DIR},
+        {"name": "cache", "mountPath": CACHE_DIR},
     ]
     m = spec.model
     if m.source == "pvc":
@@ -256,9 +295,6 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
     elif m.source == "hostPath":
         volumes.append({"name": "model", "hostPath": {"path": m.path, "type": "Directory"}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-    else:
-        volumes.append({"name": "model-cache", "emptyDir": {}})
-        mounts.append({"name": "model-cache", "mountPath": CACHE_DIR})
     kv = spec.kv_offload
     if kv.disk_path:
         empty: dict[str, Any] = {}
@@ -267,6 +303,29 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
         volumes.append({"name": "kv-offload", "emptyDir": empty})
         mounts.append({"name": "kv-offload", "mountPath": kv.disk_path})
     return volumes, mounts
+
+
+def pod_security_context() -> dict[str, Any]:
+    """Non-root by number, the runtime's default seccomp filter; volumes group-owned by the
+    daemon's group, changed only when their root does not match (large model PVCs mount fast)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": DAEMON_UID,
+        "runAsGroup": DAEMON_UID,
+        "fsGroup": DAEMON_UID,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    """No capabilities, no setuid gain, nothing written outside the emptyDirs (:func:`_volumes`)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -306,10 +365,15 @@ def deployment(
         "terminationMessagePolicy": "FallbackToLogsOnError",
         # Zero-downtime rolls and scale-downs: keep serving while the pod leaves the endpoints.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_DELAY_S)]}}},
+        "securityContext": container_security_context(),
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
+        "securityContext": pod_security_context(),
+        # The daemon calls no Kubernetes API: the topology agent publishes NodeTopology (the
+        # daemon's own attempt at start is best effort and only logs a warning without a token).
+        "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": settings.termination_grace_s,
     }
@@ -352,6 +416,28 @@ def deployment(
     )
 
 
+def network_policy(spec: ServiceSpec, owner: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+    """Ingress to the daemon pods: the HTTP port (API, probes, /metrics) from ``settings.http_from``;
+    every other port (KV events, anything a custom image opens) from nowhere. Egress is not limited."""
+    return _stamp(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(spec, owner, spec.name),
+            "spec": {
+                "podSelector": {"matchLabels": selector_labels(spec.name)},
+                "policyTypes": ["Ingress"],
+                "ingress": [
+                    {
+                        "ports": [{"protocol": "TCP", "port": spec.port}],
+                        "from": [dict(peer) for peer in settings.http_from],
+                    }
+                ],
+            },
+        }
+    )
+
+
 def children(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, settings: Settings) -> Children:
     """Everything one InferenceService owns, as desired now."""
     cm = config_map(spec, owner)
@@ -359,6 +445,7 @@ def children(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, setting
         config_map=cm,
         service=service(spec, owner),
         deployment=deployment(spec, owner, replicas, settings, config_hash=digest(cm["data"])),
+        network_policy=network_policy(spec, owner, settings) if settings.network_policy else None,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import ssl
@@ -64,6 +65,22 @@ def parser() -> argparse.ArgumentParser:
         help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz",
     )
     p.add_argument("--workers", type=int, default=8, help="threads running reconcile passes")
+    netpol = p.add_argument_group("network policy")
+    netpol.add_argument(
+        "--network-policy",
+        action="store_true",
+        help="give each InferenceService a NetworkPolicy: its HTTP port open to --network-policy-http-from, "
+        "every other port of its pods closed",
+    )
+    netpol.add_argument(
+        "--network-policy-http-from",
+        action="append",
+        type=network_policy_peer,
+        default=[],
+        metavar="JSON",
+        help='a NetworkPolicyPeer allowed to the HTTP port, e.g. \'{"namespaceSelector": {"matchLabels": '
+        '{"team": "a"}}}\' (repeatable); default: every namespace',
+    )
     le = p.add_argument_group("leader election")
     le.add_argument("--leader-elect", dest="leader_elect", action="store_true", default=True)
     le.add_argument(
@@ -155,6 +172,17 @@ def start_admission_webhook(args: argparse.Namespace, policy: Policy, kube: Kube
     return webhook
 
 
+def network_policy_peer(text: str) -> dict:
+    """One NetworkPolicyPeer from JSON (a namespaceSelector, podSelector and/or ipBlock)."""
+    try:
+        peer = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(peer, dict) or not peer or set(peer) - {"namespaceSelector", "podSelector", "ipBlock"}:
+        raise argparse.ArgumentTypeError("a NetworkPolicyPeer: an object of namespaceSelector, podSelector, ipBlock")
+    return peer
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser().parse_args(list(argv) if argv is not None else None)
@@ -222,7 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         elector.keep(renewing, on_lost)
 
-    settings = builders.Settings(daemon_image=args.daemon_image, image_pull_policy=args.image_pull_policy)
+    settings = builders.Settings(
+        daemon_image=args.daemon_image,
+        image_pull_policy=args.image_pull_policy,
+        network_policy=args.network_policy,
+        http_from=tuple(args.network_policy_http_from) or builders.ALL_NAMESPACES,
+    )
     ctx = Context(kube=kube, settings=settings, scrape_timeout=args.scrape_timeout)
     registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)
     logging.getLogger("pagoda_operator").info(

@@ -7,6 +7,7 @@ timeout, and a pod that does not answer is simply absent from the result.
 from __future__ import annotations
 
 import logging
+import time
 import urllib.request
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,9 @@ SIGNALS = {
 }
 EXPERT_PARALLEL = "pagoda:expert_parallel_size"
 PLACEMENT_INFO = "pagoda:placement_info"
+# A daemon's /metrics is tens of KiB; anything past this is a broken or hostile pod.
+MAX_SCRAPE_BYTES = 1 << 20
+READ_CHUNK = 1 << 16
 
 
 def _list(value: str) -> list[str]:
@@ -67,9 +71,26 @@ def pod_url(pod: Mapping[str, Any], port: int) -> str | None:
     return f"http://{host}:{port}/metrics"
 
 
-def fetch(url: str, timeout: float) -> str:
+class ScrapeFailed(OSError):
+    """A /metrics answer too large or too slow: the pod is left out, as if it had not answered."""
+
+
+def fetch(url: str, timeout: float, limit: int = MAX_SCRAPE_BYTES) -> str:
+    """GET ``url``: at most ``limit`` bytes within about ``timeout`` seconds in all.
+
+    A pod answering with an endless or dripping body must neither fill the operator's memory
+    nor hold up the autoscaler step that waits for every scrape.
+    """
+    deadline = time.monotonic() + timeout
+    body = bytearray()
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read().decode("utf-8", "replace")
+        while chunk := resp.read1(READ_CHUNK):
+            body += chunk
+            if len(body) > limit:
+                raise ScrapeFailed(f"{url} answered more than {limit} bytes")
+            if time.monotonic() > deadline:
+                raise ScrapeFailed(f"{url} did not finish its answer within {timeout:g}s")
+    return body.decode("utf-8", "replace")
 
 
 def scrape(

@@ -148,7 +148,9 @@ def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Resu
             "Service": kube.get("Service", namespace, name),
             "Deployment": deployment,
         }
-        for child in (kids.config_map, kids.service, kids.deployment):
+        if kids.network_policy is not None:
+            actual["NetworkPolicy"] = kube.get("NetworkPolicy", namespace, name)
+        for child in kids.all():
             kind = child["kind"]
             try:
                 live, changed = _apply(kube, child, actual[kind], body["metadata"]["uid"])

@@ -15,6 +15,19 @@ from typing import Any
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
+# The same patterns are in the CRD (a test keeps them equal); these regexes use no lookaround, so
+# the API server's RE2 reads them as Python does. A path segment: not empty, not "." or "..".
+_SEGMENT = r"([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+)"
+# An absolute path written in normal form: no "..", ".", empty segments or trailing "/".
+ABSOLUTE_PATH = rf"^/$|^(/{_SEGMENT})+$"
+# A path inside a volume in normal form (empty: the volume's root).
+RELATIVE_PATH = rf"^$|^{_SEGMENT}(/{_SEGMENT})*$"
+# Passed as the argument of --served-model-name: a leading "-" would read as another option.
+MODEL_NAME = r"^[^-]"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+DEFAULT_API_KEY_KEY = "api-key"
+
 METRICS = ("kvCacheUsage", "requestsWaiting", "requestsRunning")
 DEFAULT_TARGETS = {"kvCacheUsage": 0.8, "requestsWaiting": 2.0, "requestsRunning": 16.0}
 
@@ -31,6 +44,14 @@ class Model:
     path: str = ""
     read_only: bool = True
     uri: str | None = None
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """One key of a Secret in the InferenceService's namespace."""
+
+    name: str
+    key: str = DEFAULT_API_KEY_KEY
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,8 @@ class ServiceSpec:
     image_pull_policy: str | None = None
     port: int = 8000
     pod: PodOverrides = field(default_factory=PodOverrides)
+    # spec.server.apiKeySecretRef: the daemon's API key (PAGODA_API_KEY); None serves without one.
+    api_key_secret: SecretKeyRef | None = None
 
     @property
     def device(self) -> str:
@@ -217,6 +240,12 @@ def parse(name: str, namespace: str, spec: Mapping[str, Any]) -> ServiceSpec:
         service_account_name=_get(po, "serviceAccountName"),
         priority_class_name=_get(po, "priorityClassName"),
     )
+    ref = _get(_get(spec, "server", {}), "apiKeySecretRef")
+    api_key_secret = (
+        SecretKeyRef(name=str(_get(ref, "name", "")), key=str(_get(ref, "key", DEFAULT_API_KEY_KEY)))
+        if ref
+        else None
+    )
     parsed = ServiceSpec(
         name=name,
         namespace=namespace,
@@ -234,6 +263,7 @@ def parse(name: str, namespace: str, spec: Mapping[str, Any]) -> ServiceSpec:
         image_pull_policy=_get(spec, "imagePullPolicy"),
         port=int(_get(spec, "port", 8000)),
         pod=pod,
+        api_key_secret=api_key_secret,
     )
     validate(parsed)
     return parsed
@@ -247,6 +277,7 @@ def validate(s: ServiceSpec) -> None:
             f"metadata.name {s.name!r} must be a DNS-1035 label (lowercase letters, digits and '-', "
             "starting with a letter, at most 63 characters): it names the Service and pod labels"
         )
+    errors += _field_errors(s)
     par = s.parallelism
     ranks = par.tensor * par.expert
     if s.gpus == 0:
@@ -285,12 +316,64 @@ def validate(s: ServiceSpec) -> None:
         "/models",
         "/etc/pagoda",
         "/dev/shm",
+        "/tmp",
+        "/var/cache/pagoda",
     ):
         errors.append(
             f"kvOffload.disk.path {s.kv_offload.disk_path!r} collides with a path the pod already mounts"
         )
     if errors:
         raise InvalidSpec("; ".join(errors))
+
+
+def _field_errors(s: ServiceSpec) -> list[str]:
+    """The CRD's patterns again, for specs that did not pass through the API server's schema
+    (pure code, tests, a CRD from an older chart)."""
+    m = s.model
+    checks = [
+        (
+            m.name,
+            MODEL_NAME,
+            f"model.name {m.name!r} must not begin with '-' (it is passed as --served-model-name)",
+        ),
+    ]
+    if m.source == "pvc":
+        checks.append(
+            (
+                m.path,
+                RELATIVE_PATH,
+                f"model.pvc.path {m.path!r} must be a relative path inside the volume in normal form "
+                "(no '..' or '.' segments, no leading, trailing or double '/')",
+            )
+        )
+    if m.source == "hostPath":
+        checks.append((m.path, ABSOLUTE_PATH, _absolute("model.hostPath.path", m.path)))
+    if s.kv_offload.disk_path is not None:
+        checks.append(
+            (s.kv_offload.disk_path, ABSOLUTE_PATH, _absolute("kvOffload.disk.path", s.kv_offload.disk_path))
+        )
+    key = s.api_key_secret
+    if key is not None:
+        checks += [
+            (
+                key.name,
+                DNS1123_SUBDOMAIN,
+                f"server.apiKeySecretRef.name {key.name!r} is not a Secret name (DNS-1123 subdomain)",
+            ),
+            (
+                key.key,
+                SECRET_KEY,
+                f"server.apiKeySecretRef.key {key.key!r} is not a Secret key (letters, digits, '-', '_', '.')",
+            ),
+        ]
+    return [message for value, pattern, message in checks if not re.search(pattern, value)]
+
+
+def _absolute(field_name: str, value: str) -> str:
+    return (
+        f"{field_name} {value!r} must be an absolute path in normal form "
+        "(starting with '/', no '..' or '.' segments, no trailing or double '/')"
+    )
 
 
 def desired_replicas(s: ServiceSpec, autoscaled: int | None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -106,6 +107,21 @@ def test_index_naming_a_missing_file_is_an_error(tiny_models, tmp_path):
     victim = sorted(path.glob("*.safetensors"))[1]
     victim.unlink()
     with pytest.raises(loader.WeightLoadError, match=victim.name):
+        load(path)
+
+
+@pytest.mark.parametrize("escape", ["../outside.safetensors", "/etc/passwd", "shards/../../outside.safetensors"])
+def test_index_naming_a_file_outside_the_model_directory_is_refused(tiny_models, tmp_path, escape):
+    """The index is the model publisher's data: it must not make the daemon open files elsewhere,
+    even one that exists and holds tensors."""
+    path = copy_model(tiny_models["llama"], tmp_path / "m")
+    victim = sorted(path.glob("*.safetensors"))[0]
+    shutil.copy(victim, tmp_path / "outside.safetensors")
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"] = {k: escape if v == victim.name else v for k, v in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(loader.WeightLoadError, match=re.escape(f"{escape!r} outside the model directory")):
         load(path)
 
 

@@ -163,7 +163,7 @@ def test_optional_engine_fields_are_left_to_the_daemon():
     "model, arg, volume",
     [
         (
-            {"name": "m", "pvc": {"claimName": "w", "path": "/a/b/"}},
+            {"name": "m", "pvc": {"claimName": "w", "path": "a/b"}},
             "/models/a/b",
             {"persistentVolumeClaim": {"claimName": "w", "readOnly": True}},
         ),
@@ -177,15 +177,16 @@ def test_optional_engine_fields_are_left_to_the_daemon():
             "/models",
             {"hostPath": {"path": "/data/m", "type": "Directory"}},
         ),
-        ({"name": "m", "uri": "hf://Qwen/Qwen3-0.6B"}, "hf://Qwen/Qwen3-0.6B", {"emptyDir": {}}),
+        # No model volume: downloads would land in the writable cache emptyDir.
+        ({"name": "m", "uri": "hf://Qwen/Qwen3-0.6B"}, "hf://Qwen/Qwen3-0.6B", None),
     ],
 )
 def test_model_sources(model, arg, volume):
     _, kids = build(model=model)
     assert container(kids)["args"][1] == arg
-    vols = kids.deployment["spec"]["template"]["spec"]["volumes"]
-    (vol,) = [v for v in vols if v["name"] in ("model", "model-cache")]
-    assert {k: v for k, v in vol.items() if k != "name"} == volume
+    vols = {v.pop("name"): v for v in kids.deployment["spec"]["template"]["spec"]["volumes"]}
+    assert vols.get("model") == volume
+    assert vols["cache"] == {"emptyDir": {}}
 
 
 def test_placement_reaches_the_pod():
@@ -297,3 +298,99 @@ def test_daemon_says_why_it_died_and_leaves_endpoints_before_sigterm():
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(builders.PRE_STOP_DELAY_S)]
     grace = kids.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > builders.PRE_STOP_DELAY_S
+
+
+def pod_spec(kids):
+    return kids.deployment["spec"]["template"]["spec"]
+
+
+def test_daemon_pod_runs_with_least_privilege():
+    """Non-root as the images' pagoda user (uid 10001), the runtime's seccomp filter, no
+    capabilities, no privilege gain, a read-only root, and no Kubernetes API credentials."""
+    _, kids = build()
+    pod = pod_spec(kids)
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert container(kids)["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["automountServiceAccountToken"] is False
+    # A spec.pod.serviceAccountName (imagePullSecrets, say) still gets no token.
+    _, named = build(pod={"serviceAccountName": "puller"})
+    assert pod_spec(named)["serviceAccountName"] == "puller"
+    assert pod_spec(named)["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"name": "m", "pvc": {"claimName": "w", "path": "a"}},
+        {"name": "m", "hostPath": {"path": "/data/m"}},
+        {"name": "m", "uri": "hf://a/b"},
+    ],
+)
+def test_every_runtime_write_lands_on_a_writable_volume(model):
+    """With a read-only root filesystem, each directory the daemon's libraries write to (Triton's
+    kernel cache, Hugging Face and XDG caches, CUDA's JIT cache, temporary files with the
+    engine's IPC sockets) must be inside a mount that is not read-only."""
+    _, kids = build(model=model, kvOffload={"disk": {"path": "/kv", "sizeGiB": 1}})
+    env = env_of(kids)
+    writable = [m["mountPath"] for m in container(kids)["volumeMounts"] if not m.get("readOnly")]
+    volumes = {v["name"]: v for v in pod_spec(kids)["volumes"]}
+    for var in ("TRITON_HOME", "TRITON_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME", "CUDA_CACHE_PATH", "TMPDIR"):
+        path = env[var]["value"]
+        assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in writable), (var, path, writable)
+    mounts = {m["mountPath"]: m for m in container(kids)["volumeMounts"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+    assert "emptyDir" in volumes[mounts["/var/cache/pagoda"]["name"]]
+    # The model and the config stay read-only.
+    assert mounts["/etc/pagoda"]["readOnly"] is True
+    if "pvc" in model or "hostPath" in model:
+        assert mounts["/models"]["readOnly"] is True
+
+
+def test_api_key_comes_from_the_secret_the_spec_names():
+    _, kids = build(server={"apiKeySecretRef": {"name": "llm-key", "key": "token"}})
+    assert env_of(kids)["PAGODA_API_KEY"] == {
+        "name": "PAGODA_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "token"}},
+    }
+    _, default_key = build(server={"apiKeySecretRef": {"name": "llm-key"}})
+    assert env_of(default_key)["PAGODA_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "api-key"}
+    _, none = build()
+    assert "PAGODA_API_KEY" not in env_of(none)
+    # Probes and the metrics scrape use the paths the daemon keeps open.
+    c = container(kids)
+    assert {c[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} <= {"/health", "/ready"}
+
+
+def test_network_policy_is_a_child_only_when_the_operator_is_told():
+    body = isvc("llama", port=9000)
+    s = parse("llama", "default", body["spec"])
+    off = children(s, body, 1, Settings())
+    assert off.network_policy is None and [c["kind"] for c in off.all()] == ["ConfigMap", "Service", "Deployment"]
+
+    on = children(s, body, 1, Settings(network_policy=True))
+    pol = on.network_policy
+    assert [c["kind"] for c in on.all()] == ["ConfigMap", "Service", "Deployment", "NetworkPolicy"]
+    assert pol["apiVersion"] == "networking.k8s.io/v1" and pol["metadata"]["name"] == "llama"
+    assert pol["metadata"]["ownerReferences"][0]["uid"] == "uid-llama" and HASH_ANNOTATION in pol["metadata"]["annotations"]
+    assert pol["spec"]["podSelector"]["matchLabels"] == on.deployment["spec"]["selector"]["matchLabels"]
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    # One rule: the HTTP port, from every namespace by default; every other port is closed.
+    assert pol["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9000}], "from": [{"namespaceSelector": {}}]}]
+
+    team = {"namespaceSelector": {"matchLabels": {"team": "a"}}}
+    monitoring = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    narrow = children(s, body, 1, Settings(network_policy=True, http_from=(team, monitoring))).network_policy
+    assert narrow["spec"]["ingress"][0]["from"] == [team, monitoring]
+    assert needs_update(narrow, pol)

@@ -181,6 +181,22 @@ def test_example_is_valid_and_fully_known():
             "maxReplicas: required",
         ),
         ({"model": {"name": "m", "uri": "hf://a"}, "engine": {"gpuMemoryUtilisation": 0.5}}, "unknown field"),
+        ({"model": {"name": "--port=1", "uri": "hf://a"}}, ".spec.model.name: does not match"),
+        ({"model": {"name": "m", "pvc": {"claimName": "w", "path": "../x"}}}, ".spec.model.pvc.path: does not match"),
+        ({"model": {"name": "m", "pvc": {"claimName": "w", "path": "/x"}}}, ".spec.model.pvc.path: does not match"),
+        ({"model": {"name": "m", "hostPath": {"path": "/a/../etc"}}}, ".spec.model.hostPath.path: does not match"),
+        (
+            {"model": {"name": "m", "uri": "hf://a"}, "kvOffload": {"disk": {"path": "/k/..", "sizeGiB": 1}}},
+            ".spec.kvOffload.disk.path: does not match",
+        ),
+        (
+            {"model": {"name": "m", "uri": "hf://a"}, "server": {"apiKeySecretRef": {"key": "k"}}},
+            ".spec.server.apiKeySecretRef.name: required",
+        ),
+        (
+            {"model": {"name": "m", "uri": "hf://a"}, "server": {"apiKeySecretRef": {"name": "UP"}}},
+            ".spec.server.apiKeySecretRef.name: does not match",
+        ),
     ],
 )
 def test_schema_rejects(spec, fragment):
@@ -194,6 +210,23 @@ def test_schema_rejects(spec, fragment):
         isvc_schema(),
     )
     assert any(fragment in e for e in errors), errors
+
+
+def test_crd_patterns_are_the_operators_patterns():
+    """The schema refuses at apply time what spec.validate refuses later: the same regexes."""
+    from pagoda_operator import spec
+
+    props = isvc_schema()["properties"]["spec"]["properties"]
+    model = props["model"]["properties"]
+    assert model["name"]["pattern"] == spec.MODEL_NAME
+    assert model["pvc"]["properties"]["path"]["pattern"] == spec.RELATIVE_PATH
+    assert model["hostPath"]["properties"]["path"]["pattern"] == spec.ABSOLUTE_PATH
+    assert props["kvOffload"]["properties"]["disk"]["properties"]["path"]["pattern"] == spec.ABSOLUTE_PATH
+    ref = props["server"]["properties"]["apiKeySecretRef"]
+    assert ref["required"] == ["name"]
+    assert ref["properties"]["name"]["pattern"] == spec.DNS1123_SUBDOMAIN
+    assert ref["properties"]["key"]["pattern"] == spec.SECRET_KEY
+    assert ref["properties"]["key"]["default"] == spec.DEFAULT_API_KEY_KEY
 
 
 # -- helm ----------------------------------------------------------------------------------
@@ -291,6 +324,9 @@ def test_rbac_is_least_privilege(helm):
         assert "delete" not in rule["verbs"], rule  # children go through garbage collection
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert secrets == []
+    verbs = {res: set(rule["verbs"]) for rule in role["rules"] for res in rule["resources"]}
+    # Nothing patches Events (ours and kopf's are created) or reads the status subresource.
+    assert verbs["events"] == {"list", "create"} and verbs["inferenceservices/status"] == {"patch"}
     lease = next(d for d in docs if d["kind"] == "Role")
     assert lease["metadata"]["namespace"] == "pagoda-system"
     assert lease["rules"] == [
@@ -320,6 +356,76 @@ def test_topology_agent_runs_in_the_host_network_namespace(helm):
     ds = next(d for d in render(helm) if d["kind"] == "DaemonSet")
     assert ds["spec"]["template"]["spec"]["hostNetwork"] is True
     assert ds["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+
+
+def test_network_policy_values_reach_the_operator_and_its_rbac(helm):
+    """On by default: the operator gets --network-policy with one peer flag per httpFrom entry
+    (parsed by the operator's own CLI) and may write networkpolicies; off, neither."""
+    from pagoda_operator.cli import parser
+
+    def operator_args(docs):
+        dep = next(d for d in docs if d["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    def role_resources(docs):
+        role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "rel-pagoda-operator")
+        return {r for rule in role["rules"] for r in rule["resources"]}
+
+    docs = render(helm)
+    args = parser().parse_args(operator_args(docs)[1:])
+    assert args.network_policy is True and args.network_policy_http_from == [{"namespaceSelector": {}}]
+    assert "networkpolicies" in role_resources(docs)
+    assert not any(d["kind"] == "NetworkPolicy" for d in docs)  # the operator's own: opt-in
+
+    narrowed = render(
+        helm,
+        "networkPolicy.httpFrom[0].namespaceSelector.matchLabels.team=a",
+        "networkPolicy.httpFrom[1].namespaceSelector.matchLabels.name=monitoring",
+    )
+    assert parser().parse_args(operator_args(narrowed)[1:]).network_policy_http_from == [
+        {"namespaceSelector": {"matchLabels": {"team": "a"}}},
+        {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}},
+    ]
+
+    off = render(helm, "networkPolicy.enabled=false")
+    assert not any(a.startswith("--network-policy") for a in operator_args(off))
+    assert "networkpolicies" not in role_resources(off)
+
+
+def test_operator_network_policy_opens_only_metrics_webhook_and_extra_rules(helm):
+    docs = render(
+        helm,
+        "networkPolicy.operator.enabled=true",
+        "networkPolicy.operator.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
+        "networkPolicy.operator.extraIngress[0].ports[0].port=9999",
+    )
+    (pol,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert pol["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    metrics = {
+        "ports": [{"port": 8080, "protocol": "TCP"}],
+        "from": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+    }
+    # The API server calls the webhook from outside the pod network: its port is open to all.
+    assert pol["spec"]["ingress"] == [metrics, {"ports": [{"port": 9443, "protocol": "TCP"}]}, {"ports": [{"port": 9999}]}]
+
+    (pol,) = [d for d in render(helm, "networkPolicy.operator.enabled=true", "admission.enabled=false")
+              if d["kind"] == "NetworkPolicy"]
+    assert [r["ports"][0]["port"] for r in pol["spec"]["ingress"]] == [8080]
+
+
+def test_topology_agent_runs_unprivileged(helm):
+    ds = next(d for d in render(helm) if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    sc = pod["containers"][0]["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["privileged"] is False
 
 
 def test_quickstart_example_is_the_cpu_variant_of_the_example():

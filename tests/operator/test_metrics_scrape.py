@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
-from pagoda_operator.metrics_scrape import parse, scrape, signals_summary
+from pagoda_operator.metrics_scrape import (
+    MAX_SCRAPE_BYTES,
+    ScrapeFailed,
+    fetch,
+    parse,
+    scrape,
+    signals_summary,
+)
 
 TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -78,3 +89,89 @@ def test_scrape_only_ready_pods_and_tolerates_failures():
         "http://[fd00::1]:8000/metrics",
     ]
     assert signals_summary(out) == {"pods": 2, "requestsWaiting": 2.0}
+
+
+HUGE = 50 * 1000 * 1000
+
+
+@pytest.fixture
+def metrics_server():
+    """A real HTTP server on loopback standing in for daemons: a normal /metrics, one answering
+    50 MB, one dripping a byte every 0.1 s."""
+    stop = threading.Event()
+    sent = {"huge": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            try:
+                if self.path == "/metrics":
+                    body = TEXT.encode()
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                elif self.path == "/huge":
+                    self.send_header("Content-Length", str(HUGE))
+                    self.end_headers()
+                    line = b'vllm:num_requests_waiting{model_name="llama"} 1.0\n' * 20000
+                    while sent["huge"] < HUGE and not stop.is_set():
+                        self.wfile.write(line)
+                        sent["huge"] += len(line)
+                else:
+                    self.end_headers()
+                    while not stop.is_set():
+                        self.wfile.write(b"#")
+                        self.wfile.flush()
+                        time.sleep(0.1)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", sent
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_fetch_reads_a_normal_answer(metrics_server):
+    base, _ = metrics_server
+    assert parse(fetch(f"{base}/metrics", 2), "llama")["requestsWaiting"] == 4.0
+
+
+def test_a_50_mb_answer_is_a_failed_scrape_read_only_to_the_limit(metrics_server):
+    base, sent = metrics_server
+    with pytest.raises(ScrapeFailed, match=f"more than {MAX_SCRAPE_BYTES} bytes"):
+        fetch(f"{base}/huge", 5)
+    # The operator stopped reading at the limit: the server could not push the whole body
+    # (what it sent beyond the limit sits in socket buffers), and the operator holds no 50 MB.
+    assert sent["huge"] < HUGE // 2
+
+
+def test_a_dripping_answer_fails_after_the_timeout(metrics_server):
+    base, _ = metrics_server
+    started = time.monotonic()
+    with pytest.raises(ScrapeFailed, match=r"within 0\.5s"):
+        fetch(f"{base}/drip", 0.5)
+    assert time.monotonic() - started < 2
+
+
+def test_scrape_leaves_out_the_pod_that_answers_too_much(metrics_server):
+    base, _ = metrics_server
+    port = int(base.rsplit(":", 1)[1])
+    pods = [ready_pod("good", "127.0.0.1")]
+    assert sorted(scrape(pods, port, "llama", 5.0, fetch)) == ["good"]
+
+    def huge_instead(url, timeout):
+        return fetch(url.replace("/metrics", "/huge"), timeout)
+
+    assert scrape(pods, port, "llama", 5.0, huge_instead) == {}

@@ -373,3 +373,35 @@ def test_a_volume_that_cannot_be_mounted_is_degraded(fake_kube):
     assert (deg["status"], deg["reason"]) == ("True", "VolumeMountFailed")
     assert "/m is not a directory" in deg["message"]
     assert ("Warning", "VolumeMountFailed") in [(t, reason) for t, reason, _ in r.events]
+
+
+def test_network_policy_child_is_created_once_and_follows_the_settings(fake_kube):
+    fake_kube.put(isvc())
+    ctx = make(fake_kube)
+    ctx.settings = Settings(daemon_image="img:1", network_policy=True)
+    r = reconcile(ctx, "default", "llama", "create")
+    assert "NetworkPolicy" in r.wrote and ("create", "NetworkPolicy", "llama") in fake_kube.writes
+    pol = fake_kube.objects[("NetworkPolicy", "default", "llama")]
+    assert pol["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+    assert pol["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8000}]
+
+    before = list(fake_kube.writes)
+    assert reconcile(ctx, "default", "llama", "timer").wrote == []
+    assert fake_kube.writes == before
+
+    # New peers (an operator restarted with other flags) replace the policy, and only it.
+    team = {"namespaceSelector": {"matchLabels": {"team": "a"}}}
+    ctx.settings = Settings(daemon_image="img:1", network_policy=True, http_from=(team,))
+    assert reconcile(ctx, "default", "llama", "timer").wrote == ["NetworkPolicy"]
+    assert fake_kube.objects[("NetworkPolicy", "default", "llama")]["spec"]["ingress"][0]["from"] == [team]
+
+
+def test_foreign_network_policy_is_not_overwritten(fake_kube):
+    fake_kube.put({"kind": "NetworkPolicy", "metadata": {"name": "llama", "namespace": "default"}, "spec": {}})
+    fake_kube.put(isvc())
+    ctx = make(fake_kube)
+    ctx.settings = Settings(daemon_image="img:1", network_policy=True)
+    reconcile(ctx, "default", "llama", "create")
+    deg = condition(status(fake_kube), "Degraded")
+    assert deg["reason"] == "ChildConflict" and "NetworkPolicy llama already exists" in deg["message"]
+    assert fake_kube.objects[("NetworkPolicy", "default", "llama")]["spec"] == {}

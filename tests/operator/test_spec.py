@@ -103,6 +103,53 @@ def test_invalid_combinations_say_why(extra, message):
     assert message in str(e.value)
 
 
+HOSTILE_FIELDS = [
+    ({"model": {"name": "--port=1", "pvc": {"claimName": "w"}}}, "model.name '--port=1' must not begin with '-'"),
+    ({"model": {"name": "-h", "uri": "hf://a/b"}}, "must not begin with '-'"),
+    ({"model": {"name": "m", "pvc": {"claimName": "w", "path": "../other-team"}}}, "model.pvc.path '../other-team'"),
+    ({"model": {"name": "m", "pvc": {"claimName": "w", "path": "a/../../b"}}}, "model.pvc.path"),
+    ({"model": {"name": "m", "pvc": {"claimName": "w", "path": "/etc"}}}, "must be a relative path"),
+    ({"model": {"name": "m", "hostPath": {"path": "models/x"}}}, "model.hostPath.path 'models/x' must be an absolute"),
+    ({"model": {"name": "m", "hostPath": {"path": "/var/lib/models/../../../etc"}}}, "model.hostPath.path"),
+    ({"model": {"name": "m", "hostPath": {"path": "/data//m"}}}, "normal form"),
+    ({"model": {"name": "m", "hostPath": {"path": "/data/m/"}}}, "normal form"),
+    ({"kvOffload": {"disk": {"path": "/kv/../usr/local/bin", "sizeGiB": 1}}}, "kvOffload.disk.path"),
+    ({"kvOffload": {"disk": {"path": "kv", "sizeGiB": 1}}}, "kvOffload.disk.path 'kv' must be an absolute"),
+    ({"kvOffload": {"disk": {"path": "/tmp", "sizeGiB": 1}}}, "collides"),
+    ({"kvOffload": {"disk": {"path": "/var/cache/pagoda/", "sizeGiB": 1}}}, "collides"),
+    ({"server": {"apiKeySecretRef": {"name": "Bad_Name"}}}, "server.apiKeySecretRef.name 'Bad_Name'"),
+    ({"server": {"apiKeySecretRef": {"name": "k", "key": "a/b"}}}, "server.apiKeySecretRef.key 'a/b'"),
+]
+
+
+@pytest.mark.parametrize("extra, message", HOSTILE_FIELDS)
+def test_hostile_names_and_paths_are_refused(extra, message):
+    with pytest.raises(InvalidSpec) as e:
+        parse("svc", "ns", {"model": MODEL, **extra})
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"model": {"name": "Qwen/Qwen3-8B", "pvc": {"claimName": "w", "path": "hub/qwen3-8b"}}},
+        {"model": {"name": "m", "pvc": {"claimName": "w", "path": ".snapshots/v1..2"}}},
+        {"model": {"name": "m", "pvc": {"claimName": "w", "path": ""}}},
+        {"model": {"name": "m", "hostPath": {"path": "/var/lib/pagoda/models/tiny-qwen3"}}},
+        {"kvOffload": {"disk": {"path": "/kv-cache", "sizeGiB": 1}}},
+        {"server": {"apiKeySecretRef": {"name": "llm.keys"}}},
+    ],
+)
+def test_ordinary_names_and_paths_pass(extra):
+    parse("svc", "ns", {"model": MODEL, **extra})
+
+
+def test_api_key_secret_ref_defaults_its_key():
+    s = parse("svc", "ns", {"model": MODEL, "server": {"apiKeySecretRef": {"name": "llm-key"}}})
+    assert (s.api_key_secret.name, s.api_key_secret.key) == ("llm-key", "api-key")
+    assert parse("svc", "ns", {"model": MODEL}).api_key_secret is None
+
+
 @pytest.mark.parametrize("name", ["9lives", "a" * 64, "has.dot", "Upper"])
 def test_names_that_cannot_name_a_service_are_invalid(name):
     with pytest.raises(InvalidSpec, match="DNS-1035"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import safe_open
@@ -54,13 +54,27 @@ def checkpoint_dtype(config) -> torch.dtype:
     return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 
 
+def shard_path(index_name: str, entry: object) -> PurePosixPath:
+    """A weight file named by the index, refused unless it is a plain relative path inside the
+    model directory: an index is data from whoever published the model, and ``../../etc/passwd``
+    or ``/dev/zero`` must not become a file the daemon opens. Checked by name, not by resolving
+    symlinks, so Hugging Face cache snapshots (symlinks into ``../../blobs``) still load."""
+    path = PurePosixPath(entry) if isinstance(entry, str) else None
+    if path is None or not entry or path.is_absolute() or ".." in path.parts:
+        raise WeightLoadError(
+            f"{index_name} names weight file {entry!r} outside the model directory; "
+            "shards must be relative paths inside it"
+        )
+    return path
+
+
 def safetensors_files(path: str | Path) -> list[Path]:
     """The weight files, sorted, from the index when there is one."""
     p = Path(path)
     index = p / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({p / f for f in weight_map.values()})
+        files = sorted({p / shard_path(index.name, f) for f in weight_map.values()})
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
             raise WeightLoadError(f"{index.name} lists weight files that do not exist: {missing}")
