@@ -290,6 +290,11 @@ class LocalCluster(KubeCluster):
             "--set", f"daemonImage.tag={self.daemon_image.split(':', 1)[1]}",
             "--wait", "--timeout", "300s",
         )
+        # helm --wait sees the operator Ready; the endpoints controller adds it to the webhook's
+        # Service a moment later, and until then the API server refuses InferenceService writes
+        # (failurePolicy Fail: "no endpoints available").
+        self.wait_for(lambda: self.endpoints(f"{self.release}-operator-webhook", self.release_namespace),
+                      timeout=60, what="the admission webhook's endpoints")
 
 
 # ---- the build/skip decision -------------------------------------------------------------

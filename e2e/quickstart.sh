@@ -160,8 +160,14 @@ install_and_apply() {
   "$bin/helm" --kubeconfig="$STATE/admin.kubeconfig" upgrade --install "$RELEASE" "$REPO/charts/pagoda" \
     --namespace "$RELEASE_NS" --create-namespace -f "$REPO/e2e/quickstart/values.yaml" \
     --set "image.tag=${OPERATOR_IMAGE#*:}" --set "daemonImage.tag=${DAEMON_IMAGE#*:}" --wait --timeout 5m
-  kc apply -n "$NAMESPACE" -f "$EXAMPLE"
+  # The admission webhook answers once the endpoints controller has listed the operator behind
+  # its Service, a moment after helm's --wait: until then the API server refuses the write.
   local i ready=""
+  for ((i = 0; i < 30; i++)); do
+    kc apply -n "$NAMESPACE" -f "$EXAMPLE" && break
+    sleep 2
+  done
+  [ "$i" -lt 30 ] || { echo "the InferenceService could not be applied (admission webhook unreachable?)"; return 1; }
   for ((i = 0; i < 300; i++)); do
     ready=$(kc get pisvc "$NAME" -n "$NAMESPACE" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null || true)
     [ "$ready" = True ] && break
