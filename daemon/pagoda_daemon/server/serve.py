@@ -95,6 +95,8 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
     for key in ("max_request_body_bytes", "header_read_timeout", "body_read_timeout", "max_connections"):
         if not options[key] > 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive, not {options[key]}")
+    if options["kv_events_endpoint"] is not None:  # a --config file may give the port as a number
+        options["kv_events_endpoint"] = str(options["kv_events_endpoint"])
     if "://" in str(options["model"]):
         raise ValueError(f"model {options['model']!r}: URIs are not fetched by the daemon; mount the model "
                          "(PVC or host path) and pass its directory")
@@ -160,6 +162,7 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     server = DrainingServer(uvicorn.Config(
         app, host=options["host"], port=options["port"], log_level=log_level.lower(),
         http=functools.partial(GuardedH11Protocol, limits=limits),  # type: ignore[arg-type]
+        ws="none", server_header=False,  # no WebSocket routes to upgrade to; no version banner
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False,
     ))
     serving = asyncio.create_task(server.serve())
