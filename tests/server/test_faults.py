@@ -86,6 +86,7 @@ def test_slowloris_connections_are_closed_after_the_read_deadlines_while_health_
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pagoda\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"model\": ")
         trickling_bodies.append(s)
+    silent = [_connect(guarded) for _ in range(10)]  # connected, never a byte: closed without an answer
     opened = time.monotonic()
     everyone = trickling_headers + trickling_bodies
     try:
@@ -116,9 +117,10 @@ def test_slowloris_connections_are_closed_after_the_read_deadlines_while_health_
         answered = [data for data in closed.values() if data]
         assert answered and all(data.startswith(b"HTTP/1.1 408 ") for data in answered)
         _assert_error_shape(_status_and_json(answered[0])[1], "request_timeout")
+        assert all(_read_until_closed(s, timeout=1) == b"" for s in silent)
         assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
     finally:
-        for s in everyone:
+        for s in everyone + silent:
             s.close()
 
 
@@ -223,6 +225,17 @@ def test_docs_flag_default_model_name_and_kv_events_on_loopback(start_server, ti
     listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
     bound = {row[1] for row in listening if row[3] == "0A" and int(row[1].split(":")[1], 16) == port}
     assert bound == {f"0100007F:{port:04X}"}, bound
+
+
+def test_kv_events_bind_loopback_unless_all_interfaces_are_named(caplog):
+    from pagoda_daemon.telemetry.kv_events import KVEventPublisher
+
+    with KVEventPublisher("tcp://:*") as pub:  # no host
+        assert pub.endpoint.startswith("tcp://127.0.0.1:"), pub.endpoint
+    assert "every network interface" not in caplog.text
+    with KVEventPublisher("tcp://*:*") as pub:
+        assert pub.endpoint.startswith("tcp://0.0.0.0:"), pub.endpoint
+    assert "every network interface" in caplog.text
 
 
 # ---- processes that die ----------------------------------------------------------------

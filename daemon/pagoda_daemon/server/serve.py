@@ -196,7 +196,7 @@ async def _serve_until_stopped(server: DrainingServer, serving: asyncio.Task, cl
     try:
         done, _ = await asyncio.wait({serving, dead, stop}, return_when=asyncio.FIRST_COMPLETED)
         if stop in done and dead not in done:
-            log.info("SIGTERM: draining (up to %g s), new requests get 503", drain_timeout_s)
+            log.info("stopping: draining for up to %g s; new requests get 503", drain_timeout_s)
             drain = asyncio.create_task(client.drain(drain_timeout_s))
             await asyncio.wait({drain, serving}, return_when=asyncio.FIRST_COMPLETED)  # a second ^C ends it
             drain.cancel()
