@@ -42,6 +42,7 @@ def run_demo(arch: str = "llama", question: str = "What is paged attention?") ->
     import openai
 
     from pagoda_daemon.cli import tiny_model_dir
+    from pagoda_daemon.server.auth import API_KEY_ENV, split_list
 
     model = tiny_model_dir(arch)
     port = _free_port()
@@ -53,7 +54,8 @@ def run_demo(arch: str = "llama", question: str = "What is paged attention?") ->
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     try:
         _wait_ready(url, proc)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        keys = split_list(os.environ.get(API_KEY_ENV))  # the server inherits the key from this environment
+        client = openai.OpenAI(base_url=url + "/v1", api_key=keys[0] if keys else "none", max_retries=0)
         messages = [{"role": "user", "content": question}]
         print(f"[2/3] POST /v1/chat/completions: {question!r}", flush=True)
         reply = client.chat.completions.create(model=f"tiny-{arch}", messages=messages, max_tokens=24, temperature=0)

@@ -23,14 +23,19 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *extra: str, log_dir: Path) -> None:
+    def __init__(self, model: str, *extra: str, log_dir: Path, served_name: str | None = MODEL_NAME,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
+        self.tmp_dir = log_dir / f"tmp-{self.port}"  # the server's TMPDIR: its IPC folder is found here
+        self.tmp_dir.mkdir()
+        name = ["--served-model-name", served_name] if served_name else []
         cmd = [sys.executable, "-m", "pagoda_daemon", "--log-level", "INFO", "serve", model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
+               "--host", "127.0.0.1", "--port", str(self.port), *name,
                "--device", "cpu", "--numa-policy", "none", "--kv-cache-memory-bytes", str(64 << 20), *extra]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(self.tmp_dir),
+               **(env or {})}
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -46,6 +51,17 @@ class ServerProcess:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"server not ready:\n{self.log_path.read_text()[-3000:]}")
+
+    def engine_pid(self) -> int:
+        """The EngineCore process: the server's child started by multiprocessing's spawn."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+        raise AssertionError(f"no engine process among {children}")
+
+    def ipc_dirs(self) -> list[Path]:
+        return sorted(self.tmp_dir.glob("pagoda-*"))
 
     def health(self) -> httpx.Response:
         return httpx.get(self.url + "/health", timeout=5)
@@ -96,8 +112,8 @@ def start_server(tiny_models, tmp_path):
     """Start a dedicated server (for tests that break or stop it)."""
     started = []
 
-    def start(*extra: str) -> ServerProcess:
-        srv = ServerProcess(tiny_models["llama"], "--max-model-len", "512", *extra, log_dir=tmp_path)
+    def start(*extra: str, **kwargs) -> ServerProcess:
+        srv = ServerProcess(tiny_models["llama"], "--max-model-len", "512", *extra, log_dir=tmp_path, **kwargs)
         started.append(srv)
         srv.wait_ready()
         return srv

@@ -18,8 +18,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagoda_daemon import __version__
 from pagoda_daemon.outputs import RequestOutput
 from pagoda_daemon.sampling_params import SamplingParams
+from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError
 from pagoda_daemon.server.errors import APIError, bad_request, unavailable
+from pagoda_daemon.server.http_guard import RequestGuard, RequestLimits
 from pagoda_daemon.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,14 @@ class ServerSettings:
     default_max_tokens: int = 16
 
 
-def build_app(client: EngineClient, settings: ServerSettings, tracer=None) -> FastAPI:
-    app = FastAPI(title="Pagoda", version=__version__)
+def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, keys: APIKeys | None = None,
+              limits: RequestLimits | None = None, api_docs: bool = False) -> FastAPI:
+    """The app; `keys` and `limits` go to the RequestGuard in front of every route, and the
+    schema and docs pages exist only with `api_docs` (they map the API for anyone)."""
+    docs = {} if api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Pagoda", version=__version__, **docs)
+    app.add_middleware(RequestGuard, limits=limits or RequestLimits(), keys=keys or APIKeys(()),
+                       draining=lambda: client.draining)
     app.state.client = client
     app.state.settings = settings
     app.state.tracer = tracer
@@ -55,7 +63,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None) -> Fa
 
     @app.get("/health")
     async def health():
-        engine = {"pid": client.process.pid if client.process else None, **client.last_stats}
+        engine = client.last_stats
         if not client.is_alive:
             return JSONResponse({"status": "dead", "reason": client.dead_reason, "engine": engine}, status_code=503)
         return {"status": "ok", "engine": engine}
@@ -279,7 +287,7 @@ async def _collect(raw: Request, streams, builder, span) -> JSONResponse:
     except EngineDeadError as e:
         if span is not None:
             span.end(None, 0, 0, error=str(e))
-        raise APIError(f"the engine failed: {e}", 500, code="engine_dead") from e
+        raise e.api_error() from e
     body = builder.full(finals)
     if span is not None:
         usage = body["usage"]
@@ -319,7 +327,7 @@ async def _stream(streams, builder, include_usage: bool, span) -> AsyncIterator[
     except EngineDeadError as e:
         if span is not None:
             span.end(None, 0, 0, error=str(e))
-        yield _sse(APIError(f"the engine failed: {e}", 500, code="engine_dead").body())
+        yield _sse(e.api_error().body())
     yield "data: [DONE]\n\n"
 
 

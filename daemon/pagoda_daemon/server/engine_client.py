@@ -34,14 +34,28 @@ from pagoda_daemon.outputs import RequestOutput
 from pagoda_daemon.sampling_params import SamplingParams
 from pagoda_daemon.server import wire
 from pagoda_daemon.server.core_process import run_engine_core
+from pagoda_daemon.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.2
+DRAIN_POLL_S = 0.05
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine cannot finish this request: it died (500 `engine_dead`)."""
+
+    def api_error(self) -> APIError:
+        return APIError(f"the engine failed: {self}", 500, code="engine_dead")
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """The server stopped before this request finished (its drain timeout ran out):
+    503 `server_shutting_down`, so a client or router retries elsewhere."""
+
+    def api_error(self) -> APIError:
+        return APIError(f"the server is shutting down: {self}", 503, code="server_shutting_down",
+                        headers={"Retry-After": "1"})
 
 
 @dataclass
@@ -69,6 +83,8 @@ class EngineClient:
         self.input_processor: InputProcessor | None = None  # needs max_model_len, known once ready
         self.ready_info: dict | None = None
         self.dead_reason: str | None = None
+        self.draining = False  # set on SIGTERM: no new requests, in-flight ones get until the drain timeout
+        self._dead = asyncio.Event()
         self.requests: dict[str, _Tracked] = {}
         self._last_stats: dict = {}
         self._log_level = log_level
@@ -106,11 +122,27 @@ class EngineClient:
 
     @property
     def is_ready(self) -> bool:
-        return self.ready_info is not None and self.dead_reason is None
+        return self.ready_info is not None and self.dead_reason is None and not self.draining
 
     @property
     def is_alive(self) -> bool:
         return self.dead_reason is None
+
+    async def wait_dead(self) -> str:
+        """Until the engine has died (and its requests were failed); returns why."""
+        await self._dead.wait()
+        return self.dead_reason or ""
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let in-flight requests finish for up to `timeout_s`, then end the rest with a
+        ServerShuttingDownError (streams get an error event and [DONE], others a 503)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.requests:
+            log.warning("drain timeout: ending %d in-flight requests", len(self.requests))
+            self._fail_in_flight(ServerShuttingDownError(f"the drain timeout of {timeout_s:g} s ran out"))
 
     async def shutdown(self) -> None:
         if self.process is not None and self.process.is_alive():
@@ -254,5 +286,9 @@ class EngineClient:
         if self.dead_reason is None:
             log.error("engine failed: %s", reason)
             self.dead_reason = reason
+        self._fail_in_flight(EngineDeadError(reason))
+        self._dead.set()
+
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
         for tracked in self.requests.values():
-            tracked.queue.put_nowait(EngineDeadError(reason))
+            tracked.queue.put_nowait(error)

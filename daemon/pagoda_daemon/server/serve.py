@@ -5,12 +5,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
+import uvicorn
+
+from pagoda_daemon.server.auth import API_KEY_ENV, DEFAULT_EXEMPT_PATHS, APIKeys, split_list
+from pagoda_daemon.server.http_guard import DEFAULT_MAX_BODY_BYTES, RequestLimits
+from pagoda_daemon.server.http_protocol import ConnectionLimits, GuardedH11Protocol
+from pagoda_daemon.telemetry.kv_events import DEFAULT_ENDPOINT as DEFAULT_KV_EVENTS_ENDPOINT
+
 log = logging.getLogger("pagoda.serve")
+
+SHUTDOWN_GRACE_S = 3.0  # after the drain: for responses already ended to reach their clients
 
 # Options the operator may render that this build does not implement yet: refuse them clearly.
 _NOT_YET = {
@@ -26,13 +37,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML/JSON file of options (snake_case names); flags override it")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL_DIR)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model directory's name)")
     p.add_argument("--max-waiting-requests", type=int, default=4096,
                    help="queued requests beyond the running batch before new ones get 503")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the engine may take to start")
     p.add_argument("--otlp-traces-endpoint", default=None, help="OTLP/HTTP traces endpoint (or OTEL_* variables)")
-    p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint for KV events, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-endpoint", nargs="?", const=DEFAULT_KV_EVENTS_ENDPOINT, default=None,
+                   help=f"ZMQ PUB endpoint for KV events (alone: {DEFAULT_KV_EVENTS_ENDPOINT}; a bare port binds "
+                        "loopback; all interfaces only as tcp://*:PORT)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (comma-separated for several; or {API_KEY_ENV})")
+    p.add_argument("--auth-exempt-paths", default=",".join(DEFAULT_EXEMPT_PATHS),
+                   help="comma-separated paths answered without a key ('' for none)")
+    p.add_argument("--enable-fastapi-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (off: they map the API for anyone)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413")
+    p.add_argument("--header-read-timeout", type=float, default=ConnectionLimits.header_timeout_s,
+                   help="seconds a client has to send a request's headers")
+    p.add_argument("--body-read-timeout", type=float, default=ConnectionLimits.body_timeout_s,
+                   help="seconds a client has to send a request's body, once its headers are in")
+    p.add_argument("--max-connections", type=int, default=ConnectionLimits.max_connections,
+                   help="open HTTP connections beyond this get 503 and are closed")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--expert-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
@@ -64,6 +92,11 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
     for key, default in _NOT_YET.items():
         if options.get(key, default) not in (default, None):
             raise ValueError(f"--{key.replace('_', '-')}={options[key]} is not supported by this Pagoda build yet")
+    for key in ("max_request_body_bytes", "header_read_timeout", "body_read_timeout", "max_connections"):
+        if not options[key] > 0:
+            raise ValueError(f"--{key.replace('_', '-')} must be positive, not {options[key]}")
+    if options["kv_events_endpoint"] is not None:  # a --config file may give the port as a number
+        options["kv_events_endpoint"] = str(options["kv_events_endpoint"])
     if "://" in str(options["model"]):
         raise ValueError(f"model {options['model']!r}: URIs are not fetched by the daemon; mount the model "
                          "(PVC or host path) and pass its directory")
@@ -84,53 +117,97 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
-    name = options["served_model_name"] or options["model"]
+    name = options["served_model_name"] or Path(options["model"]).resolve().name
     max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 32768
     return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len))
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM (or ^C) starts Pagoda's drain instead of
+    uvicorn's shutdown: the port stays open so that new requests get a clear 503 while
+    in-flight ones finish; a second ^C stops at once."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.stop_requested = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self.stop_requested.is_set() and sig == signal.SIGINT:
+            self.force_exit = self.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(self.stop_requested.set)
+
+
 async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int) -> int:
-    import uvicorn
-
     from pagoda_daemon.server.api import ServerSettings, build_app
-    from pagoda_daemon.server.engine_client import EngineClient
+    from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError
 
+    keys = APIKeys.from_options(options["api_key"], os.environ, split_list(options["auth_exempt_paths"]))
+    if not keys.enabled:
+        log.warning("the API is unauthenticated: anyone who reaches port %d can use it (set --api-key or %s)",
+                    options["port"], API_KEY_ENV)
     metrics = _make_metrics(served_name, max_model_len)
     tracer = _make_tracer(options.get("otlp_traces_endpoint"))
     client = EngineClient(config, metrics=metrics, log_level=log_level,
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
-    app = build_app(client, ServerSettings(served_name, options["max_waiting_requests"]), tracer)
+    app = build_app(client, ServerSettings(served_name, options["max_waiting_requests"]), tracer, keys=keys,
+                    limits=RequestLimits(options["max_request_body_bytes"]), api_docs=options["enable_fastapi_docs"])
     await client.start()
     waiter = asyncio.create_task(client.wait_ready(options["ready_timeout"]))
     from pagoda_daemon.topology.publish import publish_at_start
 
     topology_task = asyncio.create_task(asyncio.to_thread(publish_at_start))  # only with NODE_NAME set
-    server = uvicorn.Server(uvicorn.Config(
+    limits = ConnectionLimits(options["header_read_timeout"], options["body_read_timeout"], options["max_connections"])
+    server = DrainingServer(uvicorn.Config(
         app, host=options["host"], port=options["port"], log_level=log_level.lower(),
-        timeout_graceful_shutdown=options["drain_timeout"], access_log=False,
+        http=functools.partial(GuardedH11Protocol, limits=limits),  # type: ignore[arg-type]
+        ws="none", server_header=False,  # no WebSocket routes to upgrade to; no version banner
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False,
     ))
-    # uvicorn re-raises SIGTERM after its graceful shutdown; a handler of ours turns that
-    # into a normal return, so a drained daemon exits 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
     serving = asyncio.create_task(server.serve())
+    stop = asyncio.create_task(server.stop_requested.wait())
     try:
-        await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({waiter, serving, stop}, return_when=asyncio.FIRST_COMPLETED)
         if waiter.done() and waiter.exception() is not None:
             log.error("engine failed to start: %s", waiter.exception())
             server.should_exit = True
             await serving
             return 1
-        log.info("serving %s on http://%s:%d", served_name, options["host"], options["port"])
-        await serving
-        return 0
+        if waiter.done():
+            log.info("serving %s on http://%s:%d", served_name, options["host"], options["port"])
+        return await _serve_until_stopped(server, serving, client, options["drain_timeout"])
     finally:
+        stop.cancel()
         topology_task.cancel()
         waiter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiter
+        with contextlib.suppress(asyncio.CancelledError, EngineDeadError, TimeoutError):
+            await waiter  # its failure, if any, was logged above
         await client.shutdown()
         if tracer is not None:
             tracer.shutdown()
+
+
+async def _serve_until_stopped(server: DrainingServer, serving: asyncio.Task, client, drain_timeout_s: float) -> int:
+    """Serve until SIGTERM (drain, exit 0) or the engine's death (exit 1: the kubelet
+    restarts the pod; the in-flight requests have their errors by then)."""
+    dead = asyncio.create_task(client.wait_dead())
+    stop = asyncio.create_task(server.stop_requested.wait())
+    try:
+        done, _ = await asyncio.wait({serving, dead, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if stop in done and dead not in done:
+            log.info("stopping: draining for up to %g s; new requests get 503", drain_timeout_s)
+            drain = asyncio.create_task(client.drain(drain_timeout_s))
+            await asyncio.wait({drain, serving}, return_when=asyncio.FIRST_COMPLETED)  # a second ^C ends it
+            drain.cancel()
+        elif dead in done:
+            log.error("the engine is dead: the daemon exits so that it is restarted")
+        server.should_exit = True
+        await serving
+        return 1 if client.dead_reason is not None else 0
+    finally:
+        dead.cancel()
+        stop.cancel()
 
 
 def _make_metrics(served_name: str, max_model_len: int):

@@ -1,6 +1,8 @@
 """KV-cache events on a ZMQ PUB socket, in vLLM's wire format, for KV-aware routers.
 
 Off by default; the daemon creates a `KVEventPublisher` only with `--kv-events-endpoint`.
+The events carry prompt token ids and `cache_salt` values in clear, so an endpoint without
+a host (`5557`, `tcp://:5557`) binds loopback; all interfaces (`tcp://*:5557`) must be asked for.
 Each `publish()` call sends one batch as a three-frame message
 
     [topic, seq (8 bytes, big-endian unsigned), msgpack([timestamp, [event, ...], data_parallel_rank])]
@@ -32,6 +34,8 @@ import zmq
 logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_ENDPOINT = f"tcp://{DEFAULT_HOST}:5557"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # replay: "no more batches"
 _U64 = (1 << 64) - 1
 
@@ -44,6 +48,20 @@ def block_hash_to_int(h: bytes) -> int:
     index ours the same way.
     """
     return int.from_bytes(h, "big") & _U64
+
+
+def resolve_endpoint(endpoint: str) -> str:
+    """The address to bind: a bare port (`5557`) or a TCP endpoint without a host
+    (`tcp://:5557`) means loopback; anything else is bound as given."""
+    if endpoint.isdigit():
+        return f"tcp://{DEFAULT_HOST}:{endpoint}"
+    if endpoint.startswith("tcp://:"):
+        return f"tcp://{DEFAULT_HOST}{endpoint.removeprefix('tcp://')}"
+    return endpoint
+
+
+def binds_all_interfaces(endpoint: str) -> bool:
+    return endpoint.startswith(("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"))
 
 
 @dataclass
@@ -147,8 +165,8 @@ class KVEventPublisher:
 
     `publish` never blocks: messages beyond the socket's high-water mark are dropped by ZMQ
     (the subscriber sees the gap in `seq` and can replay). It may be called from any thread.
-    `endpoint` is bound as given; `tcp://127.0.0.1:*` picks a free port, and `self.endpoint`
-    is then the address actually bound.
+    `endpoint` goes through `resolve_endpoint` (no host: loopback); `tcp://127.0.0.1:*`
+    picks a free port, and `self.endpoint` is then the address actually bound.
 
     Replay (with `replay_endpoint`): a DEALER (or REQ) client sends [b"", seq (8 bytes,
     big-endian)]; the publisher answers, for every buffered batch with seq >= the asked one,
@@ -173,6 +191,10 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 200)
+        endpoint = resolve_endpoint(endpoint)
+        if binds_all_interfaces(endpoint):
+            logger.warning("KV events on %s reach every network interface; they carry prompt token ids "
+                           "(restrict who may connect, e.g. with a NetworkPolicy)", endpoint)
         try:
             self._pub.bind(endpoint)
         except zmq.ZMQError as e:
@@ -192,6 +214,7 @@ class KVEventPublisher:
         if replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
+            replay_endpoint = resolve_endpoint(replay_endpoint)
             try:
                 router.bind(replay_endpoint)
             except zmq.ZMQError as e:

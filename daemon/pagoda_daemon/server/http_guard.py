@@ -1,0 +1,137 @@
+"""The checks every HTTP request passes before any handler sees it (ASGI middleware).
+
+In order, each answered in the OpenAI error shape and with the connection closed, since
+the rest of the request is never read:
+
+1. Content-Length together with Transfer-Encoding: 400 (the two framings disagree about
+   where the request ends; a proxy in front may pick the other one: request smuggling);
+2. no valid API key (when keys are configured): 401 (`server/auth.py`);
+3. a POST while the server drains for shutdown: 503 `server_shutting_down`;
+4. a POST whose body is not `application/json`: 415 (a browser sends `text/plain`,
+   form and multipart bodies cross-site without asking; JSON needs a CORS preflight,
+   which this server never grants);
+5. a body over `max_body_bytes`: 413, from Content-Length before reading anything, else as
+   soon as the streamed body passes the limit (nothing over the limit is buffered).
+
+The body is then read here, bounded, and handed to the application as one message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagoda_daemon.server.auth import APIKeys
+from pagoda_daemon.server.errors import APIError
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """`--max-request-body-bytes`: 32 MiB holds a prompt of the longest contexts served
+    (1M tokens as token-id JSON is about 7 MB) with room for chat and logit options."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _header_values(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
+    return [value for key, value in headers if key.lower() == name]
+
+
+def is_json_media_type(values: list[bytes]) -> bool:
+    """Exactly one Content-Type, `application/json` with or without parameters (charset)."""
+    return len(values) == 1 and values[0].split(b";", 1)[0].strip().lower() == b"application/json"
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+
+
+def header_refusal(scope: Scope, limits: RequestLimits, keys: APIKeys, draining: bool) -> APIError | None:
+    """What the headers alone already refuse, in the order of the module docstring."""
+    headers = scope["headers"]
+    content_length = _header_values(headers, b"content-length")
+    if content_length and _header_values(headers, b"transfer-encoding"):
+        return APIError("a request must not carry both Content-Length and Transfer-Encoding", 400,
+                        code="ambiguous_framing")
+    auth = keys.refusal(scope["path"], headers)
+    if auth is not None:
+        return auth
+    if scope["method"] == "POST":
+        if draining:
+            return APIError("the server is shutting down; retry on another replica", 503,
+                            code="server_shutting_down", headers={"Retry-After": "1"})
+        if not is_json_media_type(_header_values(headers, b"content-type")):
+            return APIError("the request body must be JSON: send 'Content-Type: application/json'", 415,
+                            code="unsupported_media_type")
+    if content_length and int(content_length[0]) > limits.max_body_bytes:  # h11 checked it is one integer
+        return too_large(limits.max_body_bytes)
+    return None
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None if the client went away; BodyTooLarge past `limit`."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class RequestGuard:
+    """ASGI middleware: refuse what the module docstring lists, then pass the request on
+    with its body already read."""
+
+    def __init__(self, app: ASGIApp, *, limits: RequestLimits, keys: APIKeys, draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.limits = limits
+        self.keys = keys
+        self.draining = draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = header_refusal(scope, self.limits, self.keys, self.draining())
+        if refusal is not None:
+            await _refuse(refusal, scope, receive, send)
+            return
+        try:
+            body = await read_body(receive, self.limits.max_body_bytes)
+        except BodyTooLarge:
+            await _refuse(too_large(self.limits.max_body_bytes), scope, receive, send)
+            return
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+
+async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    response = error.response()
+    response.headers["Connection"] = "close"  # the unread rest of the request goes with the connection
+    await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that gives the read body first, then whatever the connection says next
+    (the disconnect the handlers watch for)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
