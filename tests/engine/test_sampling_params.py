@@ -127,3 +127,28 @@ def test_offline_llm_rejects_bad_params_and_serves_huge_top_k(tiny_models):
     whole = llm.generate(["hi"], SamplingParams(max_tokens=4, top_k=0, seed=3, logprobs=MAX_LOGPROBS))[0]
     out = llm.generate(["hi"], params)[0]
     assert out.outputs[0].token_ids == whole.outputs[0].token_ids
+
+
+def _bpe_tokenizer(normalizer=None, pre_tokenizer=None, **bpe):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"a": 0, "b": 1, "ab": 2, "\u2581": 3, "<unk>": 4, "<0x41>": 5}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>", **bpe))
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_max_chars_per_token_only_where_the_tokenizer_keeps_every_character():
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    sentencepiece_like = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    assert max_chars_per_token(_bpe_tokenizer(sentencepiece_like, byte_fallback=True)) == 6
+    assert max_chars_per_token(_bpe_tokenizer(normalizers.NFC(), pre_tokenizers.ByteLevel())) == 6 * 4
+    # characters dropped or fused without bound: no length bound, every prompt is tokenized
+    assert max_chars_per_token(_bpe_tokenizer(normalizers.Replace(Regex(" +"), " "), byte_fallback=True)) is None
+    assert max_chars_per_token(_bpe_tokenizer(pre_tokenizer=pre_tokenizers.Whitespace(), byte_fallback=True)) is None
+    assert max_chars_per_token(_bpe_tokenizer(fuse_unk=True)) is None

@@ -47,6 +47,10 @@ def _component_shrink(state: dict | None, allowed: set[str], shrinking: set[str]
         return factor
     if state.get("behavior") == "Removed":
         return None
+    if kind == "Replace":  # a fixed string for another: k characters become len(content)
+        pattern = (state.get("pattern") or {}).get("String")
+        content = state.get("content") or ""
+        return -(-len(pattern) // len(content)) if pattern and content else None
     if kind in shrinking:
         return 4
     return 1 if kind in allowed else None
