@@ -52,8 +52,8 @@ optional_fields = {
     "cache_salt": st.text(max_size=16),
 }
 completion_fields = {**optional_fields, "logprobs": st.integers(0, 20)}
-chat_fields = {**optional_fields, "logprobs": st.booleans(), "max_completion_tokens": st.integers(2, 6),
-               "add_generation_prompt": st.booleans()}
+chat_fields = {**optional_fields, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
+               "max_completion_tokens": st.integers(2, 6), "add_generation_prompt": st.booleans()}
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
      "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
@@ -235,3 +235,14 @@ def test_fuzzed_requests_never_break_the_server(server):
         logged = f.read()
     assert "Traceback" not in logged, logged[-3000:]
     print(f"fuzz: {total} requests, {dict(seen)}, API RSS {growth:+.0f} MB")
+
+
+def test_the_fuzzed_fields_cover_every_request_field():
+    """The valid-body strategies draw every field the request models define (so a new field is fuzzed)."""
+    from pagoda_daemon.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    set_by_case = {"model", "stream", "stream_options"}
+    refused_unless_default = {"echo", "best_of"}  # unsupported values: the hostile strategies send them
+    assert set(CompletionRequest.model_fields) == {*completion_fields, "prompt", "max_tokens", *set_by_case,
+                                                   *refused_unless_default}
+    assert set(ChatCompletionRequest.model_fields) == {*chat_fields, "messages", "max_tokens", *set_by_case}
