@@ -35,6 +35,14 @@ def has_lone_surrogate(text: str) -> bool:
     return not text.isascii() and _LONE_SURROGATE.search(text) is not None
 
 
+def _shown(value: object) -> str:
+    """A value for an error message: huge ints by size (their digits may exceed what str() allows)."""
+    if is_strict_int(value) and abs(value) >= 10**30:
+        return f"a {value.bit_length()}-bit integer"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 def is_strict_int(value: object) -> bool:
     """An int that is not a bool (JSON `true` must not pass for 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -79,13 +87,17 @@ class SamplingParams:
             raise ValueError(f"{param} {message}")
 
         def check_int(param: str, value, low: int, high: int = INT64_MAX) -> None:
-            if not is_strict_int(value) or not low <= value <= high:
-                fail(param, f"must be an integer in [{low}, {high}], got {value!r}")
+            if not is_strict_int(value):
+                fail(param, f"must be an integer, got {_shown(value)}")
+            if value < low:
+                fail(param, f"must be at least {low}, got {_shown(value)}")
+            if value > high:
+                fail(param, f"must be at most {high}, got {_shown(value)}")
 
         def check_float(param: str, value, ok, bounds: str) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not ok(value):
-                fail(param, f"must be a finite number in {bounds}, got {value!r}")
+                fail(param, f"must be a finite number in {bounds}, got {_shown(value)}")
 
         # n > 1 is fanned out by the frontend into n requests; the engine core sees n=1.
         check_int("n", self.n, 1, MAX_N)
@@ -97,7 +109,7 @@ class SamplingParams:
         check_float("temperature", self.temperature, lambda v: v >= 0.0, "[0, inf)")
         check_float("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "(0, 1]")
         if not is_strict_int(self.top_k) or self.top_k < -1:
-            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {_shown(self.top_k)}")
         check_float("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "[0, 1]")
         if self.seed is not None:
             check_int("seed", self.seed, SEED_MIN, SEED_MAX)
@@ -119,7 +131,7 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                fail(name, f"must be true or false, got {getattr(self, name)!r}")
+                fail(name, f"must be true or false, got {_shown(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
