@@ -1,20 +1,64 @@
-"""Per-request sampling and stopping parameters (vLLM-compatible names and defaults)."""
+"""Per-request sampling and stopping parameters (vLLM-compatible names and defaults).
+
+Every field is bounded here, so that the offline `LLM`, the HTTP API (which reuses these
+bounds) and the engine core (which re-validates what arrives over its socket) agree on
+what a request may ask for, and nothing a caller sends can overflow the engine's int64
+buffers, its msgpack frames or torch's generators.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# seed: a signed 64-bit int, as vLLM's API bounds it (torch.long); torch's generators take it as is.
+SEED_MIN, SEED_MAX = INT64_MIN, INT64_MAX
+MAX_N = 128  # choices per prompt
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_REPETITION_PENALTY = 100.0
+# Like vLLM: a positive temperature below this is raised to it (smaller ones overflow the softmax).
+MIN_POSITIVE_TEMPERATURE = 1e-2
+# top_k at or above this means the whole vocabulary (no vocabulary is that large, and vLLM keeps
+# top_k as int32); it is stored as 0 (disabled).
+TOP_K_WHOLE_VOCABULARY = 2**31
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """True when `text` holds a UTF-16 surrogate, which no UTF-8 text (or tokenizer) can carry."""
+    return not text.isascii() and _LONE_SURROGATE.search(text) is not None
+
+
+def _shown(value: object) -> str:
+    """A value for an error message: huge ints by size (their digits may exceed what str() allows)."""
+    if is_strict_int(value) and abs(value) >= 10**30:
+        return f"a {value.bit_length()}-bit integer"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def is_strict_int(value: object) -> bool:
+    """An int that is not a bool (JSON `true` must not pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
 class SamplingParams:
-    """What to sample and when to stop. Validated on construction: bad values raise ValueError."""
+    """What to sample and when to stop. Validated on construction: bad values raise ValueError
+    whose message starts with the field's name."""
 
     n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
+    top_k: int = 0  # 0 or -1: disabled; TOP_K_WHOLE_VOCABULARY or more: disabled too
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -32,43 +76,62 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        if self.top_k == -1:
-            self.top_k = 0
         self._validate()
+        if self.top_k == -1 or self.top_k >= TOP_K_WHOLE_VOCABULARY:
+            self.top_k = 0
+        if 0.0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
+            self.temperature = MIN_POSITIVE_TEMPERATURE
 
     def _validate(self) -> None:
         def fail(param: str, message: str) -> None:
             raise ValueError(f"{param} {message}")
 
+        def check_int(param: str, value, low: int, high: int = INT64_MAX) -> None:
+            if not is_strict_int(value):
+                fail(param, f"must be an integer, got {_shown(value)}")
+            if value < low:
+                fail(param, f"must be at least {low}, got {_shown(value)}")
+            if value > high:
+                fail(param, f"must be at most {high}, got {_shown(value)}")
+
+        def check_float(param: str, value, ok, bounds: str) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not ok(value):
+                fail(param, f"must be a finite number in {bounds}, got {_shown(value)}")
+
         # n > 1 is fanned out by the frontend into n requests; the engine core sees n=1.
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", f"must be at least 1, got {self.n}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", f"must be at least 0, got {self.min_tokens}")
+        check_int("n", self.n, 1, MAX_N)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1)
+        check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if not self.temperature >= 0.0:
-            fail("temperature", f"must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail("top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", f"must be greater than 0, got {self.repetition_penalty}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            fail("logprobs", f"must be a non-negative integer, got {self.logprobs}")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            fail("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        check_float("temperature", self.temperature, lambda v: v >= 0.0, "[0, inf)")
+        check_float("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "(0, 1]")
+        if not is_strict_int(self.top_k) or self.top_k < -1:
+            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {_shown(self.top_k)}")
+        check_float("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "[0, 1]")
+        if self.seed is not None:
+            check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+        check_float("presence_penalty", self.presence_penalty, lambda v: -2.0 <= v <= 2.0, "[-2, 2]")
+        check_float("frequency_penalty", self.frequency_penalty, lambda v: -2.0 <= v <= 2.0, "[-2, 2]")
+        check_float("repetition_penalty", self.repetition_penalty, lambda v: 0.0 < v <= MAX_REPETITION_PENALTY,
+                    f"(0, {MAX_REPETITION_PENALTY:g}]")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS or has_lone_surrogate(s):
+                fail("stop", f"must be non-empty strings of valid Unicode, at most {MAX_STOP_STRING_CHARS} "
+                             "characters each")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if any(not is_strict_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, f"must be true or false, got {_shown(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from pagoda_daemon.sampling_params import SamplingParams
+import json
+
+from pagoda_daemon.sampling_params import SamplingParams, has_lone_surrogate, is_strict_int
 
 PromptType = str | list[int]
+
+# Unicode composition (NFC, NFKC) merges at most 4 code points into one (Greek extended).
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+_GROWING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend"}
+# Pre-tokenizers that keep every character (their pieces cover the text).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts",
+                           "FixedLength"}
 
 
 def resolve_eos_token_id(tokenizer, model_config) -> int | None:
@@ -22,41 +31,119 @@ def cache_salt_keys(cache_salt: str | None) -> tuple:
     return (("salt", cache_salt),) if cache_salt else ()
 
 
+def _component_shrink(state: dict | None, allowed: set[str], shrinking: set[str]) -> int | None:
+    """How many text characters one output character may stand for after this normalizer or
+    pre-tokenizer (1: none lost), or None when characters may be dropped without bound."""
+    if state is None:
+        return 1
+    kind = state.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in state.get("normalizers") or state.get("pretokenizers") or []:
+            f = _component_shrink(part, allowed, shrinking)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if state.get("behavior") == "Removed":
+        return None
+    if kind == "Replace":  # a fixed string for another: k characters become len(content)
+        pattern = (state.get("pattern") or {}).get("String")
+        content = state.get("content") or ""
+        return -(-len(pattern) // len(content)) if pattern and content else None
+    if kind in shrinking:
+        return 4
+    return 1 if kind in allowed else None
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """An upper bound on the characters of prompt text one token can cover, or None where the
+    tokenizer gives no such bound (it drops or fuses characters: whitespace splitting, fused
+    unknown tokens, replacing normalizers, slow tokenizers).
+
+    With it, a text of L characters has at least L / bound tokens, so a text that cannot fit
+    the context is refused without tokenizing it.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE":
+        return None
+    try:
+        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
+        pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+    shrink_norm = _component_shrink(normalizer, _GROWING_NORMALIZERS | _COMPOSING_NORMALIZERS,
+                                    _COMPOSING_NORMALIZERS)
+    shrink_pre = _component_shrink(pre, _KEEPING_PRE_TOKENIZERS, set())
+    if shrink_norm is None or shrink_pre is None:
+        return None
+    model = backend.model
+    byte_level = "ByteLevel" in json.dumps(pre)
+    if not (byte_level or model.byte_fallback or (model.unk_token is not None and not model.fuse_unk)):
+        return None  # unknown characters are dropped or fused into one token
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max(1, longest) * shrink_norm * shrink_pre
+
+
+class InvalidInput(ValueError):
+    """A prompt or parameter the model cannot serve; `param` names the request field."""
+
+    def __init__(self, message: str, param: str = "prompt", code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
+
+    def _too_long(self, num_tokens: int, at_least: bool = False) -> InvalidInput:
+        size = f"at least {num_tokens}" if at_least else str(num_tokens)
+        return InvalidInput(f"the prompt is {size} tokens long, which leaves no room to generate within "
+                            f"the model's context of {self.max_model_len} tokens", code="context_length_exceeded")
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse, without tokenizing, a text too long to fit the context whatever its tokens."""
+        if self.max_chars_per_token is not None and len(text) // self.max_chars_per_token >= self.max_model_len:
+            raise self._too_long(len(text) // self.max_chars_per_token, at_least=True)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Return (prompt text or None, prompt token ids); raise ValueError on bad input."""
+        """Return (prompt text or None, prompt token ids); raise InvalidInput (a ValueError) on bad input."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise InvalidInput("prompt must not be empty")
+            self.check_text_length(prompt)
+            if has_lone_surrogate(prompt):
+                raise InvalidInput("prompt must be valid Unicode (it holds a lone surrogate)")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             text: str | None = prompt
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
             text = None
-            if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
-                raise ValueError("prompt token ids must be integers")
+            if any(not is_strict_int(t) for t in token_ids):
+                raise InvalidInput("prompt token ids must be integers")
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+                raise InvalidInput(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidInput(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidInput("prompt must not be empty")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
-                f"the model's context of {self.max_model_len} tokens"
-            )
+            raise self._too_long(len(token_ids))
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidInput(
                 f"this model's context is {self.max_model_len} tokens, but the prompt ({len(token_ids)} tokens) "
-                f"plus max_tokens ({params.max_tokens}) asks for {len(token_ids) + params.max_tokens}"
-            )
+                f"plus max_tokens ({params.max_tokens}) asks for {len(token_ids) + params.max_tokens}",
+                code="context_length_exceeded")
+        if len(token_ids) + params.min_tokens > self.max_model_len:
+            raise InvalidInput(
+                f"min_tokens ({params.min_tokens}) plus the prompt ({len(token_ids)} tokens) exceeds this "
+                f"model's context of {self.max_model_len} tokens", param="min_tokens", code="context_length_exceeded")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+            raise InvalidInput(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         return text, token_ids

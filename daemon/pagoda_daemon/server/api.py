@@ -14,15 +14,22 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda_daemon import __version__
+from pagoda_daemon.engine.input_processor import InvalidInput
 from pagoda_daemon.outputs import RequestOutput
-from pagoda_daemon.sampling_params import SamplingParams
+from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server.auth import APIKeys
-from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError
+from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError, PreparedRequest
 from pagoda_daemon.server.errors import APIError, bad_request, unavailable
 from pagoda_daemon.server.http_guard import RequestGuard, RequestLimits
-from pagoda_daemon.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda_daemon.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    validation_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,14 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
     app.state.client = client
     app.state.settings = settings
     app.state.tracer = tracer
+    # JSON parsing and pydantic hold the GIL (about 15 ms for a 10 MB body): one body at a time in
+    # a worker thread, so the event loop waits for at most one of them between its own turns.
+    parse_gate = asyncio.Semaphore(1)
+
+    async def parse(model, raw: Request):
+        data = await raw.body()
+        async with parse_gate:
+            return await asyncio.to_thread(parse_request, model, data)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -54,7 +69,12 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
-        return _validation_response(exc)
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        """Routing errors (404, 405) in OpenAI's shape, with their headers (Allow on a 405)."""
+        return APIError(str(exc.detail), exc.status_code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
@@ -91,27 +111,22 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        body = await _json_body(raw)
-        req = _parse(CompletionRequest, body)
+        req = await parse(CompletionRequest, raw)
         _check_model(req.model, settings)
         params = req.sampling_params(settings.default_max_tokens)
-        prompts = [_validate_prompt(client, p, params) for p in req.prompts()]
-        return await _serve(raw, client, settings, req, prompts, params, chat=False, tracer=tracer)
+        prompts = req.prompts()
+        _check_batch_fits(client, settings, len(prompts) * params.n)
+        processed = await asyncio.to_thread(_process_prompts, client, prompts, params)
+        return await _serve(raw, client, settings, req, processed, params, chat=False, tracer=tracer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        body = await _json_body(raw)
-        req = _parse(ChatCompletionRequest, body)
+        req = await parse(ChatCompletionRequest, raw)
         _check_model(req.model, settings)
         params = req.sampling_params()
-        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            prompt_text = client.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # a template that rejects the conversation is the caller's problem
-            raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
-        prompt = _validate_prompt(client, prompt_text, params)
-        return await _serve(raw, client, settings, req, [prompt], params, chat=True, tracer=tracer)
+        _check_batch_fits(client, settings, params.n)
+        processed = await asyncio.to_thread(_process_chat, client, req, params)
+        return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer)
 
     return app
 
@@ -119,53 +134,58 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 # ---- request handling ------------------------------------------------------------------
 
 
-async def _json_body(raw: Request) -> dict:
-    try:
-        body = await raw.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from e
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
-
-
-def _parse(model, body: dict):
-    from pydantic import ValidationError
-
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise _validation_error_from(e.errors()) from e
-
-
-def _validation_error_from(errors) -> APIError:
-    err = errors[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    ctx_error = (err.get("ctx") or {}).get("error")
-    if isinstance(ctx_error, APIError):
-        return ctx_error
-    return bad_request(f"{param or 'body'}: {err.get('msg')}", param=param)
-
-
-def _validation_response(exc: RequestValidationError) -> JSONResponse:
-    return _validation_error_from(exc.errors()).response()
-
-
 def _check_model(name: str, settings: ServerSettings) -> None:
     if name != settings.served_model_name:
-        raise bad_request(f"the model '{name}' does not exist; this server serves '{settings.served_model_name}'",
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        raise bad_request(f"the model '{shown}' does not exist; this server serves '{settings.served_model_name}'",
                           param="model", code="model_not_found")
 
 
-def _validate_prompt(client: EngineClient, prompt, params: SamplingParams):
+def _capacity(client: EngineClient, settings: ServerSettings) -> int:
+    """Requests the server holds at most: running plus queued."""
+    return client.config.max_num_seqs + settings.max_waiting_requests
+
+
+def _check_batch_fits(client: EngineClient, settings: ServerSettings, num_requests: int) -> None:
+    """A batch larger than the server can ever hold is the caller's error (400), not a retry (503)."""
+    limit = _capacity(client, settings)
+    if num_requests > limit:
+        raise bad_request(f"the request asks for {num_requests} generations (prompts x n), more than this server "
+                          f"ever holds at once ({limit}); split it", param="n" if num_requests == 1 else "prompt",
+                          code="too_many_generations")
+
+
+def _ensure_ready(client: EngineClient) -> None:
     if not client.is_ready:
         raise unavailable(client.dead_reason or "the engine is still starting")
+
+
+def _process_prompt(client: EngineClient, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
     try:
         return client.validate(prompt, params)
+    except InvalidInput as e:
+        raise bad_request(str(e), param=e.param, code=e.code) from e
     except ValueError as e:
-        code = "context_length_exceeded" if "context" in str(e) else None
-        raise bad_request(str(e), param="prompt", code=code) from e
+        raise bad_request(str(e), param="prompt") from e
+
+
+def _process_prompts(client: EngineClient, prompts: list, params: SamplingParams) -> list[tuple[str | None, list[int]]]:
+    """Tokenize and check every prompt (run in a worker thread: the tokenizer releases the GIL)."""
+    _ensure_ready(client)
+    return [_process_prompt(client, p, params) for p in prompts]
+
+
+def _process_chat(client: EngineClient, req: ChatCompletionRequest,
+                  params: SamplingParams) -> list[tuple[str | None, list[int]]]:
+    """Apply the chat template, then tokenize and check (run in a worker thread)."""
+    _ensure_ready(client)
+    conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        prompt_text = client.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+    except Exception as e:  # a template that rejects the conversation is the caller's problem
+        raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
+    return [_process_prompt(client, prompt_text, params)]
 
 
 def _model_card(settings: ServerSettings, client: EngineClient) -> dict:
@@ -175,29 +195,42 @@ def _model_card(settings: ServerSettings, client: EngineClient) -> dict:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """n > 1 becomes n requests; a seeded request gives each child its own seed."""
+    """n > 1 becomes n requests; a seeded request gives each child its own seed (seed + index,
+    wrapping within the signed 64-bit range)."""
     from dataclasses import replace
 
-    seed = None if params.seed is None else params.seed + index
+    seed = None if params.seed is None else SEED_MIN + (params.seed + index - SEED_MIN) % 2**64
     return replace(params, n=1, seed=seed)
+
+
+def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams, cache_salt: str | None,
+             arrival: float) -> list[tuple[int, PreparedRequest]]:
+    """Every generation of the request (by choice index) encoded, before any is registered: all or nothing."""
+    prepared = []
+    for p_index, (text, ids) in enumerate(prompts):
+        for i in range(params.n):
+            index = p_index * params.n + i
+            try:
+                prepared.append((index, client.prepare(f"{base_id}-{index}", text, ids, _child_params(params, i),
+                                                       cache_salt, arrival)))
+            except ValueError as e:
+                raise bad_request(str(e)) from e
+    return prepared
 
 
 async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, req, prompts, params, chat: bool,
                  tracer=None):
-    limit = client.config.max_num_seqs + settings.max_waiting_requests
+    limit = _capacity(client, settings)
     n_new = len(prompts) * params.n
     if client.num_in_flight + n_new > limit:
         raise unavailable(f"the server is at capacity ({client.num_in_flight} requests in flight); retry later")
     base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     arrival = time.monotonic()
-    streams = []
-    for p_index, (text, ids) in enumerate(prompts):
-        for i in range(params.n):
-            index = p_index * params.n + i
-            child = _child_params(params, i)
-            streams.append((index, len(ids), client.submit(f"{base_id}-{index}", text, ids, child,
-                                                           getattr(req, "cache_salt", None), arrival)))
+    prepared = _prepare(client, base_id, prompts, params, getattr(req, "cache_salt", None), arrival)
+    # No await from here to the last submit: the engine cannot be found dead half way through.
+    _ensure_ready(client)
+    streams = [(index, len(p.prompt_ids), client.submit(p)) for index, p in prepared]
     span = None
     if tracer is not None:
         span = tracer.start_request_span(dict(raw.headers), base_id, {
@@ -245,6 +278,8 @@ async def _merge(streams) -> AsyncIterator[tuple[int, int, RequestOutput]]:
     finally:
         for t in tasks:
             t.cancel()
+        # a cancelled pump may still be inside its generator: wait for it before closing that
+        await asyncio.gather(*tasks, return_exceptions=True)
         for _, _, g in streams:
             await g.aclose()
 

@@ -151,11 +151,13 @@ def _loop(core, inputs, outputs, parent_pid: int, block_size: int, publisher=Non
             changed = True
             if kind == wire.ADD:
                 try:
-                    core.add_request(wire.decode_request(payload, block_size))
-                except ValueError as e:  # never expected (the API validates); fail just this request
-                    log.error("rejected request %s: %s", payload.get("id"), e)
-                    outputs.send(wire.pack(wire.OUTPUTS, [[[payload.get("id"), [], "abort", str(e), [], 0, None]],
-                                                           _stats(core)]))
+                    core.add_request(wire.decode_request(payload, block_size, core.model_config.vocab_size))
+                except Exception as e:  # never expected (the API validates): fail this request, not the engine
+                    rid = payload.get("id") if isinstance(payload, dict) else None
+                    log.error("rejected request %s: %s: %s", rid, type(e).__name__, e)
+                    if isinstance(rid, str):
+                        outputs.send(wire.pack(wire.OUTPUTS, [[[rid, [], "abort", f"rejected by the engine: {e}",
+                                                                [], 0, None]], _stats(core)]))
             elif kind == wire.ABORT:
                 core.abort_requests(payload)
             elif kind == wire.FINISH:

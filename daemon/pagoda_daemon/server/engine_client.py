@@ -70,6 +70,18 @@ class _Tracked:
     generated: int = 0
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """One request, validated and encoded, ready to be submitted."""
+
+    request_id: str
+    prompt_text: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    frame: bytes
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, metrics=None, log_level: str = "INFO",
                  kv_events_endpoint: str | None = None, model_config=None) -> None:
@@ -170,21 +182,33 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self.requests)
 
-    def submit(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Admit one (validated) request now, so it counts as in flight at once, and return the
-        iterator of its outputs; closing the iterator early aborts the request."""
+    def prepare(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
+                cache_salt: str | None = None, arrival: float | None = None) -> PreparedRequest:
+        """Encode one (validated) request for the core; ValueError when it cannot be. Nothing is
+        registered yet, so a failure here leaves nothing behind."""
+        arrival = time.monotonic() if arrival is None else arrival
+        frame = wire.pack_add(request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival)
+        return PreparedRequest(request_id, prompt_text, prompt_ids, params, arrival, frame)
+
+    def submit(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Admit a prepared request now, so it counts as in flight at once, and return the
+        iterator of its outputs; closing the iterator early aborts the request. All or nothing:
+        on any exception the request is not left registered."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        arrival = time.monotonic() if arrival is None else arrival
-        tracked = _Tracked(asyncio.Queue(), arrival, len(prompt_ids))
-        self.requests[request_id] = tracked
-        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
-        self._to_core.send(wire.pack(wire.ADD, wire.encode_request(
-            request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival)))
-        return self._outputs(request_id, tracked)
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        tracked = _Tracked(asyncio.Queue(), request.arrival, len(request.prompt_ids))
+        self.requests[rid] = tracked
+        try:
+            self.output_processor.add_request(rid, request.prompt_text, request.prompt_ids, request.params)
+            self._to_core.send(request.frame)
+        except BaseException:
+            self.requests.pop(rid, None)
+            self.output_processor.abort_request(rid)
+            raise
+        return self._outputs(rid, tracked)
 
     async def _outputs(self, request_id: str, tracked: _Tracked) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -274,7 +298,8 @@ class EngineClient:
 
     @property
     def last_stats(self) -> dict:
-        return dict(self._last_stats)
+        """The core's last stats, with the requests this client holds (`in_flight`)."""
+        return {**self._last_stats, "in_flight": self.num_in_flight}
 
     async def _watchdog(self) -> None:
         while self.dead_reason is None:

@@ -25,6 +25,12 @@ from pagoda_daemon.worker.sampler import Sampler, SamplingBatch
 log = logging.getLogger(__name__)
 
 
+def torch_seed(seed: int) -> int:
+    """A request's seed as torch's generators take it ([-2**63, 2**64)): SamplingParams keeps seeds
+    in int64, and anything else wraps here rather than failing the step (a last line of defence)."""
+    return seed if -(2**63) <= seed < 2**64 else seed % 2**64
+
+
 @dataclass
 class RunnerRequestState:
     """What the runner remembers of a request between steps."""
@@ -253,7 +259,7 @@ class ModelRunner:
                 seed = s.request.sampling_params.seed
                 if seed is not None:
                     state.generator = torch.Generator(device=self.device)
-                    state.generator.manual_seed(seed)
+                    state.generator.manual_seed(torch_seed(seed))
                 self.requests[rid] = state
             if s.is_new:  # first schedule or resumed after preemption: the block list is whole
                 state.set_blocks(s.new_block_ids)
@@ -345,8 +351,8 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
         )
         if not batch.all_greedy:
-            if any(p.top_k > 0 for p in params):
-                batch.top_k = b.fill(b.top_k, [p.top_k for p in params])
+            if any(p.top_k > 0 for p in params):  # clamped: k past the vocabulary is all of it (as in vLLM)
+                batch.top_k = b.fill(b.top_k, [min(p.top_k, self.vocab_size) for p in params])
             if any(p.top_p < 1.0 for p in params):
                 batch.top_p = b.fill(b.top_p, [p.top_p for p in params])
             if any(p.min_p > 0.0 for p in params):
@@ -361,7 +367,7 @@ class ModelRunner:
             batch.prompt_token_ids = b.token_matrix("prompt", [r.prompt_token_ids for r in reqs], self.vocab_size, width)
             batch.output_token_ids = b.token_matrix("output", [r.output_token_ids for r in reqs], self.vocab_size, width)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        batch.max_num_logprobs = max(wanted) if wanted else None
+        batch.max_num_logprobs = min(max(wanted), self.vocab_size) if wanted else None
         return batch
 
     @torch.inference_mode()
