@@ -333,7 +333,8 @@ def test_sigterm_past_the_drain_timeout_ends_requests_with_shutdown_errors(start
     refused = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=10)
     assert refused.status_code == 503 and refused.headers.get("retry-after")
     _assert_error_shape(refused.json(), "server_shutting_down")
-    assert httpx.get(srv.url + "/ready", timeout=5).status_code == 503
+    ready = httpx.get(srv.url + "/ready", timeout=5)
+    assert ready.status_code == 503 and ready.json()["reason"] == "the server is shutting down"
     assert srv.health().status_code == 200  # alive: the kubelet must not kill it mid-drain
     assert not lines or _events(lines)[-1] != "[DONE]"  # still streaming: the drain waits for it
     reader.join(30)

@@ -91,7 +91,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
     @app.get("/ready")
     async def ready():
         if not client.is_ready:
-            return JSONResponse({"status": "not ready", "reason": client.dead_reason}, status_code=503)
+            return JSONResponse({"status": "not ready", "reason": client.not_ready_reason}, status_code=503)
         return {"status": "ready", **(client.ready_info or {})}
 
     @app.get("/version")
@@ -157,7 +157,7 @@ def _check_batch_fits(client: EngineClient, settings: ServerSettings, num_reques
 
 def _ensure_ready(client: EngineClient) -> None:
     if not client.is_ready:
-        raise unavailable(client.dead_reason or "the engine is still starting")
+        raise unavailable(client.not_ready_reason or "the engine is not ready")
 
 
 def _process_prompt(client: EngineClient, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:

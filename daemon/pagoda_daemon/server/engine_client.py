@@ -137,6 +137,15 @@ class EngineClient:
         return self.ready_info is not None and self.dead_reason is None and not self.draining
 
     @property
+    def not_ready_reason(self) -> str | None:
+        """Why new requests are refused now (None when they are served)."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        if self.draining:
+            return "the server is shutting down"
+        return None if self.ready_info is not None else "the engine is still starting"
+
+    @property
     def is_alive(self) -> bool:
         return self.dead_reason is None
 
