@@ -37,6 +37,31 @@ def test_importing_the_package_and_cli_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_pagoda_operator_runs_without_the_daemons_packages():
+    """The operator image has the `operator` extra only; `pagoda operator` goes through the same
+    command line, which builds every subcommand's flags (`pagoda serve`'s included). With the
+    daemon's own packages made unimportable, its parser must still come up."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    operator_deps = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in extras["operator"]}
+    blocked = sorted({"torch", "triton", "transformers", "safetensors", "tokenizers", "fastapi", "starlette",
+                      "uvicorn", "h11", "pydantic", "zmq", "msgpack", "opentelemetry", "numpy"} - operator_deps)
+    code = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)")
+sys.meta_path.insert(0, Block())
+from pagoda_daemon.cli import main
+sys.exit(main(["operator", "--help"]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--admission-port" in out.stdout
+
+
 def test_generate_with_a_tiny_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
     rc = main(["generate", "--tiny", "qwen3", "--prompt", "Hello", "--max-tokens", "5", "--numa-policy", "none",

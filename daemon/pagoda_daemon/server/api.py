@@ -23,7 +23,8 @@ from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError, PreparedRequest
 from pagoda_daemon.server.errors import APIError, bad_request, unavailable
-from pagoda_daemon.server.http_guard import RequestGuard, RequestLimits
+from pagoda_daemon.server.http_guard import RequestGuard
+from pagoda_daemon.server.limits import RequestLimits
 from pagoda_daemon.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

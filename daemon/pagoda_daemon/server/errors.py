@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
-from fastapi.responses import JSONResponse
+if TYPE_CHECKING:  # imported where a response is made: `pagoda operator` reads this module without fastapi
+    from fastapi.responses import JSONResponse
 
 
 class APIError(Exception):
@@ -24,6 +26,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
+        from fastapi.responses import JSONResponse
+
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 

@@ -19,22 +19,12 @@ The body is then read here, bounded, and handed to the application as one messag
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.errors import APIError
-
-DEFAULT_MAX_BODY_BYTES = 32 << 20
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """`--max-request-body-bytes`: 32 MiB holds a prompt of the longest contexts served
-    (1M tokens as token-id JSON is about 7 MB) with room for chat and logit options."""
-
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+from pagoda_daemon.server.limits import RequestLimits
 
 
 class BodyTooLarge(Exception):

@@ -1,4 +1,5 @@
-"""uvicorn's h11 protocol with deadlines on reading a request and a cap on open connections.
+"""uvicorn adapted to the daemon: its h11 protocol with deadlines on reading a request and a
+cap on open connections, and a server whose SIGTERM starts a drain.
 
 uvicorn times out idle keep-alive connections but not a request being read: a client
 that sends its headers a byte at a time, or a Content-Length it never completes, holds a
@@ -14,25 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+import signal
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from pagoda_daemon.server.errors import APIError
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """Per-connection bounds (the `--header-read-timeout`, `--body-read-timeout` and
-    `--max-connections` flags)."""
-
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 8192
+from pagoda_daemon.server.limits import ConnectionLimits
 
 
 def raw_error_response(error: APIError) -> bytes:
@@ -114,3 +107,20 @@ class GuardedH11Protocol(H11Protocol):
         if owes_answer:
             self.transport.write(raw_error_response(error))
         self.transport.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM (or ^C) starts Pagoda's drain instead of
+    uvicorn's shutdown: the port stays open so that new requests get a clear 503 while
+    in-flight ones finish; a second ^C stops at once."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.stop_requested = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self.stop_requested.is_set() and sig == signal.SIGINT:
+            self.force_exit = self.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(self.stop_requested.set)

@@ -8,16 +8,17 @@ import contextlib
 import functools
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import uvicorn
-
+# Only the standard library and stdlib-only modules here: `pagoda operator` builds this
+# command's flags too, in an image without the server's packages (uvicorn, fastapi, zmq).
 from pagoda_daemon.server.auth import API_KEY_ENV, DEFAULT_EXEMPT_PATHS, APIKeys, split_list
-from pagoda_daemon.server.http_guard import DEFAULT_MAX_BODY_BYTES, RequestLimits
-from pagoda_daemon.server.http_protocol import ConnectionLimits, GuardedH11Protocol
-from pagoda_daemon.telemetry.kv_events import DEFAULT_ENDPOINT as DEFAULT_KV_EVENTS_ENDPOINT
+from pagoda_daemon.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits, RequestLimits
+
+if TYPE_CHECKING:
+    from pagoda_daemon.server.http_protocol import DrainingServer
 
 log = logging.getLogger("pagoda.serve")
 
@@ -44,9 +45,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the engine may take to start")
     p.add_argument("--otlp-traces-endpoint", default=None, help="OTLP/HTTP traces endpoint (or OTEL_* variables)")
-    p.add_argument("--kv-events-endpoint", nargs="?", const=DEFAULT_KV_EVENTS_ENDPOINT, default=None,
-                   help=f"ZMQ PUB endpoint for KV events (alone: {DEFAULT_KV_EVENTS_ENDPOINT}; a bare port binds "
-                        "loopback; all interfaces only as tcp://*:PORT)")
+    p.add_argument("--kv-events-endpoint", nargs="?", const="", default=None,
+                   help="ZMQ PUB endpoint for KV events (alone: the default loopback endpoint, docs/kv-events.md; "
+                        "a bare port binds loopback; all interfaces only as tcp://*:PORT)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (comma-separated for several; or {API_KEY_ENV})")
     p.add_argument("--auth-exempt-paths", default=",".join(DEFAULT_EXEMPT_PATHS),
@@ -96,7 +97,9 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
         if not options[key] > 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive, not {options[key]}")
     if options["kv_events_endpoint"] is not None:  # a --config file may give the port as a number
-        options["kv_events_endpoint"] = str(options["kv_events_endpoint"])
+        from pagoda_daemon.telemetry.kv_events import DEFAULT_ENDPOINT
+
+        options["kv_events_endpoint"] = str(options["kv_events_endpoint"]) or DEFAULT_ENDPOINT
     if "://" in str(options["model"]):
         raise ValueError(f"model {options['model']!r}: URIs are not fetched by the daemon; mount the model "
                          "(PVC or host path) and pass its directory")
@@ -122,26 +125,12 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len))
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, except that SIGTERM (or ^C) starts Pagoda's drain instead of
-    uvicorn's shutdown: the port stays open so that new requests get a clear 503 while
-    in-flight ones finish; a second ^C stops at once."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.stop_requested = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
-
-    def handle_exit(self, sig: int, frame: object) -> None:
-        if self.stop_requested.is_set() and sig == signal.SIGINT:
-            self.force_exit = self.should_exit = True
-        else:
-            self._loop.call_soon_threadsafe(self.stop_requested.set)
-
-
 async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int) -> int:
+    import uvicorn
+
     from pagoda_daemon.server.api import ServerSettings, build_app
     from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError
+    from pagoda_daemon.server.http_protocol import DrainingServer, GuardedH11Protocol
 
     keys = APIKeys.from_options(options["api_key"], os.environ, split_list(options["auth_exempt_paths"]))
     if not keys.enabled:
