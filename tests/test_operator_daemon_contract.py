@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pagoda_daemon.capabilities import CAPABILITIES
 from pagoda_daemon.cli import _explicit_options, build_parser
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.options import declared
 from pagoda_daemon.server.serve import resolve_options
 from pagoda_operator import builders, spec
+from tests.operator.operator_fakes import every_capability
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +40,84 @@ def test_daemon_accepts_the_operators_rendering(tmp_path):
     assert options["numa_policy"] == svc.placement.numa_policy
 
 
+# Every option the operator can render, each set to a non-default value.
+FULL_SPEC = {
+    "resources": {"gpusPerReplica": 8},
+    "parallelism": {"tensor": 2, "expert": 4, "data": 1},
+    "engine": {
+        "maxModelLen": 4096, "blockSize": 32, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "dtype": "bfloat16",
+        "kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.8, "enablePrefixCaching": False, "enforceEager": True,
+    },
+    "kvOffload": {"cpuGiB": 64, "disk": {"path": "/kv", "sizeGiB": 200}},
+    "placement": {"numaPolicy": "none"},
+    "tracing": {"otlpEndpoint": "http://collector:4318"},
+}
+
+
+def test_every_key_the_operator_can_render_is_a_daemon_option():
+    svc = spec.parse("llama", "default", {"model": {"name": "m", "pvc": {"claimName": "w"}}, **FULL_SPEC},
+                     supports=every_capability)
+    rendered_keys = set(builders.daemon_config(svc))
+    serve_options = set(vars(build_parser().parse_args(["serve", "/m"])))
+    assert rendered_keys <= serve_options, rendered_keys - serve_options
+    engine_options = {d.name for d in declared(EngineConfig)}
+    assert {k for k in rendered_keys if k in engine_options} >= set(spec.CRD_FIELD_OF_OPTION)
+
+
+def test_every_engine_option_is_a_flag_of_serve_and_generate():
+    for command in (["serve", "/m"], ["generate", "/m"]):
+        args = vars(build_parser().parse_args(command))
+        for d in declared(EngineConfig):
+            if d.info.cli:
+                assert d.name in args and args[d.name] == d.default, (command[0], d.name)
+    # the options a user could not reach before the declarations were one
+    args = build_parser().parse_args(["serve", "/m", "--no-enable-chunked-prefill", "--num-kv-blocks", "64",
+                                      "--max-cudagraph-batch-size", "32", "--tokenizer", "/tok"])
+    assert (args.enable_chunked_prefill, args.num_kv_blocks, args.max_cudagraph_batch_size, args.tokenizer) == (
+        False, 64, 32, "/tok")
+
+
+def test_every_capability_gated_option_names_its_crd_field():
+    gated = {d.name for d in declared(EngineConfig) if d.info.needs}
+    assert gated == set(spec.CRD_FIELD_OF_OPTION)
+    assert all(d.info.needs in CAPABILITIES for d in declared(EngineConfig) if d.info.needs)
+
+
+def test_what_the_operator_refuses_the_daemon_refuses_too(tmp_path):
+    """Both read one capability list: a spec the operator refuses renders options the daemon refuses."""
+    svc = spec.parse("llama", "default", {"model": {"name": "m", "pvc": {"claimName": "w"}}, **FULL_SPEC},
+                     supports=every_capability)
+    with pytest.raises(spec.InvalidSpec) as refused:
+        spec.validate(svc)
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text(yaml.safe_dump(builders.daemon_config(svc)))
+    argv = ["serve", "/m", "--config", str(config_file)]
+    with pytest.raises(ValueError) as daemon_refused:
+        resolve_options(build_parser().parse_args(argv), _explicit_options(argv))
+    for option, field in spec.CRD_FIELD_OF_OPTION.items():
+        if option == "data_parallel_size":  # rendered as 1 here
+            continue
+        assert field in str(refused.value), field
+        assert "--" + option.replace("_", "-") in str(daemon_refused.value), option
+
+
+@pytest.mark.parametrize("key, value", [
+    ("max_num_seqs", "7"), ("max_num_seqs", 7.0), ("max_num_seqs", True), ("enforce_eager", "yes"),
+    ("gpu_memory_utilization", "0.5"), ("dtype", 16), ("tokenizer", ["a"]), ("block_size", None),
+])
+def test_a_config_file_value_of_the_wrong_type_exits_2(tmp_path, capsys, key, value):
+    from pagoda_daemon.cli import main
+
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text(yaml.safe_dump({key: value}))
+    assert main(["serve", str(tmp_path), "--config", str(config_file)]) == 2
+    assert f"{key} must be" in capsys.readouterr().err
+
+
 def test_unsupported_rendered_options_are_refused_by_name(tmp_path):
-    _, argv = rendered(tmp_path, {"engine": {"kvCacheDtype": "fp8"}})
-    args = build_parser().parse_args(argv)
-    with pytest.raises(ValueError, match="kv-cache-dtype"):
-        resolve_options(args, _explicit_options(argv))
+    """A --config the operator could only render for an unsupported spec: the daemon names the flag."""
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text(yaml.safe_dump({"kv_cache_dtype": "fp8"}))
+    argv = ["serve", "/m", "--config", str(config_file)]
+    with pytest.raises(ValueError, match="kv-cache-dtype=fp8: an fp8 KV cache is not supported"):
+        resolve_options(build_parser().parse_args(argv), _explicit_options(argv))

@@ -13,45 +13,19 @@ DEFAULT_PROMPTS = ["The capital of France is", "Paged attention means"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64, 128])
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="CPU KV cache budget in bytes")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--numa-policy", default="auto", help="auto | none | cpus=<list> (default: auto)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton kernels on GPU, torch on CPU")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step while the GPU runs this one (default: on for GPUs)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights from config.json (benchmarks)")
+    """The engine's flags, generated from EngineConfig's declarations."""
+    from pagoda_daemon.config import EngineConfig
+    from pagoda_daemon.options import add_cli_args
+
+    add_cli_args(p.add_argument_group("engine"), EngineConfig)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        seed=args.seed,
-        numa_policy=args.numa_policy,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        load_format=args.load_format,
-        async_scheduling=args.async_scheduling,
-    )
+    """EngineConfig's keyword arguments from parsed flags."""
+    from pagoda_daemon.config import EngineConfig
+    from pagoda_daemon.options import values_from_args
+
+    return values_from_args(args, EngineConfig)
 
 
 def tiny_model_dir(arch: str) -> Path:

@@ -1,8 +1,12 @@
-"""Engine configuration: one dataclass, validated once, shared by every part of the engine."""
+"""Engine configuration: every engine option declared once, validated once, shared by every
+part of the engine. The `pagoda generate` / `pagoda serve` flags and the `--config` file keys
+are generated from these declarations (``options.py``); names follow vLLM's engine arguments."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pagoda_daemon.options import check_bounds, option
 
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -11,65 +15,56 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs to start. Names follow vLLM's engine arguments."""
+    """Everything the engine needs to start."""
 
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
-    device: str = "auto"  # auto: cuda when available, else cpu
-    seed: int = 0
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # KV cache budget. GPU: this fraction of the memory free after a profiling forward pass.
-    gpu_memory_utilization: float = 0.9
-    # CPU: bytes for the KV cache (default 1 GiB).
-    kv_cache_memory_bytes: int | None = None
-    # Exact block count; overrides both budgets (tests use it to force preemption).
-    num_kv_blocks: int | None = None
-    # auto: Pagoda's Triton kernels on CUDA/ROCm when Triton is installed, else pure torch.
-    attention_backend: str = "auto"  # auto | torch | triton
-    # True: no CUDA graphs (every step runs eagerly). Graphs need the Triton backend.
-    enforce_eager: bool = False
-    # Schedule and prepare step N+1 while step N runs on the GPU. None: on for GPUs.
-    async_scheduling: bool | None = None
-    # Largest decode batch captured as a CUDA graph; bigger decode batches run eagerly.
-    max_cudagraph_batch_size: int = 512
-    # auto: the checkpoint's safetensors; dummy: random weights from config.json alone
-    # (benchmarks and start-up measurements, like vLLM's --load-format dummy).
-    load_format: str = "auto"
-    # Collect KV-cache events (BlockStored/BlockRemoved/AllCleared) for a publisher to drain.
-    enable_kv_events: bool = False
-    # CPU pinning of the engine worker: auto (cores of the GPU's NUMA node) | none | cpus=<list>
-    numa_policy: str = "auto"
+    model: str = option("", "a Hugging Face-format model directory", cli=False)
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model's)")
+    dtype: str = option("auto", "weights and activations; auto: the checkpoint's dtype on GPU, float32 on CPU",
+                        choices=ALLOWED_DTYPES)
+    device: str = option("auto", "auto | cpu | cuda[:N]; auto: cuda when available, else cpu")
+    seed: int = option(0, "seed of the engine's random state (weights of --load-format dummy, sampling)")
+    max_model_len: int | None = option(None, "longest sequence (default: the model's max_position_embeddings)",
+                                       minimum=1)
+    block_size: int = option(16, "tokens per KV cache block", choices=ALLOWED_BLOCK_SIZES)
+    max_num_seqs: int = option(256, "most sequences in one step", minimum=1)
+    max_num_batched_tokens: int = option(8192, "token budget of one step", minimum=1)
+    enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
+    enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
+    gpu_memory_utilization: float = option(
+        0.9, "GPU: the fraction of the memory left free after a profiling pass given to the KV cache",
+        minimum=0.0, exclusive_minimum=True, maximum=1.0)
+    kv_cache_memory_bytes: int | None = option(None, "CPU: bytes for the KV cache (default 1 GiB)", minimum=1)
+    num_kv_blocks: int | None = option(None, "exact KV block count; overrides both budgets", minimum=1)
+    attention_backend: str = option("auto", "auto: Pagoda's Triton kernels on CUDA/ROCm when Triton is "
+                                    "installed, else pure torch", choices=("auto", "torch", "triton"))
+    enforce_eager: bool = option(False, "no CUDA graphs: every step runs eagerly")
+    async_scheduling: bool | None = option(
+        None, "schedule and prepare step N+1 while step N runs on the GPU (default: on for GPUs)")
+    max_cudagraph_batch_size: int = option(512, "largest decode batch captured as a CUDA graph; bigger "
+                                           "decode batches run eagerly", minimum=1)
+    load_format: str = option("auto", "auto: the checkpoint's safetensors; dummy: random weights from "
+                              "config.json alone (benchmarks)", choices=("auto", "dummy"))
+    enable_kv_events: bool = option(False, "collect KV-cache events for a publisher to drain", cli=False)
+    numa_policy: str = option("auto", "CPU pinning of the engine worker: auto (cores of the GPU's NUMA "
+                              "node) | none | cpus=<list>")
+    # Declared so that the operator can render them and both sides refuse them by name
+    # until the distributed engine and KV offload land (capabilities.py).
+    tensor_parallel_size: int = option(1, "GPUs one model is sharded over", minimum=1, needs="tensor_parallel")
+    expert_parallel_size: int = option(1, "GPUs the MoE experts are spread over", minimum=1,
+                                       needs="expert_parallel")
+    data_parallel_size: int = option(1, "engine replicas inside one daemon", minimum=1, needs="data_parallel")
+    kv_cache_dtype: str = option("auto", "KV cache element type", choices=("auto", "fp8"), needs="kv_cache_fp8")
+    kv_offload_cpu_gib: float = option(0.0, "host memory for offloaded KV blocks, GiB", minimum=0.0,
+                                       needs="kv_offload")
+    kv_offload_disk_path: str | None = option(None, "directory for offloaded KV blocks", needs="kv_offload")
+    kv_offload_disk_gib: float = option(0.0, "disk space for offloaded KV blocks, GiB", minimum=0.0,
+                                        needs="kv_offload")
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must name a model directory")
-        if self.block_size not in ALLOWED_BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {self.block_size}")
-        if self.dtype not in ALLOWED_DTYPES:
-            raise ValueError(f"dtype must be one of {ALLOWED_DTYPES}, got {self.dtype!r}")
+        check_bounds(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):
             raise ValueError(f"numa_policy must be auto, none or cpus=<list>, got {self.numa_policy!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.max_cudagraph_batch_size < 1:
-            raise ValueError(f"max_cudagraph_batch_size must be at least 1, got {self.max_cudagraph_batch_size}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -20,7 +20,9 @@ cli.py touch the network):
 - ``webhook``: the validating admission webhook, served on every replica.
 - ``cli``: ``main(argv)``, used by ``pagoda operator`` and ``python -m pagoda_operator``.
 
-The operator never imports torch or ``pagoda_daemon``.
+The operator never imports torch, and from ``pagoda_daemon`` only the standard-library modules
+that declare the daemon's options and capabilities (``config``, ``options``, ``capabilities``),
+so that it refuses at apply time exactly what the daemon would refuse at start.
 """
 
 GROUP = "pagoda.dev"

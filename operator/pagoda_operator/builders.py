@@ -21,7 +21,7 @@ import yaml
 
 from pagoda_operator import GROUP, KIND, VERSION
 from pagoda_operator.placement import affinity
-from pagoda_operator.spec import ServiceSpec
+from pagoda_operator.spec import ServiceSpec, daemon_config
 
 HASH_ANNOTATION = "pagoda.dev/spec-hash"
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
@@ -112,34 +112,6 @@ def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
-
-
-def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
-    """The daemon's options (its CLI flag names in snake_case) for ``pagoda serve --config``."""
-    e, p, kv = spec.engine, spec.parallelism, spec.kv_offload
-    cfg: dict[str, Any] = {
-        "dtype": e.dtype,
-        "block_size": e.block_size,
-        "kv_cache_dtype": e.kv_cache_dtype,
-        "gpu_memory_utilization": e.gpu_memory_utilization,
-        "enable_prefix_caching": e.enable_prefix_caching,
-        "enforce_eager": e.enforce_eager,
-        "tensor_parallel_size": p.tensor,
-        "expert_parallel_size": p.expert,
-        "data_parallel_size": p.data,
-        "numa_policy": spec.placement.numa_policy,
-    }
-    optional = {
-        "max_model_len": e.max_model_len,
-        "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": e.max_num_batched_tokens,
-        "otlp_traces_endpoint": spec.tracing.otlp_endpoint,
-        "kv_offload_cpu_gib": kv.cpu_gib,
-        "kv_offload_disk_path": kv.disk_path,
-        "kv_offload_disk_gib": kv.disk_gib if kv.disk_path else None,
-    }
-    cfg.update({k: v for k, v in optional.items() if v is not None})
-    return cfg
 
 
 def model_argument(spec: ServiceSpec) -> str:

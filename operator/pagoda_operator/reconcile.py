@@ -23,11 +23,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda_daemon.capabilities import supported
 from pagoda_operator import autoscaler, builders, placement
 from pagoda_operator import metrics_scrape as scrape_mod
 from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
-from pagoda_operator.spec import InvalidSpec, ServiceSpec, desired_replicas, parse
+from pagoda_operator.spec import InvalidSpec, ServiceSpec, Supports, desired_replicas, parse
 from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL
 
 log = logging.getLogger("pagoda_operator")
@@ -44,6 +45,8 @@ class Context:
     clock: Callable[[], float] = time.time
     scrape_timeout: float = 2.0
     fetcher: Callable[[str, float], str] = scrape_mod.fetch
+    # the daemon capabilities a spec may ask for (pagoda_daemon.capabilities; tests widen it)
+    supports: Supports = supported
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -100,7 +103,7 @@ def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Resu
     spec: ServiceSpec | None = None
     blocker: status_mod.Problem | None = None
     try:
-        spec = parse(name, namespace, body.get("spec") or {})
+        spec = parse(name, namespace, body.get("spec") or {}, ctx.supports)
     except InvalidSpec as e:
         blocker = status_mod.Problem("InvalidSpec", str(e))
     if spec is not None:

@@ -9,9 +9,17 @@ reports as ``Degraded/InvalidSpec`` while leaving running children untouched.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+# Standard library only (the operator image has no torch): the daemon's declared options and
+# capabilities, so both sides refuse the same things.
+from pagoda_daemon import capabilities
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.options import refusals
+
+Supports = Callable[[str], bool]  # capability name -> whether to accept it
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -155,8 +163,12 @@ def _get(d: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def parse(name: str, namespace: str, spec: Mapping[str, Any]) -> ServiceSpec:
-    """Build the typed spec, applying the schema's defaults, then :func:`validate` it."""
+def parse(
+    name: str, namespace: str, spec: Mapping[str, Any], supports: Supports = capabilities.supported
+) -> ServiceSpec:
+    """Build the typed spec, applying the schema's defaults, then :func:`validate` it
+    (``supports``: which daemon capabilities to accept; tests of what the operator renders for
+    features the daemon does not have yet pass one that accepts everything)."""
     spec = spec or {}
     m = _get(spec, "model", {})
     sources = [k for k in ("pvc", "hostPath", "uri") if m.get(k)]
@@ -265,11 +277,67 @@ def parse(name: str, namespace: str, spec: Mapping[str, Any]) -> ServiceSpec:
         pod=pod,
         api_key_secret=api_key_secret,
     )
-    validate(parsed)
+    validate(parsed, supports)
     return parsed
 
+def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
+    """The daemon's options (its CLI flag names in snake_case) for ``pagoda serve --config``;
+    the builders mount them in the engine ConfigMap, and :func:`validate` checks them against
+    the daemon's capabilities."""
+    e, p, kv = spec.engine, spec.parallelism, spec.kv_offload
+    cfg: dict[str, Any] = {
+        "dtype": e.dtype,
+        "block_size": e.block_size,
+        "kv_cache_dtype": e.kv_cache_dtype,
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "enforce_eager": e.enforce_eager,
+        "tensor_parallel_size": p.tensor,
+        "expert_parallel_size": p.expert,
+        "data_parallel_size": p.data,
+        "numa_policy": spec.placement.numa_policy,
+    }
+    optional = {
+        "max_model_len": e.max_model_len,
+        "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens,
+        "otlp_traces_endpoint": spec.tracing.otlp_endpoint,
+        "kv_offload_cpu_gib": kv.cpu_gib,
+        "kv_offload_disk_path": kv.disk_path,
+        "kv_offload_disk_gib": kv.disk_gib if kv.disk_path else None,
+    }
+    cfg.update({k: v for k, v in optional.items() if v is not None})
+    return cfg
 
-def validate(s: ServiceSpec) -> None:
+
+# The InferenceService field each capability-gated daemon option comes from, so that a refusal
+# names what the user wrote (tests/test_operator_daemon_contract.py checks the list is complete).
+CRD_FIELD_OF_OPTION = {
+    "tensor_parallel_size": "spec.parallelism.tensor",
+    "expert_parallel_size": "spec.parallelism.expert",
+    "data_parallel_size": "spec.parallelism.data",
+    "kv_cache_dtype": "spec.engine.kvCacheDtype",
+    "kv_offload_cpu_gib": "spec.kvOffload.cpuGiB",
+    "kv_offload_disk_path": "spec.kvOffload.disk.path",
+    "kv_offload_disk_gib": "spec.kvOffload.disk.sizeGiB",
+}
+
+
+def capability_errors(s: ServiceSpec, supports: Supports = capabilities.supported) -> list[str]:
+    """What the spec asks for that this Pagoda build's daemon cannot do (``pagoda_daemon.capabilities``,
+    the list the daemon itself refuses with): refused here, at apply time, instead of by a crash loop."""
+    errors = [
+        f"{CRD_FIELD_OF_OPTION.get(option, option)}: {capabilities.refusal(capability)}"
+        for option, capability in refusals(daemon_config(s), EngineConfig, supports).items()
+    ]
+    if s.model.source == "uri" and not supports("model_uri"):
+        errors.append(f"spec.model.uri: {capabilities.refusal('model_uri')}")
+    if s.parallelism.elastic and not supports("elastic_expert_parallel"):
+        errors.append(f"spec.parallelism.elastic: {capabilities.refusal('elastic_expert_parallel')}")
+    return errors
+
+
+def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> None:
     """Cross-field rules; raises :class:`InvalidSpec` listing every violation."""
     errors: list[str] = []
     if len(s.name) > 63 or not DNS1035.match(s.name):
@@ -278,6 +346,7 @@ def validate(s: ServiceSpec) -> None:
             "starting with a letter, at most 63 characters): it names the Service and pod labels"
         )
     errors += _field_errors(s)
+    errors += capability_errors(s, supports)
     par = s.parallelism
     ranks = par.tensor * par.expert
     if s.gpus == 0:

@@ -161,3 +161,9 @@ def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
             _merge(target[k], v)
         else:
             target[k] = v
+
+
+def every_capability(_name: str) -> bool:
+    """Accept every daemon capability: for tests of what the operator renders and validates for
+    features the daemon of this build does not have yet (tensor/expert parallel, KV offload)."""
+    return True

@@ -10,12 +10,12 @@ import yaml
 from pagoda_operator import builders
 from pagoda_operator.builders import HASH_ANNOTATION, Settings, children, merge_for_replace, needs_update
 from pagoda_operator.spec import parse
-from tests.operator.operator_fakes import isvc
+from tests.operator.operator_fakes import every_capability, isvc
 
 
 def build(replicas: int = 1, name: str = "llama", **spec):
     body = isvc(name, **spec)
-    s = parse(name, "default", body["spec"])
+    s = parse(name, "default", body["spec"], supports=every_capability)
     return s, children(s, body, replicas, Settings(daemon_image="img:1"))
 
 

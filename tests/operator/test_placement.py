@@ -6,7 +6,7 @@ import pytest
 
 from pagoda_operator import placement
 from pagoda_operator.spec import parse
-from tests.operator.operator_fakes import topology
+from tests.operator.operator_fakes import every_capability, topology
 
 MODEL = {"name": "m", "pvc": {"claimName": "w"}}
 
@@ -21,6 +21,7 @@ def spec(gpus: int, nvlink: bool = False, tensor: int | None = None):
             "parallelism": {"tensor": tensor or max(gpus, 1)} if gpus else {},
             "placement": {"requireNVLink": nvlink},
         },
+        supports=every_capability,
     )
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from pagoda_daemon.capabilities import supported
 from pagoda_operator.builders import HASH_ANNOTATION, Settings
 from pagoda_operator.reconcile import Context, reconcile
 from pagoda_operator.status import condition
-from tests.operator.operator_fakes import FakeKube, isvc, topology
+from tests.operator.operator_fakes import FakeKube, every_capability, isvc, topology
 
 
 class Clock:
@@ -24,7 +25,8 @@ def make(kube: FakeKube, metrics: dict[str, str] | None = None, clock: Clock | N
         return (metrics or {}).get("text", "")
 
     return Context(
-        kube=kube, settings=Settings(daemon_image="img:1"), clock=clock or Clock(), fetcher=fetcher
+        kube=kube, settings=Settings(daemon_image="img:1"), clock=clock or Clock(), fetcher=fetcher,
+        supports=every_capability,
     )
 
 
@@ -405,3 +407,14 @@ def test_foreign_network_policy_is_not_overwritten(fake_kube):
     deg = condition(status(fake_kube), "Degraded")
     assert deg["reason"] == "ChildConflict" and "NetworkPolicy llama already exists" in deg["message"]
     assert fake_kube.objects[("NetworkPolicy", "default", "llama")]["spec"] == {}
+
+
+def test_an_unsupported_capability_is_a_degraded_condition_not_a_crash_loop(fake_kube):
+    fake_kube.put(isvc(resources={"gpusPerReplica": 2}, parallelism={"tensor": 2}))
+    ctx = make(fake_kube)
+    ctx.supports = supported  # the daemon's own capability list
+    r = reconcile(ctx, "default", "llama", "create")
+    assert r.wrote == ["status"] and children_writes(fake_kube) == []
+    deg = condition(status(fake_kube), "Degraded")
+    assert (deg["status"], deg["reason"]) == ("True", "InvalidSpec")
+    assert "spec.parallelism.tensor: tensor parallelism" in deg["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda_operator.spec import InvalidSpec, desired_replicas, parse
+from tests.operator.operator_fakes import every_capability
 
 MODEL = {"name": "m", "pvc": {"claimName": "weights"}}
 
@@ -61,7 +62,7 @@ VALID = [
 
 @pytest.mark.parametrize("extra", VALID)
 def test_valid_combinations(extra):
-    parse("svc", "ns", {"model": MODEL, **extra})
+    parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)
 
 
 INVALID = [
@@ -99,7 +100,7 @@ INVALID = [
 @pytest.mark.parametrize("extra, message", INVALID)
 def test_invalid_combinations_say_why(extra, message):
     with pytest.raises(InvalidSpec) as e:
-        parse("svc", "ns", {"model": MODEL, **extra})
+        parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)
     assert message in str(e.value)
 
 
@@ -125,7 +126,7 @@ HOSTILE_FIELDS = [
 @pytest.mark.parametrize("extra, message", HOSTILE_FIELDS)
 def test_hostile_names_and_paths_are_refused(extra, message):
     with pytest.raises(InvalidSpec) as e:
-        parse("svc", "ns", {"model": MODEL, **extra})
+        parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)
     assert message in str(e.value)
 
 
@@ -141,7 +142,7 @@ def test_hostile_names_and_paths_are_refused(extra, message):
     ],
 )
 def test_ordinary_names_and_paths_pass(extra):
-    parse("svc", "ns", {"model": MODEL, **extra})
+    parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)
 
 
 def test_api_key_secret_ref_defaults_its_key():
@@ -188,3 +189,30 @@ def test_desired_replicas(replicas, autoscaling, autoscaled, expected):
     if autoscaling:
         spec["autoscaling"] = autoscaling
     assert desired_replicas(parse("svc", "ns", spec), autoscaled) == expected
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"resources": {"gpusPerReplica": 2}, "parallelism": {"tensor": 2}}, "spec.parallelism.tensor"),
+        ({"resources": {"gpusPerReplica": 4}, "parallelism": {"expert": 4}}, "spec.parallelism.expert"),
+        ({"resources": {"gpusPerReplica": 2}, "parallelism": {"data": 2}}, "spec.parallelism.data"),
+        (
+            {"resources": {"gpusPerReplica": 4}, "parallelism": {"elastic": {"minExpert": 1, "maxExpert": 4}}},
+            "spec.parallelism.elastic",
+        ),
+        ({"engine": {"kvCacheDtype": "fp8"}}, "spec.engine.kvCacheDtype"),
+        ({"kvOffload": {"cpuGiB": 8}}, "spec.kvOffload.cpuGiB"),
+        ({"kvOffload": {"disk": {"path": "/kv", "sizeGiB": 1}}}, "spec.kvOffload.disk.path"),
+    ],
+)
+def test_what_the_daemon_cannot_do_is_refused_naming_the_field(extra, field):
+    """The daemon's capability list decides: refused at apply time, not by a crash-looping pod."""
+    with pytest.raises(InvalidSpec, match=f"{field}: .* is not supported by this Pagoda build yet"):
+        parse("svc", "ns", {"model": MODEL, **extra})
+    parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)  # valid otherwise
+
+
+def test_a_model_uri_is_refused_until_the_daemon_fetches_models():
+    with pytest.raises(InvalidSpec, match=r"spec\.model\.uri: fetching the model from a URI"):
+        parse("svc", "ns", {"model": {"name": "m", "uri": "hf://Qwen/Qwen3-0.6B"}})

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 
 # Only the standard library and stdlib-only modules here: `pagoda operator` builds this
 # command's flags too, in an image without the server's packages (uvicorn, fastapi, zmq).
+from pagoda_daemon import capabilities
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.options import check_value, declared, refusal_message
 from pagoda_daemon.server.auth import API_KEY_ENV, DEFAULT_EXEMPT_PATHS, APIKeys, split_list
 from pagoda_daemon.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits, RequestLimits
 
@@ -23,13 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagoda.serve")
 
 SHUTDOWN_GRACE_S = 3.0  # after the drain: for responses already ended to reach their clients
-
-# Options the operator may render that this build does not implement yet: refuse them clearly.
-_NOT_YET = {
-    "tensor_parallel_size": 1, "expert_parallel_size": 1, "data_parallel_size": 1,
-    "kv_cache_dtype": "auto", "kv_offload_cpu_gib": 0.0, "kv_offload_disk_path": None, "kv_offload_disk_gib": 0.0,
-}
-
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from pagoda_daemon.cli import add_engine_args
@@ -62,13 +58,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a client has to send a request's body, once its headers are in")
     p.add_argument("--max-connections", type=int, default=ConnectionLimits.max_connections,
                    help="open HTTP connections beyond this get 503 and are closed")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--expert-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    p.add_argument("--kv-offload-cpu-gib", type=float, default=0.0)
-    p.add_argument("--kv-offload-disk-path", default=None)
-    p.add_argument("--kv-offload-disk-gib", type=float, default=0.0)
     add_engine_args(p)
 
 
@@ -84,15 +73,18 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
             raise ValueError(f"cannot read --config {args.config}: {e}") from e
         if not isinstance(loaded, dict):
             raise ValueError(f"--config {args.config} must hold a mapping of option names to values")
-        unknown = sorted(k for k in loaded if k not in options)
+        unknown = sorted(str(k) for k in loaded if k not in options)
         if unknown:
             raise ValueError(f"--config {args.config} has unknown options {unknown}")
+        engine_options = {d.name: d for d in declared(EngineConfig)}
         for key, value in loaded.items():
+            if key in engine_options:
+                value = check_value(engine_options[key], value, f"--config {args.config}")
             if key not in explicit:
                 options[key] = value
-    for key, default in _NOT_YET.items():
-        if options.get(key, default) not in (default, None):
-            raise ValueError(f"--{key.replace('_', '-')}={options[key]} is not supported by this Pagoda build yet")
+    refused = refusal_message(options, EngineConfig)
+    if refused:
+        raise ValueError(refused)
     for key in ("max_request_body_bytes", "header_read_timeout", "body_read_timeout", "max_connections"):
         if not options[key] > 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive, not {options[key]}")
@@ -100,15 +92,13 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
         from pagoda_daemon.telemetry.kv_events import DEFAULT_ENDPOINT
 
         options["kv_events_endpoint"] = str(options["kv_events_endpoint"]) or DEFAULT_ENDPOINT
-    if "://" in str(options["model"]):
-        raise ValueError(f"model {options['model']!r}: URIs are not fetched by the daemon; mount the model "
-                         "(PVC or host path) and pass its directory")
+    if "://" in str(options["model"]) and not capabilities.supported("model_uri"):
+        raise ValueError(f"model {options['model']!r}: {capabilities.refusal('model_uri')}")
     return options
 
 
 def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     from pagoda_daemon.cli import engine_kwargs
-    from pagoda_daemon.config import EngineConfig
 
     try:
         options = resolve_options(args, explicit)

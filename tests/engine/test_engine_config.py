@@ -1,0 +1,41 @@
+"""EngineConfig: every declared option's bounds hold at construction, and options the build
+cannot serve are refused by flag name (the same list the operator refuses specs with)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.options import declared
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("gpu_memory_utilization", 0.0, "greater than 0.0"),
+    ("gpu_memory_utilization", 1.5, "at most 1.0"),
+    ("gpu_memory_utilization", math.nan, "finite"),
+    ("gpu_memory_utilization", math.inf, "finite"),
+    ("block_size", 8, "one of"),
+    ("dtype", "int4", "one of"),
+    ("max_num_seqs", 0, "at least 1"),
+    ("max_num_batched_tokens", -1, "at least 1"),
+    ("num_kv_blocks", 0, "at least 1"),
+    ("kv_offload_cpu_gib", -1.0, "at least 0.0"),
+    ("device", "tpu", "device must be"),
+    ("numa_policy", "nearest", "numa_policy must be"),
+    ("tensor_parallel_size", 2, "--tensor-parallel-size=2: tensor parallelism"),
+    ("expert_parallel_size", 4, "--expert-parallel-size=4: expert parallelism"),
+    ("kv_cache_dtype", "fp8", "--kv-cache-dtype=fp8: an fp8 KV cache"),
+    ("kv_offload_disk_path", "/kv", "--kv-offload-disk-path=/kv: KV cache offload"),
+])
+def test_out_of_bounds_and_unsupported_values_are_refused(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="/m", **{field: value})
+
+
+def test_defaults_are_valid_and_every_option_is_declared():
+    config = EngineConfig(model="/m")
+    names = {d.name for d in declared(EngineConfig)}
+    assert names == set(vars(config))
+    assert all(d.info.help for d in declared(EngineConfig))
