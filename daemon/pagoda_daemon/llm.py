@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.engine.engine_core import EngineStats
 from pagoda_daemon.engine.input_processor import PromptType
 from pagoda_daemon.engine.llm_engine import LLMEngine
-from pagoda_daemon.outputs import RequestOutput
+from pagoda_daemon.engine.messages import EngineStats
+from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -51,7 +51,7 @@ class LLM:
             raise ValueError("LLM.generate supports n=1 per prompt; repeat the prompt for more samples")
         processed = [self.engine.input_processor.process(prompt, p) for prompt, p in zip(prompts, params)]
 
-        ids = [self.engine.add_processed_request(text, token_ids, p)
+        ids = [self.engine.add_processed_request(text, token_ids, p, output_kind=RequestOutputKind.FINAL_ONLY)
                for (text, token_ids), p in zip(processed, params)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):

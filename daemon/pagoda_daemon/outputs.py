@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 # token id -> logprob, for the sampled token and the top-N alternatives at one position
 Logprobs = dict[int, float]
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the previous output: streaming costs O(new), not O(all)
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
 
 
 @dataclass

@@ -188,7 +188,7 @@ def test_engine_pins_itself_before_allocating(tiny_models):
     before = os.sched_getaffinity(0)
     try:
         llm = LLM(tiny_models["qwen3"], num_kv_blocks=32, max_model_len=128, numa_policy="auto")
-        pin = llm.engine.core.cpu_pin
+        pin = llm.engine.core.executor.worker.cpu_pin
         assert pin is not None and pin.cpus and pin.cpus <= before
         assert os.sched_getaffinity(0) == set(pin.cpus)
         with pytest.raises(ValueError, match="numa_policy"):

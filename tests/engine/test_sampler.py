@@ -137,7 +137,7 @@ def test_repetition_penalty_matches_transformers(tiny_models, llm):
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                                                 repetition_penalty=1.6))
     plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    hf = hf_model(path, "float32", str(llm.engine.core.device))
+    hf = hf_model(path, "float32", str(llm.engine.core.executor.worker.device))
     gen = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=2,
                            repetition_penalty=1.6)
     for prompt, out, base in zip(prompts, ours, plain):

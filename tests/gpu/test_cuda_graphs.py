@@ -37,9 +37,9 @@ def test_graphs_give_the_eager_tokens_in_float32(tiny_models, arch):
     torch.backends.cuda.matmul.allow_tf32 = False
     prompts = _prompts(500, [3, 17, 40, 1, 65, 9, 30], seed=len(arch))
     eager_llm, eager = _generate(tiny_models[arch], prompts, "float32", enforce_eager=True)
-    assert eager_llm.engine.core.runner.cuda_graphs is None
+    assert eager_llm.engine.core.executor.worker.runner.cuda_graphs is None
     llm, graphed = _generate(tiny_models[arch], prompts, "float32")
-    graphs = llm.engine.core.runner.cuda_graphs
+    graphs = llm.engine.core.executor.worker.runner.cuda_graphs
     assert graphs is not None and graphs.num_replays > 0
     assert graphed == eager
     kv = llm.engine.core.kv_cache
@@ -48,7 +48,7 @@ def test_graphs_give_the_eager_tokens_in_float32(tiny_models, arch):
 
 def test_graph_inputs_stay_at_the_captured_addresses_and_padding_writes_nothing(tiny_models):
     llm = LLM(tiny_models["qwen3"], dtype="bfloat16", device="cuda", num_kv_blocks=64, max_model_len=256)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.worker.runner
     graphs = runner.cuda_graphs
     before = runner.kv_cache.clone()
     # 3 sequences decode together: the graph of size 4 runs with one padding row
@@ -66,7 +66,7 @@ def test_batches_past_the_largest_graph_run_eagerly(tiny_models):
     prompts = _prompts(500, [4, 8, 12, 16, 20, 24], seed=5)
     _, eager = _generate(tiny_models["llama"], prompts, "float32", enforce_eager=True)
     llm, small = _generate(tiny_models["llama"], prompts, "float32", max_cudagraph_batch_size=4)
-    graphs = llm.engine.core.runner.cuda_graphs
+    graphs = llm.engine.core.executor.worker.runner.cuda_graphs
     assert graphs.sizes == [1, 2, 4]
     assert graphs.padded_size(5) is None and graphs.padded_size(3) == 4
     assert small == eager
@@ -76,12 +76,12 @@ def test_torch_backend_and_enforce_eager_capture_nothing(tiny_models):
     for kwargs in (dict(attention_backend="torch"), dict(enforce_eager=True)):
         llm = LLM(tiny_models["llama"], dtype="bfloat16", device="cuda", num_kv_blocks=32, max_model_len=128,
                   **kwargs)
-        assert llm.engine.core.runner.cuda_graphs is None
-        assert not llm.engine.core.uses_cuda_graphs
+        assert llm.engine.core.executor.worker.runner.cuda_graphs is None
+        assert not llm.engine.core.worker_info.uses_cuda_graphs
 
 
 def test_auto_backend_is_triton_on_cuda(tiny_models):
     llm = LLM(tiny_models["llama"], dtype="bfloat16", device="cuda", num_kv_blocks=32, max_model_len=128)
-    layer = llm.engine.core.runner.model.model.layers[0]
+    layer = llm.engine.core.executor.worker.runner.model.model.layers[0]
     assert layer.self_attn.attn.name == "triton"
     assert layer.input_layernorm._kernel is not None  # the model runs on the fused kernels too

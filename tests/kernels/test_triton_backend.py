@@ -98,6 +98,6 @@ def test_engine_greedy_tokens_identical_with_triton_backend(tiny_models, monkeyp
         prompts = random_prompts(llm.engine.model_config.vocab_size, [5, 40, 17, 23], seed=1, shared_prefix=4)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         tokens[name] = [o.outputs[0].token_ids for o in outs]
-        attn = llm.engine.core.runner.model.model.layers[0].self_attn.attn
+        attn = llm.engine.core.executor.worker.runner.model.model.layers[0].self_attn.attn
         assert isinstance(attn, TritonPagedAttention if name == "triton" else TorchPagedAttention)
     assert tokens["triton"] == tokens["torch"]

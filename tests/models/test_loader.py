@@ -139,9 +139,9 @@ def test_llama3_rope_scaling_matches_transformers(tiny_models):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_dtypes_load_and_generate(tiny_models, dtype):
     llm = LLM(tiny_models["qwen3_moe"], dtype=dtype, num_kv_blocks=32, max_model_len=128)
-    params = next(llm.engine.core.runner.model.parameters())
+    params = next(llm.engine.core.executor.worker.runner.model.parameters())
     assert params.dtype == getattr(torch, dtype)
-    assert llm.engine.core.runner.kv_cache.dtype == getattr(torch, dtype)
+    assert llm.engine.core.executor.worker.runner.kv_cache.dtype == getattr(torch, dtype)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
 
@@ -157,5 +157,5 @@ def test_kv_cache_too_small_for_one_sequence_is_a_clear_error(tiny_models):
 
 def test_cpu_cache_is_sized_from_the_byte_budget(tiny_models):
     llm = LLM(tiny_models["qwen3"], device="cpu", kv_cache_memory_bytes=4 << 20, max_model_len=256)
-    runner = llm.engine.core.runner
-    assert llm.get_stats().num_kv_blocks == (4 << 20) // runner.kv_block_bytes()
+    worker = llm.engine.core.executor.worker
+    assert llm.get_stats().num_kv_blocks == (4 << 20) // worker.kv_block_bytes()

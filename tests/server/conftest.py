@@ -72,8 +72,8 @@ class ServerProcess:
         engine = {}
         while time.monotonic() < deadline:
             engine = self.health().json()["engine"]
-            if engine.get("running") == 0 and engine.get("waiting") == 0 and \
-                    engine.get("free_blocks") == engine.get("num_blocks"):
+            if engine.get("num_running") == 0 and engine.get("num_waiting") == 0 and \
+                    engine.get("num_free_kv_blocks") == engine.get("num_kv_blocks"):
                 return engine
             time.sleep(0.2)
         raise AssertionError(f"engine not idle: {engine}")

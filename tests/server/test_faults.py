@@ -326,7 +326,7 @@ def test_sigterm_past_the_drain_timeout_ends_requests_with_shutdown_errors(start
     poster.start()
     assert started.wait(30)
     deadline = time.monotonic() + 10
-    while srv.health().json()["engine"].get("running", 0) < 16 and time.monotonic() < deadline:
+    while srv.health().json()["engine"].get("num_running", 0) < 16 and time.monotonic() < deadline:
         time.sleep(0.02)
     srv.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)

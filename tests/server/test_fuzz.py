@@ -224,8 +224,8 @@ def test_fuzzed_requests_never_break_the_server(server):
     assert total >= MIN_REQUESTS, seen
     assert seen[200] > 0 and seen[400] > 0 and seen["stream-ok"] > 0, seen
     engine = server.wait_idle(timeout=30)
-    assert engine["in_flight"] == 0 and engine["running"] == 0 and engine["waiting"] == 0, engine
-    assert engine["free_blocks"] == engine["num_blocks"], engine
+    assert engine["in_flight"] == 0 and engine["num_running"] == 0 and engine["num_waiting"] == 0, engine
+    assert engine["num_free_kv_blocks"] == engine["num_kv_blocks"], engine
     health = server.health()
     assert health.status_code == 200 and health.json()["status"] == "ok"
     growth = api_rss_mb(server.proc.pid) - rss_before

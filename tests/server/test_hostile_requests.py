@@ -115,7 +115,7 @@ def test_unencodable_requests_get_400_and_leave_nothing_in_flight(server):
         for i, body in enumerate(bodies):
             assert_openai_error(post_raw(server, CHAT if i == 3 else COMPLETIONS, body), 400)
     engine = server.health().json()["engine"]
-    assert engine["in_flight"] == 0 and engine["running"] == 0 and engine["waiting"] == 0, engine
+    assert engine["in_flight"] == 0 and engine["num_running"] == 0 and engine["num_waiting"] == 0, engine
     assert_serving_and_idle(server)
 
 
@@ -296,9 +296,11 @@ def test_the_engine_core_fails_a_bad_add_alone(tiny_models, tmp_path):
     import multiprocessing
     import os
 
+    import msgspec
     import zmq
 
     from pagoda_daemon.config import EngineConfig
+    from pagoda_daemon.engine.messages import EngineCoreOutputs, EngineReady, Shutdown
     from pagoda_daemon.sampling_params import SamplingParams
     from pagoda_daemon.server import wire
     from pagoda_daemon.server.core_process import run_engine_core
@@ -316,33 +318,43 @@ def test_the_engine_core_fails_a_bad_add_alone(tiny_models, tmp_path):
     proc.start()
     try:
         assert from_core.poll(120_000), "engine core not ready"
-        kind, _ = wire.unpack(from_core.recv())
-        assert kind == wire.READY
-        good = wire.encode_request("good", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), None, (), 0.0)
+        assert isinstance(wire.decode_from_core(from_core.recv()), EngineReady)
+        good = wire.add_request("good", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), None, (), 0.0)
+        fields = msgspec.structs.asdict(good)
+
+        def add_frame(**changes) -> bytes:  # an ADD frame as raw msgpack, so any field may be wrong
+            f = {**fields, **changes}
+            return msgspec.msgpack.encode(["add", *f.values()])
+
         bad = [
-            {**good, "id": "unknown-param", "params": {**good["params"], "bogus": 1}},  # TypeError
-            {**good, "id": "bad-seed", "params": {**good["params"], "seed": 2**64 - 1}},  # ValueError
-            {**good, "id": "bad-token", "prompt": [5, 10**9]},  # past the vocabulary
-            {**good, "id": "no-prompt", "prompt": []},
-            {**good, "id": "missing-fields", "params": None},
-            ["not", "a", "dict"],
+            add_frame(request_id="unknown-param", sampling_params={**fields["sampling_params"], "bogus": 1}),
+            add_frame(request_id="bad-seed", sampling_params={**fields["sampling_params"], "seed": 2**64 - 1}),
+            add_frame(request_id="bad-token", prompt_token_ids=[5, 10**9]),  # past the vocabulary
+            add_frame(request_id="no-prompt", prompt_token_ids=[]),
+            add_frame(request_id="missing-fields", sampling_params=None),  # the wrong type
+            add_frame(request_id="text-prompt", prompt_token_ids=["five"]),
+            msgspec.msgpack.encode(["add", "too-short"]),
+            msgspec.msgpack.encode(["not", "a", "message"]),
+            msgspec.msgpack.encode({"a": "map"}),
+            b"\xc1 not msgpack at all",
         ]
-        for payload in bad:
-            to_core.send(wire.pack(wire.ADD, payload))
-        to_core.send(wire.pack(wire.ADD, good))
+        for frame in bad:
+            to_core.send(frame)
+        to_core.send(wire.encode(good))
         finished: dict[str, str] = {}
         deadline = time.monotonic() + 60
         while "good" not in finished and time.monotonic() < deadline:
             assert from_core.poll(10_000), "no output from the engine core"
-            kind, payload = wire.unpack(from_core.recv())
-            assert kind == wire.OUTPUTS, payload
-            for out in wire.decode_outputs(payload[0]):
+            message = wire.decode_from_core(from_core.recv())
+            assert isinstance(message, EngineCoreOutputs), message
+            for out in message.outputs:
                 if out.finish_reason is not None:
                     finished[out.request_id] = out.finish_reason
         assert finished == {"unknown-param": "abort", "bad-seed": "abort", "bad-token": "abort",
-                            "no-prompt": "abort", "missing-fields": "abort", "good": "length"}
+                            "no-prompt": "abort", "missing-fields": "abort", "text-prompt": "abort",
+                            "too-short": "abort", "good": "length"}
         assert proc.is_alive()
-        to_core.send(wire.pack(wire.SHUTDOWN, None))
+        to_core.send(wire.encode(Shutdown()))
         proc.join(30)
         assert proc.exitcode == 0
     finally:

@@ -188,7 +188,7 @@ def test_client_disconnect_aborts_and_returns_blocks(server):
             next(lines)
     # the connection is closed mid-stream; the engine must drop the request
     engine = server.wait_idle()
-    assert engine["running"] == 0
+    assert engine["num_running"] == 0
 
 
 def test_non_streaming_disconnect_aborts_too(server):

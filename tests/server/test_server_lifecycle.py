@@ -26,7 +26,7 @@ def test_engine_death_fails_in_flight_requests_and_exits(start_server):
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.monotonic() + 10
-    while srv.health().json()["engine"].get("running", 0) == 0 and time.monotonic() < deadline:
+    while srv.health().json()["engine"].get("num_running", 0) == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(srv.engine_pid(), signal.SIGKILL)
     killed_at = time.monotonic()
@@ -64,9 +64,9 @@ def test_queue_full_gets_503_with_retry_after_and_sigterm_drains(start_server):
             if statuses.count(503) == 3:
                 break
         time.sleep(0.02)
-    while srv.health().json()["engine"].get("running") != 2 and time.monotonic() < deadline:
+    while srv.health().json()["engine"].get("num_running") != 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert srv.health().json()["engine"]["running"] == 2  # draining starts with work in flight
+    assert srv.health().json()["engine"]["num_running"] == 2  # draining starts with work in flight
     srv.proc.send_signal(signal.SIGTERM)  # drain: the accepted requests still finish
     for t in threads:
         t.join(120)

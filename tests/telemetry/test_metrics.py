@@ -7,6 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda_daemon.engine.messages import EngineStats, PrefixCacheStats
 from pagoda_daemon.telemetry.metrics import (
     INTER_TOKEN_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -107,13 +108,19 @@ def test_histogram_buckets_are_vllms(metrics):
     assert build_1_2_5_buckets(2048)[-1] == 2000
 
 
+def stats(running: int = 0, waiting: int = 0, usage: float = 0.0, queries: int = 0, hits: int = 0,
+          preemptions: int = 0) -> EngineStats:
+    return EngineStats(running, waiting, usage, 64, 64, num_preemptions=preemptions,
+                       prefix_cache=PrefixCacheStats(queries, hits))
+
+
 def test_gauges(metrics):
-    metrics.set_scheduler_state(num_running=3, num_waiting=5, kv_cache_usage=0.25)
+    metrics.record_engine_stats(stats(running=3, waiting=5, usage=0.25))
     s = scrape(metrics)
     assert s[key("vllm:num_requests_running")] == 3
     assert s[key("vllm:num_requests_waiting")] == 5
     assert s[key("vllm:kv_cache_usage_perc")] == 0.25
-    metrics.set_scheduler_state(0, 0, 1.5)  # clamped to a fraction
+    metrics.record_engine_stats(stats(usage=1.5))  # clamped to a fraction
     s = scrape(metrics)
     assert s[key("vllm:num_requests_running")] == 0
     assert s[key("vllm:kv_cache_usage_perc")] == 1.0
@@ -121,12 +128,10 @@ def test_gauges(metrics):
 
 def test_counters_move_by_exact_deltas(metrics):
     before = scrape(metrics)
-    metrics.add_prefix_cache(queries=48, hits=32)
-    metrics.add_prefix_cache(queries=16, hits=0)
+    metrics.record_engine_stats(stats(queries=48, hits=32, preemptions=2))
+    metrics.record_engine_stats(stats(queries=16, hits=0))
     metrics.add_tokens(prompt_tokens=40, generation_tokens=1)
     metrics.add_tokens(prompt_tokens=0, generation_tokens=7)
-    metrics.add_preemptions(2)
-    metrics.add_preemptions(0)
     after = scrape(metrics)
     assert delta(before, after, "vllm:prefix_cache_queries_total") == 64
     assert delta(before, after, "vllm:prefix_cache_hits_total") == 32

@@ -14,6 +14,25 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The paged KV cache a model needs: the model declares it (``kv_cache_spec()``), the
+    worker sizes and allocates the cache from it. One tensor
+    ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block over every layer, K and V."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * elem
+
+
 @dataclass
 class AttentionMetadata:
     # device tensors

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             num_kv_blocks=blocks_per_seq * args.num_requests + 1,
         )
         core = EngineCore(config)
-    sched, runner = core.scheduler, core.runner
+    sched, runner = core.scheduler, core.executor.worker.runner
     params = SamplingParams(temperature=args.temperature, max_tokens=max_new, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(args.num_requests):
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         out = sched.schedule()
         t1 = time.perf_counter()
         runner._update_states(out)
-        _, _, _, _, rows = runner.prepare_inputs(out)
+        rows = runner.prepare_inputs(out).sample_rows
         t2 = time.perf_counter()
         runner._sampling_batch(out, rows)
         t3 = time.perf_counter()

@@ -129,7 +129,7 @@ def throughput(args) -> dict:
     return {
         "bench": "throughput", "num_seqs": args.num_seqs, "prompt_tokens": sum(map(len, prompts)),
         "output_tokens_requested": sum(p.max_tokens for p in params), **first,
-        "init_s": round(init_s, 1), "cuda_graphs": core.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
+        "init_s": round(init_s, 1), "cuda_graphs": core.worker_info.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
         "preemptions": core.scheduler.stats.num_preemptions, "kv_blocks": core.kv_cache.num_blocks,
         **({"later_rounds": rounds[1:]} if len(rounds) > 1 else {}),
     }
@@ -223,14 +223,14 @@ def latency(args) -> dict:
 
     # The floor: every weight byte read once per token at the copy rate measured now.
     # (A copy moves each byte twice, read and write; its GB/s counts both.)
-    copy = copy_bandwidth(core.device, make_timer(core.device), 2 << 30)
-    weights = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+    copy = copy_bandwidth(core.executor.worker.device, make_timer(core.executor.worker.device), 2 << 30)
+    weights = sum(p.numel() * p.element_size() for p in core.executor.worker.runner.model.parameters())
     floor_ms = weights / (copy["GB_per_s"] * 1e9) * 1e3
     tpot = sorted(r["tpot_ms"] for r in results)[len(results) // 2]
     return {"bench": "latency", "prompt_len": len(prompt), "output_len": args.latency_output_len,
             "weight_bytes": weights, "copy_GB_per_s": round(copy["GB_per_s"], 1), "floor_ms": round(floor_ms, 3),
             "tpot_ms_median": tpot, "tpot_over_floor": round(tpot / floor_ms, 3), "runs": results,
-            "cuda_graphs": core.uses_cuda_graphs}
+            "cuda_graphs": core.worker_info.uses_cuda_graphs}
 
 
 def startup(args) -> dict:
@@ -254,7 +254,7 @@ def startup(args) -> dict:
 def ready_only(args) -> None:
     t_import = time.perf_counter()
     core = build_core(args)
-    graphs = core.runner.cuda_graphs
+    graphs = core.executor.worker.runner.cuda_graphs
     print("READY " + json.dumps({
         "engine_init_and_warmup_s": round(time.perf_counter() - t_import, 1),
         "graph_capture_s": round(graphs.capture_seconds, 1) if graphs else 0.0,
@@ -314,7 +314,7 @@ def profile(args) -> dict:
         "host_syncs_per_step": {k: v / args.profile_steps for k, v in syncs.items()},
         "async_copies_per_step": {k: v / args.profile_steps for k, v in copies.items()},
         "cpu_ms_per_step_by_phase": {k: round(v, 3) for k, v in sorted(labels.items())},
-        "cuda_graphs": core.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
+        "cuda_graphs": core.worker_info.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
     }
 
 

@@ -9,73 +9,17 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
 
-import torch
-
-from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from pagoda_daemon.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
+from pagoda_daemon.engine.messages import EngineCoreOutput, EngineStats
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler import Scheduler
+from pagoda_daemon.executor.abstract import Executor
 from pagoda_daemon.models import loader
 from pagoda_daemon.telemetry.profiling import phase
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request (never a reference to the Request itself)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    queue_time: float | None = None  # seconds from arrival to first schedule, sent with the final output
-
-
-@dataclass
-class EngineStats:
-    num_steps: int
-    num_preemptions: int
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    prefix_cache: PrefixCacheStats
-
-
-def pin_worker(device: torch.device, policy: str):
-    """Pin this worker to the cores nearest its GPU; a topology problem costs a warning, not the engine."""
-    from pagoda_daemon.topology import pin_this_process
-
-    local_rank = (device.index or 0) if device.type == "cuda" else 0
-    try:
-        return pin_this_process(local_rank, policy)
-    except (OSError, ValueError) as e:
-        log.warning("CPU pinning (%s) skipped: %s", policy, e)
-        return None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but no CUDA device is available")
-    return device
-
-
-def resolve_dtype(name: str, model_config, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return loader.DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    ckpt = loader.checkpoint_dtype(model_config)
-    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def freeze_startup_heap() -> None:
@@ -89,40 +33,27 @@ def freeze_startup_heap() -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_config=None) -> None:
-        from pagoda_daemon.attention import get_attention_backend
-        from pagoda_daemon.worker.model_runner import ModelRunner
-
+    def __init__(self, config: EngineConfig, model_config=None, executor: Executor | None = None) -> None:
         self.config = config
         self.model_config = model_config or loader.load_config(config.model)
-        self.device = resolve_device(config.device)
-        # Pin before anything big is allocated on the host, so it lands on local memory.
-        self.cpu_pin = pin_worker(self.device, config.numa_policy)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.max_model_len = self._max_model_len()
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({self.max_model_len})"
             )
-        torch.manual_seed(config.seed)
-        backend = get_attention_backend(config.attention_backend, self.device)
-        model = loader.load_model(
-            config.model, self.model_config, self.dtype, self.device, backend, self.max_model_len,
-            config.load_format,
-        )
-        self.runner = ModelRunner(model, self.model_config, config, self.device, self.dtype, self.max_model_len)
+        if executor is None:
+            from pagoda_daemon.executor.uniproc import UniProcExecutor
+
+            executor = UniProcExecutor(config, self.model_config, self.max_model_len)
+        self.executor = executor
         num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        self.executor.initialize_cache(num_blocks)
+        self.worker_info = self.executor.info()
         # Schedule step N+1 while step N runs (GPU default; on CPU there is nothing to overlap).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda")
+                                 else self.worker_info.device.startswith("cuda"))
         self._in_flight = None  # (SchedulerOutput, launched step) whose outputs are not collected yet
-        self.uses_cuda_graphs = self.device.type == "cuda" and backend.uses_kernels and not config.enforce_eager
-        if self.uses_cuda_graphs:
-            self.runner.capture_cuda_graphs()
-        elif self.device.type == "cuda" and not config.enforce_eager:
-            log.info("CUDA graphs off: the %s attention backend cannot be captured", backend.name)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        record_events=config.enable_kv_events)
         self.scheduler = Scheduler(
@@ -132,10 +63,11 @@ class EngineCore:
             self.max_model_len,
             config.enable_chunked_prefill,
         )
+        info = self.worker_info
         log.info(
-            "engine ready: %s, %s on %s, %s attention%s, %d KV blocks of %d tokens, max_model_len %d",
-            type(model).__name__, self.dtype, self.device, backend.name,
-            ", CUDA graphs" if self.uses_cuda_graphs else "", num_blocks, config.block_size, self.max_model_len,
+            "engine ready: %s on %s, %s attention%s, %d KV blocks of %d tokens, max_model_len %d",
+            info.dtype, info.device, info.attention_backend, ", CUDA graphs" if info.uses_cuda_graphs else "",
+            num_blocks, config.block_size, self.max_model_len,
         )
 
     def _max_model_len(self) -> int:
@@ -146,14 +78,7 @@ class EngineCore:
         return wanted
 
     def _num_kv_blocks(self) -> int:
-        per_block = self.runner.kv_block_bytes()
-        if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_gpu_blocks(per_block)
-        else:
-            budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-            num_blocks = budget // per_block
+        num_blocks = self.executor.available_kv_blocks()
         needed = -(-self.max_model_len // self.config.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -163,29 +88,12 @@ class EngineCore:
             )
         return num_blocks
 
-    def _profile_gpu_blocks(self, per_block: int) -> int:
-        """KV budget = gpu_memory_utilization x the memory left free after a profiling forward pass."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.runner.profile_peak_memory()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        free_after_profile = total - non_torch - peak
-        budget = int(free_after_profile * self.config.gpu_memory_utilization)
-        log.info("memory profile: total %.1f GiB, peak torch %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
-                 total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
-        torch.cuda.empty_cache()
-        return max(budget // per_block, 0)
-
     def warm_up(self) -> None:
         """Before serving, send short requests through every kind of step, so that every kernel
         is compiled before the engine reports ready: a prefill-only step, decodes, and a
         step that mixes a decode with a prefill (the paged extend path). Then forget them:
         no cached blocks, no counted steps. (tests/gpu/test_warm_up.py checks that serving
         afterwards compiles no kernel.)"""
-        from pagoda_daemon.engine.scheduler import SchedulerStats
         from pagoda_daemon.sampling_params import SamplingParams
 
         bs = self.config.block_size
@@ -200,12 +108,10 @@ class EngineCore:
         self.add_request(Request("__warmup_1__", second, params, None, bs))
         while self.has_unfinished_requests():
             self.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.executor.synchronize()
         self.kv_cache.reset_prefix_cache()
-        self.kv_cache.pool.drain_events()  # the warm-up's blocks were never real
-        self.kv_cache.stats = type(self.kv_cache.stats)()
-        self.scheduler.stats = SchedulerStats()
+        self.kv_cache.take_events()  # the warm-up's blocks were never real
+        self.make_stats()  # nor its steps and cache hits
         freeze_startup_heap()
 
     # ---- requests ---------------------------------------------------------------------
@@ -249,7 +155,7 @@ class EngineCore:
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        launched = self.runner.execute(sched)
+        launched = self.executor.execute_model(sched)
         outputs = self._finish_in_flight()
         self._in_flight = (sched, launched)
         if not self.async_scheduling or sched.is_empty or self.scheduler.num_needing_host_tokens:
@@ -291,15 +197,17 @@ class EngineCore:
             )
         return outputs
 
-    def stats(self) -> EngineStats:
-        s = self.scheduler
+    def make_stats(self) -> EngineStats:
+        """The gauges now, and the counters (steps, preemptions, prefix-cache tokens) since the
+        previous call: each consumer adds them to its own totals."""
+        s = self.scheduler.make_stats()
         return EngineStats(
-            num_steps=s.stats.num_steps,
-            num_preemptions=s.stats.num_preemptions,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_steps=s.num_steps,
+            num_preemptions=s.num_preemptions,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_cache.usage(),
             num_kv_blocks=self.kv_cache.num_blocks,
             num_free_kv_blocks=self.kv_cache.num_free_blocks,
-            prefix_cache=self.kv_cache.stats,
+            prefix_cache=self.kv_cache.make_stats(),
         )

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pagoda_daemon.engine.block_pool import BlockPool, KVCacheBlock
+from pagoda_daemon.engine.messages import PrefixCacheStats
 from pagoda_daemon.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Counted in tokens, as vLLM's prefix_cache_queries/hits counters are."""
-
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -32,6 +19,16 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_hashed_blocks: dict[str, int] = {}  # per request: blocks already registered
         self.stats = PrefixCacheStats()
+
+    def make_stats(self) -> PrefixCacheStats:
+        """The prefix-cache counts since the previous call (get and reset: a consumer adds them
+        to its counters; warm-up drops them)."""
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
+    def take_events(self) -> list:
+        """The KV events (stored, removed, cleared) since the previous call."""
+        return self.pool.drain_events()
 
     @property
     def num_blocks(self) -> int:

@@ -9,17 +9,18 @@ from __future__ import annotations
 import itertools
 
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.engine.engine_core import EngineCore, EngineStats
+from pagoda_daemon.engine.engine_core import EngineCore
 from pagoda_daemon.engine.input_processor import (
     InputProcessor,
     PromptType,
     cache_salt_keys,
     resolve_eos_token_id,
 )
+from pagoda_daemon.engine.messages import EngineStats
 from pagoda_daemon.engine.output_processor import OutputProcessor
 from pagoda_daemon.engine.request import Request
 from pagoda_daemon.models import loader
-from pagoda_daemon.outputs import RequestOutput
+from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -33,19 +34,22 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
         self._ids = itertools.count()
+        self._totals: EngineStats | None = None  # the counters of every make_stats() so far
 
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
         """Validate and enqueue; raises ValueError on bad input without touching other requests."""
         text, token_ids = self.input_processor.process(prompt, params)
-        return self.add_processed_request(text, token_ids, params, request_id, cache_salt)
+        return self.add_processed_request(text, token_ids, params, request_id, cache_salt, output_kind)
 
     def add_processed_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
-                              request_id: str | None = None, cache_salt: str | None = None) -> str:
+                              request_id: str | None = None, cache_salt: str | None = None,
+                              output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
         """Enqueue a prompt that InputProcessor.process already accepted."""
         if params.n != 1:
             raise ValueError("n > 1 is served by fanning out into n requests; pass n=1 to the engine")
@@ -53,7 +57,7 @@ class LLMEngine:
         request = Request(rid, token_ids, params, self.eos_token_id, self.config.block_size,
                           cache_salt_keys(cache_salt))
         self.core.add_request(request)
-        self.output_processor.add_request(rid, text, token_ids, params)
+        self.output_processor.add_request(rid, text, token_ids, params, output_kind)
         return rid
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -70,4 +74,7 @@ class LLMEngine:
         return processed.outputs
 
     def stats(self) -> EngineStats:
-        return self.core.stats()
+        """The gauges now and the counters since the engine started."""
+        now = self.core.make_stats()
+        self._totals = now if self._totals is None else self._totals.add_counters(now)
+        return self._totals

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda_daemon.engine.detokenizer import IncrementalDetokenizer
-from pagoda_daemon.engine.engine_core import EngineCoreOutput
-from pagoda_daemon.outputs import CompletionOutput, RequestOutput
+from pagoda_daemon.engine.messages import EngineCoreOutput
+from pagoda_daemon.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -19,6 +19,7 @@ class RequestState:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     arrival_time: float
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     first_token_time: float | None = None
@@ -38,19 +39,19 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output,
         )
         self.states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, detok, time.monotonic(),
+            request_id, prompt, prompt_token_ids, params, detok, time.monotonic(), output_kind,
             logprobs=[] if params.logprobs is not None else None,
         )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self.states.pop(request_id, None)
-        return None if state is None else self._make_output(state, "abort", None)
+        return None if state is None else self._make_output(state, "abort", None, [], [])
 
     def has_unfinished(self) -> bool:
         return bool(self.states)
@@ -65,7 +66,7 @@ class OutputProcessor:
                 state.first_token_time = time.monotonic()
             state.num_cached_tokens = out.num_cached_tokens
             state.token_ids.extend(out.new_token_ids)
-            if state.logprobs is not None:
+            if state.logprobs is not None and state.output_kind is not RequestOutputKind.DELTA:
                 state.logprobs.extend(out.new_logprobs)
             check_stop = len(state.token_ids) > state.params.min_tokens
             stop_str = state.detokenizer.update(out.new_token_ids, check_stop)
@@ -74,22 +75,31 @@ class OutputProcessor:
                 if finish_reason is None:
                     stopped.append((out.request_id, stop_str))
                 finish_reason, stop_reason = "stop", stop_str
-            results.append(self._make_output(state, finish_reason, stop_reason))
             if finish_reason is not None:
                 del self.states[out.request_id]
+            elif state.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            results.append(self._make_output(state, finish_reason, stop_reason, out.new_token_ids, out.new_logprobs))
         return ProcessedOutputs(results, stopped)
 
-    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason) -> RequestOutput:
+    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason,
+                     new_token_ids: list[int], new_logprobs: list[dict[int, float]]) -> RequestOutput:
         finished = finish_reason is not None
-        state.detokenizer.take_delta(finished)
-        text = state.detokenizer.text if finished else state.detokenizer.text[: state.detokenizer.emitted]
+        delta = state.detokenizer.take_delta(finished)
+        if state.output_kind is RequestOutputKind.DELTA:
+            text, token_ids = delta, new_token_ids
+            logprobs = new_logprobs if state.logprobs is not None else None
+        else:
+            text = state.detokenizer.text if finished else state.detokenizer.text[: state.detokenizer.emitted]
+            token_ids = list(state.token_ids)
+            logprobs = list(state.logprobs) if state.logprobs is not None else None
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(state.token_ids),
+            token_ids=token_ids,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=logprobs,
         )
         metrics = {"arrival_time": state.arrival_time}
         if state.first_token_time is not None:

@@ -17,33 +17,11 @@ pending token straight from the previous step's device output).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    # Block ids added this step; the full list when the runner sees the request afresh.
-    new_block_ids: list[int]
-    is_new: bool  # first schedule, or resumed after preemption: the runner rebuilds its state
-    start: int = 0  # tokens computed before this step: the position of the first new token
-    samples: bool = False  # this step reaches the end of the known tokens and samples the next
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: runner drops state
-    preempted_request_ids: list[str] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from pagoda_daemon.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -74,6 +52,11 @@ class Scheduler:
         # Requests whose sampling needs every earlier output token on the host (penalties):
         # while any is unfinished, the engine does not schedule ahead.
         self.num_needing_host_tokens = 0
+
+    def make_stats(self) -> SchedulerStats:
+        """Steps and preemptions since the previous call (get and reset)."""
+        stats, self.stats = self.stats, SchedulerStats()
+        return stats
 
     # ---- queue management -------------------------------------------------------------
 

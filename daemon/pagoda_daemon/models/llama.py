@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda_daemon.attention.backend import AttentionBackend, AttentionMetadata
+from pagoda_daemon.attention.backend import AttentionBackend, AttentionMetadata, KVCacheSpec
 from pagoda_daemon.models.layers import (
     Linear,
     MergedLinear,
@@ -129,6 +129,10 @@ class LlamaForCausalLM(nn.Module):
     def make_layer(self, config, backend, rotary: RotaryEmbedding, index: int) -> DecoderLayer:
         mlp = MLP(config.hidden_size, config.intermediate_size, backend.uses_kernels)
         return DecoderLayer(config, backend, rotary, self.qk_norm, mlp)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -18,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda_daemon import __version__
 from pagoda_daemon.engine.input_processor import InvalidInput
-from pagoda_daemon.outputs import RequestOutput
+from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError, PreparedRequest
@@ -93,7 +94,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
     async def ready():
         if not client.is_ready:
             return JSONResponse({"status": "not ready", "reason": client.not_ready_reason}, status_code=503)
-        return {"status": "ready", **(client.ready_info or {})}
+        return {"status": "ready", **msgspec.structs.asdict(client.ready_info)}
 
     @app.get("/version")
     async def version():
@@ -190,9 +191,9 @@ def _process_chat(client: EngineClient, req: ChatCompletionRequest,
 
 
 def _model_card(settings: ServerSettings, client: EngineClient) -> dict:
-    info = client.ready_info or {}
+    info = client.ready_info
     return {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "pagoda",
-            "max_model_len": info.get("max_model_len")}
+            "max_model_len": info.max_model_len if info is not None else None}
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -231,7 +232,9 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     prepared = _prepare(client, base_id, prompts, params, getattr(req, "cache_salt", None), arrival)
     # No await from here to the last submit: the engine cannot be found dead half way through.
     _ensure_ready(client)
-    streams = [(index, len(p.prompt_ids), client.submit(p)) for index, p in prepared]
+    # streamed: each output carries only what is new; otherwise one complete output at the end
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    streams = [(index, len(p.prompt_ids), client.submit(p, kind)) for index, p in prepared]
     span = None
     if tracer is not None:
         span = tracer.start_request_span(dict(raw.headers), base_id, {
@@ -333,24 +336,19 @@ async def _collect(raw: Request, streams, builder, span) -> JSONResponse:
 
 
 async def _stream(streams, builder, include_usage: bool, span) -> AsyncIterator[str]:
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
+    """Stream DELTA outputs: each carries only the text, tokens and logprobs new since the last."""
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     reasons = []
     try:
         async for index, prompt_len, out in _merge(streams):
             c = out.outputs[0]
-            prompt_tokens[index] = prompt_len
-            completion_tokens[index] = len(c.token_ids)
-            if index not in sent_text and hasattr(builder, "role_chunk"):
+            if index not in prompt_tokens and hasattr(builder, "role_chunk"):
                 yield _sse(builder.role_chunk(index))
-            start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
-            delta = c.text[start_text:]
-            new_logprobs = c.logprobs[start_tok:] if c.logprobs is not None else None
-            sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-            if delta or c.finish_reason is not None or new_logprobs:
-                yield _sse(builder.chunk(index, delta, c.finish_reason, new_logprobs, c.token_ids[start_tok:]))
+            prompt_tokens[index] = prompt_len
+            completion_tokens[index] = completion_tokens.get(index, 0) + len(c.token_ids)
+            if c.text or c.finish_reason is not None or c.logprobs:
+                yield _sse(builder.chunk(index, c.text, c.finish_reason, c.logprobs, c.token_ids))
             if c.finish_reason is not None:
                 reasons.append(c.finish_reason)
                 if span is not None and index == 0:

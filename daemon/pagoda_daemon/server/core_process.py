@@ -21,6 +21,16 @@ from pathlib import Path
 import zmq
 
 from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineFailed,
+    EngineReady,
+    FinishRequest,
+    Shutdown,
+)
 from pagoda_daemon.server import wire
 
 log = logging.getLogger(__name__)
@@ -95,19 +105,19 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
             core.warm_up()
         except Exception as e:  # startup failures go back to the API server as text, then we exit
             log.exception("engine core failed to start")
-            outputs.send(wire.pack(wire.FAILED, f"engine failed to start: {e}"))
+            outputs.send(wire.encode(EngineFailed(f"engine failed to start: {e}")))
             sys.exit(1)
-        outputs.send(wire.pack(wire.READY, {
-            "max_model_len": core.max_model_len,
-            "num_kv_blocks": core.kv_cache.num_blocks,
-            "block_size": config.block_size,
-            "device": str(core.device),
-            "dtype": str(core.dtype).removeprefix("torch."),
-            "gpus": [] if core.cpu_pin is None or core.cpu_pin.gpu is None else [core.cpu_pin.gpu],
-            "numa_nodes": [] if core.cpu_pin is None or core.cpu_pin.numa_node is None else [core.cpu_pin.numa_node],
-            "expert_parallel_size": 1,
-        }))
-        outputs.send(wire.pack(wire.OUTPUTS, [[], _stats(core)]))  # gauges start from the truth
+        info = core.worker_info
+        outputs.send(wire.encode(EngineReady(
+            max_model_len=core.max_model_len,
+            num_kv_blocks=core.kv_cache.num_blocks,
+            block_size=config.block_size,
+            device=info.device,
+            dtype=info.dtype,
+            gpus=[] if info.gpu is None else [info.gpu],
+            numa_nodes=[] if info.numa_node is None else [info.numa_node],
+        )))
+        outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))  # gauges start from the truth
         if kv_events_endpoint:
             from pagoda_daemon.telemetry.kv_events import KVEventPublisher
 
@@ -118,7 +128,7 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
         except Exception:
             message = traceback.format_exc()
             log.error("engine core crashed:\n%s", message)
-            outputs.send(wire.pack(wire.FAILED, f"engine core crashed: {message.strip().splitlines()[-1]}"))
+            outputs.send(wire.encode(EngineFailed(f"engine core crashed: {message.strip().splitlines()[-1]}")))
             sys.exit(1)
     except ParentGone:
         outputs.setsockopt(zmq.LINGER, 0)  # nobody will read what is queued
@@ -147,31 +157,32 @@ def _loop(core, inputs, outputs, parent_pid: int, block_size: int, publisher=Non
                 frame = inputs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            kind, payload = wire.unpack(frame)
             changed = True
-            if kind == wire.ADD:
-                try:
-                    core.add_request(wire.decode_request(payload, block_size, core.model_config.vocab_size))
-                except Exception as e:  # never expected (the API validates): fail this request, not the engine
-                    rid = payload.get("id") if isinstance(payload, dict) else None
-                    log.error("rejected request %s: %s: %s", rid, type(e).__name__, e)
-                    if isinstance(rid, str):
-                        outputs.send(wire.pack(wire.OUTPUTS, [[[rid, [], "abort", f"rejected by the engine: {e}",
-                                                                [], 0, None]], _stats(core)]))
-            elif kind == wire.ABORT:
-                core.abort_requests(payload)
-            elif kind == wire.FINISH:
-                request_id, stop_reason = payload
-                core.finish_request(request_id, stop_reason)
-            elif kind == wire.SHUTDOWN:
+            try:  # never expected (the API validates): a bad frame or ADD fails its request, not the engine
+                message = wire.decode_to_core(frame)
+                if isinstance(message, AddRequest):
+                    try:
+                        core.add_request(wire.to_request(message, block_size, core.model_config.vocab_size))
+                    except Exception as e:
+                        raise wire.BadFrame(f"{type(e).__name__}: {e}", message.request_id) from e
+            except wire.BadFrame as e:
+                log.error("rejected %s: %s", f"request {e.request_id}" if e.request_id else "a frame", e)
+                if e.request_id is not None:
+                    failed = EngineCoreOutput(e.request_id, [], "abort", f"rejected by the engine: {e}")
+                    outputs.send(wire.encode(EngineCoreOutputs([failed], core.make_stats())))
+                continue
+            if isinstance(message, AbortRequests):
+                core.abort_requests(message.request_ids)
+            elif isinstance(message, FinishRequest):
+                core.finish_request(message.request_id, message.stop_reason)
+            elif isinstance(message, Shutdown):
                 return
         if core.has_unfinished_requests():
-            step_outputs = core.step()
-            outputs.send(wire.pack(wire.OUTPUTS, [wire.encode_outputs(step_outputs), _stats(core)]))
+            outputs.send(wire.encode(EngineCoreOutputs(core.step(), core.make_stats())))
         elif changed:
-            outputs.send(wire.pack(wire.OUTPUTS, [[], _stats(core)]))
+            outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))
         if publisher is not None:
-            events = core.kv_cache.pool.drain_events()
+            events = core.kv_cache.take_events()
             if events:
                 publisher.publish(kv_events_for_publishing(events, block_size))
 
@@ -192,18 +203,3 @@ def kv_events_for_publishing(events: list, block_size: int) -> list:
         elif e == CLEARED:
             out.append(AllCleared())
     return out
-
-
-def _stats(core) -> dict:
-    s = core.stats()
-    return {
-        "running": s.num_running,
-        "waiting": s.num_waiting,
-        "kv_usage": s.kv_cache_usage,
-        "prefix_queries": s.prefix_cache.queries,
-        "prefix_hits": s.prefix_cache.hits,
-        "preemptions": s.num_preemptions,
-        "steps": s.num_steps,
-        "free_blocks": s.num_free_kv_blocks,
-        "num_blocks": s.num_kv_blocks,
-    }

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -28,9 +29,18 @@ from pagoda_daemon.engine.input_processor import (
     cache_salt_keys,
     resolve_eos_token_id,
 )
+from pagoda_daemon.engine.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    FinishRequest,
+    Shutdown,
+)
 from pagoda_daemon.engine.output_processor import OutputProcessor
 from pagoda_daemon.models import loader
-from pagoda_daemon.outputs import RequestOutput
+from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SamplingParams
 from pagoda_daemon.server import wire
 from pagoda_daemon.server.core_process import run_engine_core
@@ -93,12 +103,12 @@ class EngineClient:
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None  # needs max_model_len, known once ready
-        self.ready_info: dict | None = None
+        self.ready_info: EngineReady | None = None
         self.dead_reason: str | None = None
         self.draining = False  # set on SIGTERM: no new requests, in-flight ones get until the drain timeout
         self._dead = asyncio.Event()
         self.requests: dict[str, _Tracked] = {}
-        self._last_stats: dict = {}
+        self._stats: EngineStats | None = None  # the core's gauges, and its counters summed
         self._log_level = log_level
         self._tmp = tempfile.TemporaryDirectory(prefix="pagoda-")
         self._ctx = zmq.asyncio.Context()
@@ -168,7 +178,7 @@ class EngineClient:
     async def shutdown(self) -> None:
         if self.process is not None and self.process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
-                await self._to_core.send(wire.pack(wire.SHUTDOWN, None))
+                await self._to_core.send(wire.encode(Shutdown()))
             await asyncio.to_thread(self.process.join, 5)
             if self.process.is_alive():
                 self.process.kill()
@@ -196,13 +206,15 @@ class EngineClient:
         """Encode one (validated) request for the core; ValueError when it cannot be. Nothing is
         registered yet, so a failure here leaves nothing behind."""
         arrival = time.monotonic() if arrival is None else arrival
-        frame = wire.pack_add(request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival)
+        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival)
         return PreparedRequest(request_id, prompt_text, prompt_ids, params, arrival, frame)
 
-    def submit(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+    def submit(self, request: PreparedRequest,
+               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
         """Admit a prepared request now, so it counts as in flight at once, and return the
-        iterator of its outputs; closing the iterator early aborts the request. All or nothing:
-        on any exception the request is not left registered."""
+        iterator of its outputs (DELTA: each carries only what is new, so streaming costs what
+        it sends; FINAL_ONLY: one output at the end); closing the iterator early aborts the
+        request. All or nothing: on any exception the request is not left registered."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         rid = request.request_id
@@ -211,7 +223,8 @@ class EngineClient:
         tracked = _Tracked(asyncio.Queue(), request.arrival, len(request.prompt_ids))
         self.requests[rid] = tracked
         try:
-            self.output_processor.add_request(rid, request.prompt_text, request.prompt_ids, request.params)
+            self.output_processor.add_request(rid, request.prompt_text, request.prompt_ids, request.params,
+                                              output_kind)
             self._to_core.send(request.frame)
         except BaseException:
             self.requests.pop(rid, None)
@@ -239,46 +252,46 @@ class EngineClient:
                     self._record_finished(aborted, tracked, time.monotonic(), None)
                 if self.dead_reason is None:
                     with contextlib.suppress(zmq.ZMQError):
-                        await self._to_core.send(wire.pack(wire.ABORT, [request_id]))
+                        await self._to_core.send(wire.encode(AbortRequests([request_id])))
 
     # ---- background tasks -------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
         while True:
-            kind, payload = wire.unpack(await self._from_core.recv())
-            if kind == wire.READY:
-                self.ready_info = payload
+            message = wire.decode_from_core(await self._from_core.recv())
+            if isinstance(message, EngineCoreOutputs):
+                self._route(message.outputs)
+                self._record_stats(message.stats)
+            elif isinstance(message, EngineReady):
+                self.ready_info = message
                 self.input_processor = InputProcessor(
-                    self.tokenizer, self.model_config.vocab_size, payload["max_model_len"])
-                log.info("engine ready: %s", payload)
+                    self.tokenizer, self.model_config.vocab_size, message.max_model_len)
+                log.info("engine ready: %s", message)
                 if self.metrics is not None:
-                    self.metrics.set_placement(payload["gpus"], payload["numa_nodes"], payload["expert_parallel_size"])
-            elif kind == wire.FAILED:
-                self._fail_all(str(payload))
-            elif kind == wire.OUTPUTS:
-                rows, stats = payload
-                self._route(wire.decode_outputs(rows))
-                self._record_stats(stats)
+                    self.metrics.set_placement(message.gpus, message.numa_nodes, message.expert_parallel_size)
+            elif isinstance(message, EngineFailed):
+                self._fail_all(message.reason)
 
     def _route(self, core_outputs) -> None:
         now = time.monotonic()
         queue_times = {o.request_id: o.queue_time for o in core_outputs if o.queue_time is not None}
         processed = self.output_processor.process(core_outputs)
         for rid, stop_str in processed.stop_string_finished:
-            self._to_core.send(wire.pack(wire.FINISH, [rid, stop_str]))  # zmq.asyncio send: fire and forget
-        new_tokens = {o.request_id: len(o.new_token_ids) for o in core_outputs}
-        for out in processed.outputs:
-            tracked = self.requests.get(out.request_id)
-            if tracked is None:
-                continue
-            n = new_tokens.get(out.request_id, 0)
-            if n:
+            self._to_core.send(wire.encode(FinishRequest(rid, stop_str)))  # zmq.asyncio send: fire and forget
+        for core_out in core_outputs:
+            n = len(core_out.new_token_ids)
+            tracked = self.requests.get(core_out.request_id)
+            if n and tracked is not None:
                 if tracked.first_token_time is None:
                     tracked.first_token_time = now
                 elif self.metrics is not None:
                     self.metrics.observe_inter_token((now - tracked.last_token_time) / n, n)
                 tracked.last_token_time = now
                 tracked.generated += n
+        for out in processed.outputs:
+            tracked = self.requests.get(out.request_id)
+            if tracked is None:
+                continue
             if out.finished:
                 # done here, not only when its reader finishes: a reader that never started must not leak it
                 self.requests.pop(out.request_id, None)
@@ -295,20 +308,19 @@ class EngineClient:
         )
         self.metrics.add_tokens(tracked.prompt_tokens, tracked.generated)
 
-    def _record_stats(self, stats: dict) -> None:
-        last = self._last_stats or {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
-        self._last_stats = stats
-        if self.metrics is None:
-            return
-        self.metrics.set_scheduler_state(stats["running"], stats["waiting"], stats["kv_usage"])
-        self.metrics.add_prefix_cache(stats["prefix_queries"] - last["prefix_queries"],
-                                      stats["prefix_hits"] - last["prefix_hits"])
-        self.metrics.add_preemptions(stats["preemptions"] - last["preemptions"])
+    def _record_stats(self, stats: EngineStats) -> None:
+        """The core's gauges replace the last ones; its counters (since its previous stats) add up."""
+        self._stats = stats if self._stats is None else self._stats.add_counters(stats)
+        if self.metrics is not None:
+            self.metrics.record_engine_stats(stats)
 
     @property
     def last_stats(self) -> dict:
         """The core's last stats, with the requests this client holds (`in_flight`)."""
-        return {**self._last_stats, "in_flight": self.num_in_flight}
+        stats = {} if self._stats is None else msgspec.structs.asdict(self._stats)
+        if self._stats is not None:
+            stats["prefix_cache"] = msgspec.structs.asdict(self._stats.prefix_cache)
+        return {**stats, "in_flight": self.num_in_flight}
 
     async def _watchdog(self) -> None:
         while self.dead_reason is None:

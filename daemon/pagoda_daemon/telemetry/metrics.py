@@ -20,6 +20,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from pagoda_daemon.engine.messages import EngineStats
+
 FINISHED_REASONS = ("stop", "length", "abort")
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), kept identical so that histogram
@@ -167,18 +169,18 @@ class EngineMetrics:
 
     # -- per engine step ------------------------------------------------------------------
 
-    def set_scheduler_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
-        """`kv_cache_usage` is the fraction (0..1) of blocks held by live requests."""
-        self._running.set(num_running)
-        self._waiting.set(num_waiting)
-        self._kv_usage.set(min(max(kv_cache_usage, 0.0), 1.0))
-
-    def add_prefix_cache(self, queries: int, hits: int) -> None:
-        """Deltas since the last call, counted in tokens."""
-        if queries:
-            self._prefix_queries.inc(queries)
-        if hits:
-            self._prefix_hits.inc(hits)
+    def record_engine_stats(self, stats: EngineStats) -> None:
+        """The engine core's gauges, and its counters since its previous stats (added here)."""
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        # the fraction (0..1) of blocks held by live requests
+        self._kv_usage.set(min(max(stats.kv_cache_usage, 0.0), 1.0))
+        if stats.prefix_cache.queries:
+            self._prefix_queries.inc(stats.prefix_cache.queries)
+        if stats.prefix_cache.hits:
+            self._prefix_hits.inc(stats.prefix_cache.hits)
+        if stats.num_preemptions:
+            self._preemptions.inc(stats.num_preemptions)
 
     def add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         """Deltas: prompt tokens computed (prefill) and tokens generated since the last call."""
@@ -186,10 +188,6 @@ class EngineMetrics:
             self._prompt_tokens.inc(prompt_tokens)
         if generation_tokens:
             self._generation_tokens.inc(generation_tokens)
-
-    def add_preemptions(self, n: int) -> None:
-        if n:
-            self._preemptions.inc(n)
 
     # -- per request ----------------------------------------------------------------------
 

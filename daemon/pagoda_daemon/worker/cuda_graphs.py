@@ -67,10 +67,10 @@ class CudaGraphRunner:
         """Decode metadata over the first `size` rows of the staging buffers (device side)."""
         b = self.buffers
         return AttentionMetadata(
-            slot_mapping=b.slot_mapping[2][:size],
-            query_start_loc=b.query_start_loc[2][: size + 1],
-            seq_lens=b.seq_lens[2][:size],
-            block_tables=b.block_tables[2][:size],
+            slot_mapping=b.slot_mapping.device[:size],
+            query_start_loc=b.query_start_loc.device[: size + 1],
+            seq_lens=b.seq_lens.device[:size],
+            block_tables=b.block_tables.device[:size],
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[1] * size,  # host copies only feed shape decisions, which depend on size alone
             max_query_len=1,
@@ -85,19 +85,19 @@ class CudaGraphRunner:
         b = self.buffers
         n = self.max_batch_size
         # Padding rows everywhere: no cache writes, a context of one token.
-        b.input_ids[1][:n] = 0
-        b.positions[1][:n] = 0
-        b.slot_mapping[1][:n] = -1
-        b.seq_lens[1][:n] = 1
-        b.query_start_loc[1][: n + 1] = range(n + 1)
+        b.input_ids.np[:n] = 0
+        b.positions.np[:n] = 0
+        b.slot_mapping.np[:n] = -1
+        b.seq_lens.np[:n] = 1
+        b.query_start_loc.np[: n + 1] = range(n + 1)
         for buf in (b.input_ids, b.positions, b.slot_mapping, b.seq_lens):
-            b.to_device(buf, n)
-        b.to_device(b.query_start_loc, n + 1)
-        b.block_tables[2].zero_()
+            buf.to_device(n)
+        b.query_start_loc.to_device(n + 1)
+        b.block_tables.device.zero_()
         self.input_addresses = self.current_input_addresses()
         pool = None
         for size in reversed(self.sizes):
-            inputs = (b.input_ids[2][:size], b.positions[2][:size], kv_caches)
+            inputs = (b.input_ids.device[:size], b.positions.device[:size], kv_caches)
             # compiles this size's kernels (and picks its cuBLAS kernels) outside the capture
             self.model.compute_logits(self.model(*inputs, self.metadata(size)))
             torch.cuda.synchronize(self.device)
@@ -115,7 +115,7 @@ class CudaGraphRunner:
     def current_input_addresses(self) -> dict[str, int]:
         b = self.buffers
         names = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
-        return {name: getattr(b, name)[2].data_ptr() for name in names}
+        return {name: getattr(b, name).device.data_ptr() for name in names}
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` and return its logits [size, vocab]; the inputs must already

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagoda_daemon.attention.backend import AttentionMetadata
-from pagoda_daemon.engine.scheduler import SchedulerOutput
+from pagoda_daemon.attention.backend import AttentionMetadata, KVCacheSpec
+from pagoda_daemon.engine.scheduler_output import SchedulerOutput
 from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker.cuda_graphs import CudaGraphRunner
 from pagoda_daemon.worker.sampler import Sampler, SamplingBatch
+from pagoda_daemon.worker.staging_buffers import StagingBuffers, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -95,84 +96,6 @@ class LaunchedStep:
         return StepResult(sampled, logprobs)
 
 
-class StagingBuffers:
-    """Host-side inputs of a step with their device twins, sized for the largest step.
-
-    Each buffer is [host, host as numpy, device]. On a GPU the host side is double-buffered
-    (flip() swaps in the other half each step): with a step still running, its
-    host-to-device copies may not have been executed yet, so the next step must not
-    overwrite the memory they read. Two steps back is safe: the engine has waited for it.
-    """
-
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.device = device
-        self._all: list[list] = []
-
-        def pair(shape, dtype):
-            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            if device.type == "cpu":
-                buf = [host, host.numpy(), host]
-            else:
-                spare = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-                buf = [host, host.numpy(), torch.zeros(shape, dtype=dtype, device=device), spare, spare.numpy()]
-            self._all.append(buf)
-            return buf
-
-        self.input_ids = pair(max_tokens, torch.int64)
-        self.positions = pair(max_tokens, torch.int64)
-        self.slot_mapping = pair(max_tokens, torch.int64)
-        self.query_start_loc = pair(max_seqs + 1, torch.int32)
-        self.seq_lens = pair(max_seqs, torch.int32)
-        self.block_tables = pair((max_seqs, max_blocks), torch.int32)
-        self.logits_indices = pair(max_seqs, torch.int64)
-        # per-row sampling parameters
-        self.temperature = pair(max_seqs, torch.float32)
-        self.top_k = pair(max_seqs, torch.int64)
-        self.top_p = pair(max_seqs, torch.float32)
-        self.min_p = pair(max_seqs, torch.float32)
-        self.presence_penalty = pair(max_seqs, torch.float32)
-        self.frequency_penalty = pair(max_seqs, torch.float32)
-        self.repetition_penalty = pair(max_seqs, torch.float32)
-        # decode rows whose input token is the previous step's sample, still on the device
-        self.pending_dst = pair(max_seqs, torch.int64)
-        self.pending_src = pair(max_seqs, torch.int64)
-        self._pair = pair
-        self._max_seqs = max_seqs
-        self.penalty_tokens: dict[str, tuple] = {}  # prompt/output token matrices, made on first use
-
-    def token_matrix(self, name: str, rows: list[list[int]], pad: int, max_len: int) -> torch.Tensor:
-        """Rows of token ids padded with `pad`, through a reusable buffer of max_len columns."""
-        if name not in self.penalty_tokens:
-            self.penalty_tokens[name] = self._pair((self._max_seqs, max_len), torch.int64)
-        host, host_np, dev = self.penalty_tokens[name][:3]
-        width = max(1, max(len(r) for r in rows))
-        host_np[: len(rows), :width] = pad
-        for i, r in enumerate(rows):
-            host_np[i, : len(r)] = r
-        if dev is host:
-            return host[: len(rows), :width]
-        dev[: len(rows), :width].copy_(host[: len(rows), :width], non_blocking=True)
-        return dev[: len(rows), :width]
-
-    def flip(self) -> None:
-        """Switch every host buffer to its other half (a no-op on CPU; see the class docstring)."""
-        for buf in self._all:
-            if len(buf) == 5:
-                buf[0], buf[1], buf[3], buf[4] = buf[3], buf[4], buf[0], buf[1]
-
-    def fill(self, buf, values) -> torch.Tensor:
-        buf[1][: len(values)] = values
-        return self.to_device(buf, len(values))
-
-    def to_device(self, buf, n) -> torch.Tensor:
-        host, dev = buf[0], buf[2]
-        if dev is host:
-            return host[:n]
-        dev[:n].copy_(host[:n], non_blocking=True)
-        return dev[:n]
-
-
 class ModelRunner:
     def __init__(self, model, model_config, engine_config, device: torch.device, dtype: torch.dtype,
                  max_model_len: int) -> None:
@@ -184,9 +107,7 @@ class ModelRunner:
         self.max_num_tokens = engine_config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
-        self.num_layers = model_config.num_hidden_layers
-        self.num_kv_heads = model_config.num_key_value_heads
-        self.head_dim = model.model.layers[0].self_attn.head_dim
+        self.num_layers = model.kv_cache_spec().num_layers
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.buffers = StagingBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, device)
         self.sampler = Sampler(seed=engine_config.seed)
@@ -203,13 +124,8 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------
 
-    def kv_block_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> None:
+        self.kv_cache = torch.zeros(spec.shape(num_blocks, self.block_size), dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
 
     @torch.inference_mode()
@@ -266,13 +182,13 @@ class ModelRunner:
             else:
                 state.add_blocks(s.new_block_ids)
 
-    def prepare_inputs(self, sched: SchedulerOutput, pad_to: int | None = None):
+    def prepare_inputs(self, sched: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
         """Fill the staging buffers for this step. With pad_to (a CUDA-graph size), rows past
         the batch up to pad_to become padding the graph can run over harmlessly."""
         b = self.buffers
         b.flip()
-        ids_np, pos_np, slot_np = b.input_ids[1], b.positions[1], b.slot_mapping[1]
-        qsl_np, lens_np, bt_np, li_np = b.query_start_loc[1], b.seq_lens[1], b.block_tables[1], b.logits_indices[1]
+        ids_np, pos_np, slot_np = b.input_ids.np, b.positions.np, b.slot_mapping.np
+        qsl_np, lens_np, bt_np, li_np = b.query_start_loc.np, b.seq_lens.np, b.block_tables.np, b.logits_indices.np
         num_seqs = len(sched.scheduled)
         starts = np.empty(num_seqs, dtype=np.int64)
         qsl_np[0] = 0
@@ -314,24 +230,24 @@ class ModelRunner:
             slot_np[t:pad_to] = -1
             lens_np[num_seqs:pad_to] = 1
             t = n_rows = pad_to
-        input_ids = b.to_device(b.input_ids, t)
+        input_ids = b.input_ids.to_device(t)
         if pending_dst:
-            dst = b.fill(b.pending_dst, pending_dst)
-            input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, b.fill(b.pending_src, pending_src)))
-        positions = b.to_device(b.positions, t)
-        slot_mapping = b.to_device(b.slot_mapping, t)
-        seq_lens = b.to_device(b.seq_lens, n_rows)
-        block_tables = b.to_device(b.block_tables, n_rows)
-        logits_indices = b.to_device(b.logits_indices, num_logits)
-        if pad_to is not None:
-            return None, None, None, logits_indices, sample_rows
+            dst = b.pending_dst.fill(pending_dst)
+            input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, b.pending_src.fill(pending_src)))
+        positions = b.positions.to_device(t)
+        slot_mapping = b.slot_mapping.to_device(t)
+        seq_lens = b.seq_lens.to_device(n_rows)
+        block_tables = b.block_tables.to_device(n_rows)
+        logits_indices = b.logits_indices.to_device(num_logits)
+        if pad_to is not None:  # the graph reads its inputs from the buffers in place
+            return StepInputs(logits_indices, sample_rows)
 
         seq_lens_cpu = lens_np[:num_seqs].tolist()
         qsl_cpu = qsl_np[: num_seqs + 1].tolist()
         max_blocks = -(-max(seq_lens_cpu) // self.block_size) if num_seqs else 1
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            query_start_loc=b.to_device(b.query_start_loc, num_seqs + 1),
+            query_start_loc=b.query_start_loc.to_device(num_seqs + 1),
             seq_lens=seq_lens,
             block_tables=block_tables[:, :max_blocks],
             query_start_loc_cpu=qsl_cpu,
@@ -340,29 +256,29 @@ class ModelRunner:
             max_seq_len=max(seq_lens_cpu) if num_seqs else 0,
             is_prefill_only=bool((starts == 0).all()),
         )
-        return input_ids, positions, meta, logits_indices, sample_rows
+        return StepInputs(logits_indices, sample_rows, input_ids, positions, meta)
 
     def _sampling_batch(self, sched: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         reqs = [sched.scheduled[i].request for i in rows]
         params = [r.sampling_params for r in reqs]
         b = self.buffers
         batch = SamplingBatch(
-            temperature=b.fill(b.temperature, [p.temperature for p in params]),
+            temperature=b.temperature.fill([p.temperature for p in params]),
             all_greedy=all(p.greedy for p in params),
         )
         if not batch.all_greedy:
             if any(p.top_k > 0 for p in params):  # clamped: k past the vocabulary is all of it (as in vLLM)
-                batch.top_k = b.fill(b.top_k, [min(p.top_k, self.vocab_size) for p in params])
+                batch.top_k = b.top_k.fill([min(p.top_k, self.vocab_size) for p in params])
             if any(p.top_p < 1.0 for p in params):
-                batch.top_p = b.fill(b.top_p, [p.top_p for p in params])
+                batch.top_p = b.top_p.fill([p.top_p for p in params])
             if any(p.min_p > 0.0 for p in params):
-                batch.min_p = b.fill(b.min_p, [p.min_p for p in params])
+                batch.min_p = b.min_p.fill([p.min_p for p in params])
             gens = {j: self.requests[r.request_id].generator for j, r in enumerate(reqs)}
             batch.generators = {j: g for j, g in gens.items() if g is not None and params[j].temperature > 0}
         if any(p.uses_penalties for p in params):
-            batch.presence_penalty = b.fill(b.presence_penalty, [p.presence_penalty for p in params])
-            batch.frequency_penalty = b.fill(b.frequency_penalty, [p.frequency_penalty for p in params])
-            batch.repetition_penalty = b.fill(b.repetition_penalty, [p.repetition_penalty for p in params])
+            batch.presence_penalty = b.presence_penalty.fill([p.presence_penalty for p in params])
+            batch.frequency_penalty = b.frequency_penalty.fill([p.frequency_penalty for p in params])
+            batch.repetition_penalty = b.repetition_penalty.fill([p.repetition_penalty for p in params])
             width = self.max_model_len + 1
             batch.prompt_token_ids = b.token_matrix("prompt", [r.prompt_token_ids for r in reqs], self.vocab_size, width)
             batch.output_token_ids = b.token_matrix("output", [r.output_token_ids for r in reqs], self.vocab_size, width)
@@ -378,15 +294,16 @@ class ModelRunner:
             return LaunchedStep.empty()
         with phase("pagoda.prepare_inputs"):
             graph_size = self.graph_size(sched)
-            input_ids, positions, meta, logits_indices, rows = self.prepare_inputs(sched, graph_size)
+            inputs = self.prepare_inputs(sched, graph_size)
+            rows = inputs.sample_rows
         with phase("pagoda.forward"):
             if graph_size is not None:  # the graph computes every row's logits
                 all_logits = self.cuda_graphs.replay(graph_size)
                 every_row = len(rows) == len(sched.scheduled)  # then logits_indices is 0, 1, 2, ...
-                logits = all_logits[: len(rows)] if every_row else all_logits[logits_indices]
+                logits = all_logits[: len(rows)] if every_row else all_logits[inputs.logits_indices]
             else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
-                logits = self.model.compute_logits(hidden[logits_indices]) if rows else None
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                logits = self.model.compute_logits(hidden[inputs.logits_indices]) if rows else None
         if not rows:
             return LaunchedStep.empty()
         with phase("pagoda.sample"):

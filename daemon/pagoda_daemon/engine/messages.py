@@ -1,0 +1,121 @@
+"""Every message between the frontend (API server, offline LLM) and the engine core, typed.
+
+One declaration per message, used on both sides of the ZMQ sockets (``server/wire.py``
+encodes and decodes them) and in process. msgspec structs, ``array_like`` so a message is a
+msgpack array of its fields (smaller and faster than maps; vLLM's ``v1/engine/__init__.py``
+does the same), tagged so that one decoder per direction tells the kinds apart. Standard
+library and msgspec only: no torch on this path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# ---- frontend -> engine core ----------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
+    """One tokenized, validated request. ``sampling_params`` holds SamplingParams' fields: the
+    core builds SamplingParams from them again, so its checks run on this side too."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]
+    eos_token_id: int | None
+    extra_keys: list[list[Any]]  # block-hash extra keys (cache_salt), as lists
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
+    request_ids: list[str]
+
+
+class FinishRequest(msgspec.Struct, tag="finish", array_like=True, gc=False):
+    """The frontend found a stop string: the core stops the request."""
+
+    request_id: str
+    stop_reason: int | str | None
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False):
+    pass
+
+
+ToCore = AddRequest | AbortRequests | FinishRequest | Shutdown
+
+# ---- engine core -> frontend ----------------------------------------------------------------
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request: only what is new (never a reference to the
+    Request itself, never its whole token list)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[dict[int, float]] = []
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first schedule, sent with the final output
+
+
+class PrefixCacheStats(msgspec.Struct, array_like=True, gc=False):
+    """Counted in tokens, as vLLM's prefix_cache_queries/hits counters are."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class EngineStats(msgspec.Struct, array_like=True, gc=False):
+    """Gauges (running, waiting, KV usage, blocks) and counters (steps, preemptions, prefix-cache
+    tokens). From ``EngineCore.make_stats()`` the counters are those since the previous call;
+    ``LLM.get_stats()`` returns them summed since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+
+    def add_counters(self, later: EngineStats) -> EngineStats:
+        """These counters plus a later snapshot's, with the later gauges."""
+        return EngineStats(
+            later.num_running, later.num_waiting, later.kv_cache_usage, later.num_kv_blocks,
+            later.num_free_kv_blocks, self.num_steps + later.num_steps, self.num_preemptions + later.num_preemptions,
+            PrefixCacheStats(self.prefix_cache.queries + later.prefix_cache.queries,
+                             self.prefix_cache.hits + later.prefix_cache.hits),
+        )
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True, gc=False):
+    """Sent once, when the engine has warmed up; ``/ready`` shows it."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    gpus: list[int]
+    numa_nodes: list[int]
+    expert_parallel_size: int = 1
+
+
+class EngineFailed(msgspec.Struct, tag="failed", array_like=True, gc=False):
+    reason: str
+
+
+FromCore = EngineCoreOutputs | EngineReady | EngineFailed

@@ -1,0 +1,38 @@
+"""What the scheduler decided for one step: the contract between the engine core's
+scheduler and the workers that run the step (``Executor.execute_model``).
+
+In process, entries carry the ``Request`` itself (the runner reads its token ids and
+sampling parameters); a multi-process executor will send each worker the new requests once
+and only the per-step deltas after that, as vLLM's ``NewRequestData``/``CachedRequestData`` do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagoda_daemon.engine.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # Block ids added this step; the full list when the runner sees the request afresh.
+    new_block_ids: list[int]
+    is_new: bool  # first schedule, or resumed after preemption: the runner rebuilds its state
+    start: int = 0  # tokens computed before this step: the position of the first new token
+    samples: bool = False  # this step reaches the end of the known tokens and samples the next
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: runner drops state
+    preempted_request_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,39 @@
+"""The seam between the engine core and its workers.
+
+The core schedules; an Executor carries each step to every worker and hands back one
+launched step whose ``result()`` gives the sampled tokens. One in-process worker today
+(``UniProcExecutor``); one worker process per GPU for tensor and expert parallelism, behind
+this same interface. vLLM's ``v1/executor/abstract.py`` is the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+    from pagoda_daemon.worker.model_runner import LaunchedStep
+    from pagoda_daemon.worker.worker import WorkerInfo
+
+
+class Executor(ABC):
+    @abstractmethod
+    def available_kv_blocks(self) -> int:
+        """The KV blocks every worker can hold (the smallest, so one block table fits all)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks KV blocks on every worker and capture their graphs."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Launch one step on every worker; the returned step's ``result()`` waits for it."""
+
+    @abstractmethod
+    def info(self) -> WorkerInfo:
+        """The driver worker's device, dtype and placement."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait until every worker's device is idle."""

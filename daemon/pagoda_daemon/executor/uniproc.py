@@ -1,0 +1,29 @@
+"""One worker in the engine core's own process: the executor of a one-device engine."""
+
+from __future__ import annotations
+
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+from pagoda_daemon.executor.abstract import Executor
+from pagoda_daemon.worker.model_runner import LaunchedStep
+from pagoda_daemon.worker.worker import Worker, WorkerInfo
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_config, max_model_len: int) -> None:
+        self.worker = Worker(config, model_config, max_model_len)
+
+    def available_kv_blocks(self) -> int:
+        return self.worker.available_kv_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        return self.worker.execute_model(scheduler_output)
+
+    def info(self) -> WorkerInfo:
+        return self.worker.info()
+
+    def synchronize(self) -> None:
+        self.worker.synchronize()

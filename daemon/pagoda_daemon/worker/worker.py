@@ -1,0 +1,141 @@
+"""A Worker owns one device: it resolves the device and dtype, pins itself to the cores
+nearest its GPU, loads the model, measures memory, allocates the KV cache, captures the CUDA
+graphs and runs the steps the engine core schedules (through its ModelRunner).
+
+The engine core never touches a device: it talks to an Executor, which drives one Worker
+per device. Every method takes and returns plain values (a block count, a SchedulerOutput, a
+launched step), so a Worker can live in its own process behind a message queue.
+vLLM's ``v1/worker/gpu_worker.py`` is the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+from pagoda_daemon.models import loader
+from pagoda_daemon.worker.model_runner import LaunchedStep, ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the engine core about itself once it is set up (READY reports it)."""
+
+    device: str
+    dtype: str
+    gpu: int | None  # the GPU's index on the node, when pinned next to one
+    numa_node: int | None
+    attention_backend: str
+    uses_cuda_graphs: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, model_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return loader.DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = loader.checkpoint_dtype(model_config)
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def pin_worker(device: torch.device, policy: str):
+    """Pin this worker to the cores nearest its GPU; a topology problem costs a warning, not the engine."""
+    from pagoda_daemon.topology import pin_this_process
+
+    local_rank = (device.index or 0) if device.type == "cuda" else 0
+    try:
+        return pin_this_process(local_rank, policy)
+    except (OSError, ValueError) as e:
+        log.warning("CPU pinning (%s) skipped: %s", policy, e)
+        return None
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_config, max_model_len: int) -> None:
+        from pagoda_daemon.attention import get_attention_backend
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        # Pin before anything big is allocated on the host, so it lands on local memory.
+        self.cpu_pin = pin_worker(self.device, config.numa_policy)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        torch.manual_seed(config.seed)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        model = loader.load_model(
+            config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.load_format,
+        )
+        self.kv_cache_spec = model.kv_cache_spec()
+        self.runner = ModelRunner(model, model_config, config, self.device, self.dtype, max_model_len)
+        self.uses_cuda_graphs = (self.device.type == "cuda" and self.backend.uses_kernels
+                                 and not config.enforce_eager)
+
+    def info(self) -> WorkerInfo:
+        pin = self.cpu_pin
+        return WorkerInfo(
+            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            gpu=None if pin is None else pin.gpu, numa_node=None if pin is None else pin.numa_node,
+            attention_backend=self.backend.name, uses_cuda_graphs=self.uses_cuda_graphs,
+        )
+
+    # ---- KV cache ---------------------------------------------------------------------
+
+    def kv_block_bytes(self) -> int:
+        return self.kv_cache_spec.block_bytes(self.config.block_size, self.dtype)
+
+    def available_kv_blocks(self) -> int:
+        """How many KV blocks this device can hold: the GPU's from a profiling pass, the CPU's
+        from its byte budget; ``num_kv_blocks`` overrides both."""
+        per_block = self.kv_block_bytes()
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks(per_block)
+        return (self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+
+    def _profile_gpu_blocks(self, per_block: int) -> int:
+        """KV budget = gpu_memory_utilization x the memory left free after a profiling forward pass."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.profile_peak_memory()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        free_after_profile = total - non_torch - peak
+        budget = int(free_after_profile * self.config.gpu_memory_utilization)
+        log.info("memory profile: total %.1f GiB, peak torch %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+                 total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
+        torch.cuda.empty_cache()
+        return max(budget // per_block, 0)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture the decode CUDA graphs over it."""
+        self.runner.allocate_kv_cache(self.kv_cache_spec, num_blocks)
+        if self.uses_cuda_graphs:
+            self.runner.capture_cuda_graphs()
+        elif self.device.type == "cuda" and not self.config.enforce_eager:
+            log.info("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
+
+    # ---- steps ------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        return self.runner.execute(scheduler_output)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,60 @@
+"""Outputs as deltas: a streamed request's outputs carry only what is new, so the work per
+output does not grow with the output's length; put together they are exactly the cumulative
+output, stop strings across output boundaries included."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagoda_daemon import LLM, SamplingParams
+from pagoda_daemon.outputs import RequestOutputKind
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["llama"], num_kv_blocks=128, max_model_len=256)
+
+
+def run(llm: LLM, prompt: list[int], params: SamplingParams, kind: RequestOutputKind):
+    engine = llm.engine
+    rid = engine.add_request(prompt, params, output_kind=kind)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def test_deltas_add_up_to_the_cumulative_output_and_never_grow(llm):
+    rng = random.Random()
+    prompt = [rng.randrange(3, llm.engine.model_config.vocab_size) for _ in range(rng.randrange(4, 30))]
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, logprobs=2)
+    cumulative = run(llm, prompt, params, RequestOutputKind.CUMULATIVE)[-1].outputs[0]
+    deltas = [o.outputs[0] for o in run(llm, prompt, params, RequestOutputKind.DELTA)]
+    assert max(len(d.token_ids) for d in deltas) == 1  # one token per step: constant work per output
+    assert [t for d in deltas for t in d.token_ids] == cumulative.token_ids
+    assert "".join(d.text for d in deltas) == cumulative.text
+    assert [lp for d in deltas for lp in d.logprobs] == cumulative.logprobs
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_final_only_gives_one_complete_output(llm):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompt = [5, 9, 13, 17]
+    outs = run(llm, prompt, params, RequestOutputKind.FINAL_ONLY)
+    assert len(outs) == 1 and outs[0].finished
+    assert outs[0].outputs[0].token_ids == run(llm, prompt, params, RequestOutputKind.CUMULATIVE)[-1].outputs[0].token_ids
+
+
+def test_a_stop_string_spanning_deltas_is_cut_exactly_and_never_leaks(llm):
+    prompt = "Continuous batching lets new requests join"
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text = run(llm, llm.tokenizer.encode(prompt), params, RequestOutputKind.CUMULATIVE)[-1].outputs[0].text
+    clean = [i for i in range(4, len(text) - 8) if "\ufffd" not in text[i : i + 5]]
+    assert clean, f"no clean window in {text!r}"
+    stop = text[clean[len(clean) // 2] :][:5]  # five characters: usually more than one token
+    cut = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    deltas = [o.outputs[0] for o in run(llm, llm.tokenizer.encode(prompt), cut, RequestOutputKind.DELTA)]
+    assert "".join(d.text for d in deltas) == text[: text.find(stop)]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
