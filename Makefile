@@ -36,6 +36,7 @@ test: setup lint cluster-tools unit e2e
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy --cache-dir $(HOME)/.cache/pagoda/mypy
 
 unit: setup
 	$(BIN)/python -m pytest tests

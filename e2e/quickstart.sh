@@ -39,9 +39,7 @@ RELEASE_NS=pagoda-system
 TOTAL=7
 export PAGODA_DOCKER_SLOT=quickstart              # images persist in ~/.cache/pagoda/docker/quickstart
 
-T_START=$(date +%s)
-elapsed() { local s=$(( $(date +%s) - T_START )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
-say() { echo "[quickstart $(elapsed)] $*"; }
+start_clock quickstart
 
 # stage N DESCRIPTION LOGNAME CMD...: run one stage with its output in its own log; on failure
 # say which stage broke, where its log is, and show the log's end.

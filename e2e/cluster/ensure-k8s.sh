@@ -78,26 +78,7 @@ WORK=$VDIR/build
 LOGS=$VDIR/logs
 if [ "${PRINT_BIN_DIR:-0}" = 1 ]; then echo "$BIN"; exit 0; fi
 
-T_START=$(date +%s)
-say() { echo "[ensure-k8s $(( $(date +%s) - T_START ))s] $*"; }
-die() { echo "[ensure-k8s] ERROR: $*" >&2; exit 1; }
-
-# run_step NAME DESCRIPTION CMD...: run CMD with its output in $LOGS/NAME.log; on failure
-# say which step broke, where the log is, and show its tail.
-run_step() {
-  local name=$1 desc=$2; shift 2
-  local log=$LOGS/$name.log t0
-  t0=$(date +%s)
-  say "$desc (log: $log)"
-  run_logged "$log" "$@"
-  if [ "$RUN_RC" != 0 ]; then
-    echo "[ensure-k8s] ERROR: step '$name' ($desc) failed with exit code $RUN_RC." >&2
-    echo "[ensure-k8s] Full log: $log ; last 30 lines:" >&2
-    log_tail "$log" 30
-    exit "$RUN_RC"
-  fi
-  say "  done: $name in $(( $(date +%s) - t0 ))s"
-}
+start_clock ensure-k8s
 
 # ---- what is wanted, what is missing --------------------------------------------------
 COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler)

@@ -51,14 +51,7 @@ RUN_ROOT=/run/pagoda-k8s        # short: unix socket paths are limited to 107 by
 PAUSE_IMAGE=pagoda.local/pause:3.4.1
 CNI_BIN=${PAGODA_CNI_BIN:-/usr/lib/cni}
 
-T0=$(date +%s.%N)
-elapsed() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1fs", b - a }'; }
-say() { echo "[node $(elapsed)] $*"; }
-die() {
-  echo "[node] ERROR: $1" >&2
-  if [ -n "${2:-}" ] && [ -f "$2" ]; then echo "[node] last lines of $2:" >&2; log_tail "$2" 25; fi
-  exit 1
-}
+start_clock node
 
 # ---- net-up ----------------------------------------------------------------------------
 net_up() {

@@ -41,9 +41,7 @@ CONTROLLERS=${PAGODA_K8S_CONTROLLERS:-1}
 NODE=${PAGODA_K8S_NODE:-0}
 if [ "$NODE" = 1 ]; then CONTROLLERS=1; fi
 
-T0=$(date +%s.%N)
-elapsed() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1fs", b - a }'; }
-say() { echo "[start-cluster $(elapsed)] $*"; }
+start_clock start-cluster
 fail() {
   # Show why, then stop whatever did start, so a failed start leaves nothing running.
   echo "[start-cluster] ERROR: $1" >&2

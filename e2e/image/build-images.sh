@@ -60,19 +60,7 @@ for arg in "$@"; do
   esac
 done
 
-T_START=$(date +%s)
-say() { echo "[build-images $(( $(date +%s) - T_START ))s] $*"; }
-die() { echo "[build-images] ERROR: $*" >&2; exit 1; }
-run_step() {
-  local name=$1 desc=$2 log=$LOGS/$1.log; shift 2
-  say "$desc (log: $log)"
-  run_logged "$log" "$@"
-  if [ "$RUN_RC" != 0 ]; then
-    echo "[build-images] ERROR: step '$name' ($desc) failed with exit code $RUN_RC. Log: $log ; last 30 lines:" >&2
-    log_tail "$log" 30
-    exit "$RUN_RC"
-  fi
-}
+start_clock build-images
 
 [ -x "$PYTHON" ] || die "no Python at $PYTHON: run 'make setup' first (or set PYTHON)"
 

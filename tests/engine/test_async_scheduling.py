@@ -4,15 +4,15 @@ The engine schedules step N+1 before step N's tokens reach the host; a request t
 stops on a token sampled in step N has already been given step N+1, whose token must be
 dropped. These tests run the same requests with and without it and compare every output.
 The CPU runs the same code path as the GPU (the pending token is taken from the previous
-step's output tensor); only the overlap itself needs a GPU (tests/gpu, bench/throughput).
+step's output tensor); only the overlap itself needs a GPU (tests/gpu, benchmarks/throughput.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.parity import random_prompts
 from pagoda_daemon import LLM, SamplingParams
-from pagoda_daemon.bench.parity import random_prompts
 
 
 def _assert_same(ahead, sync):

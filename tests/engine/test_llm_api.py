@@ -7,8 +7,8 @@ import weakref
 
 import pytest
 
+from benchmarks.parity import hf_greedy, random_prompts
 from pagoda_daemon import LLM, SamplingParams
-from pagoda_daemon.bench.parity import hf_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.parity import CONFIGS, LENGTHS, hf_greedy, random_prompts, run_case
 from pagoda_daemon import LLM, SamplingParams
-from pagoda_daemon.bench.parity import CONFIGS, LENGTHS, hf_greedy, random_prompts, run_case
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))

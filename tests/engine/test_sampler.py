@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from benchmarks.parity import random_prompts
 from pagoda_daemon import LLM, SamplingParams
-from pagoda_daemon.bench.parity import random_prompts
 from pagoda_daemon.worker.sampler import (
     Sampler,
     SamplingBatch,
@@ -130,7 +130,7 @@ def test_repetition_penalty_matches_transformers(tiny_models, llm):
     """Greedy with a repetition penalty equals transformers' RepetitionPenaltyLogitsProcessor."""
     from transformers import GenerationConfig
 
-    from pagoda_daemon.bench.parity import hf_model
+    from benchmarks.parity import hf_model
 
     path = tiny_models["qwen3"]
     prompts = random_prompts(llm.engine.model_config.vocab_size, [6, 25], seed=21)

@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps: same tokens as eager execution, padding that never leaks,
 batches past the largest graph run eagerly, inputs at the captured addresses.
 
-Skipped without a GPU; run on the GPU machine by `bench/run_gpu.sh tests`.
+Skipped without a GPU; run on the GPU machine by `benchmarks/run_gpu.sh tests`.
 """
 
 from __future__ import annotations

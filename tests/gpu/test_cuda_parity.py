@@ -1,7 +1,7 @@
 """On a CUDA device: token parity with transformers in float32, and bfloat16 within reach.
 
 Skipped on machines without a GPU (CI); run on the GPU machine by
-`daemon/pagoda_daemon/bench/run_gpu.sh tests`.
+`benchmarks/run_gpu.sh tests`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda_daemon.bench.parity import CONFIGS, LENGTHS, run_case
+from benchmarks.parity import CONFIGS, LENGTHS, run_case
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,12 +3,12 @@
 A kernel compiled mid-run stalls every request of that step for up to a second: three
 such compiles (new specialisations of an integer argument or of a pointer's alignment)
 made the first of three identical throughput runs 26% slower on an H100
-(docs/benchmarks/2026-11-21-session4.md). Each case runs the throughput benchmark
+(docs/benchmarks/2026-11-21-run-variance-and-vllm-pairs-h100.md). Each case runs the throughput benchmark
 in a fresh process, where Triton's in-memory caches start empty, on a workload whose
 batches vary widely: 48 requests finishing one by one, chunked prefill, a vocabulary that
 the sampler splits into several chunks; once with CUDA graphs and once eager.
 
-Skipped without a GPU; run on the GPU machine by `bench/run_gpu.sh gpu-tests`.
+Skipped without a GPU; run on the GPU machine by `benchmarks/run_gpu.sh gpu-tests`.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ def test_serving_after_warm_up_compiles_no_kernel(tmp_path, eager):
     # head size 128 and 2 query heads per KV head, as the models served; random weights
     tiny_config("qwen3", 20000, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=128, architectures=["Qwen3ForCausalLM"]).save_pretrained(tmp_path)
-    cmd = [sys.executable, "-m", "pagoda_daemon.bench.throughput", str(tmp_path), "--num-seqs", "48",
+    cmd = [sys.executable, "-m", "benchmarks.throughput", str(tmp_path), "--num-seqs", "48",
            "--max-input-len", "400", "--max-output-len", "160", "--max-num-batched-tokens", "1024",
            "--max-model-len", "1024"] + (["--enforce-eager"] if eager else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
     compiles = result["triton_compiles"]

@@ -7,7 +7,7 @@ import json
 
 from tests.kernels import interp  # noqa: F401  (skips where the interpreter cannot run)
 
-from pagoda_kernels import bench  # isort: skip
+from benchmarks import kernels as bench  # isort: skip
 
 
 def test_bench_smoke_prints_json(capsys):

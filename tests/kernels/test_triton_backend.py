@@ -85,8 +85,8 @@ def test_engine_greedy_tokens_identical_with_triton_backend(tiny_models, monkeyp
     """The whole engine (chunked prefill, prefix caching) in float32: the Triton backend
     gives the torch backend's greedy tokens, which are transformers' (tests/engine)."""
     import pagoda_daemon.attention as attention
+    from benchmarks.parity import random_prompts
     from pagoda_daemon import LLM, SamplingParams
-    from pagoda_daemon.bench.parity import random_prompts
 
     torch_backend = attention.get_attention_backend
     tokens = {}

@@ -9,15 +9,20 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.messages import EngineCoreOutput, EngineStats
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler import Scheduler
+from pagoda_daemon.engine.scheduler_output import SchedulerOutput
 from pagoda_daemon.executor.abstract import Executor
 from pagoda_daemon.models import loader
 from pagoda_daemon.telemetry.profiling import phase
+
+if TYPE_CHECKING:
+    from pagoda_daemon.worker.model_runner import LaunchedStep
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +31,7 @@ def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (modules, the model, configs: they live
     as long as the process) out of the garbage collector's reach. Full collections then scan
     only what serving allocates: on an H100, one full collection over the un-frozen heap
-    stalled a serving step for 200 ms (docs/benchmarks/2026-11-21-session4.md).
+    stalled a serving step for 200 ms (docs/benchmarks/2026-11-21-run-variance-and-vllm-pairs-h100.md).
     vLLM's engine core does the same after start-up."""
     gc.collect()
     gc.freeze()
@@ -53,7 +58,8 @@ class EngineCore:
         # Schedule step N+1 while step N runs (GPU default; on CPU there is nothing to overlap).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.worker_info.device.startswith("cuda"))
-        self._in_flight = None  # (SchedulerOutput, launched step) whose outputs are not collected yet
+        # the step launched but not collected yet, with what was scheduled for it
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        record_events=config.enable_kv_events)
         self.scheduler = Scheduler(
@@ -148,7 +154,7 @@ class EngineCore:
         """
         if self._in_flight is not None and self.scheduler.num_needing_host_tokens:
             return self._finish_in_flight()  # penalties need every token on the host first
-        # phase labels name the step's parts in torch-profiler traces (bench/throughput.py).
+        # phase labels name the step's parts in torch-profiler traces (benchmarks/throughput.py).
         with phase("pagoda.schedule"):
             sched = self.scheduler.schedule()
         now = time.monotonic()

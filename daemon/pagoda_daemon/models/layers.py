@@ -78,7 +78,7 @@ class Linear(nn.Module):
 
     def skinny(self, x: torch.Tensor) -> bool:
         """The shape the kernel wins everywhere: at two rows it led on an H100 but not on an H200,
-        at four cuBLAS is faster (docs/benchmarks/2026-11-22-session5.md)."""
+        at four cuBLAS is faster (docs/benchmarks/2026-11-22-batch1-matmuls-and-final-figures-h100.md)."""
         return (self._gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
                 and x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16)
                 and x.stride(-1) == 1)

@@ -192,7 +192,7 @@ def kv_events_for_publishing(events: list, block_size: int) -> list:
     from pagoda_daemon.engine.block_pool import CLEARED, RemovedBlock, StoredBlock
     from pagoda_daemon.telemetry.kv_events import AllCleared, BlockRemoved, BlockStored, block_hash_to_int
 
-    out = []
+    out: list[BlockStored | BlockRemoved | AllCleared] = []
     for e in events:
         if isinstance(e, StoredBlock):
             parent = None if e.parent_hash is None else block_hash_to_int(e.parent_hash)

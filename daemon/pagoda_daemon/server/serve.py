@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagoda.serve")
 
-SHUTDOWN_GRACE_S = 3.0  # after the drain: for responses already ended to reach their clients
+SHUTDOWN_GRACE_S = 3  # after the drain: for responses already ended to reach their clients
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from pagoda_daemon.cli import add_engine_args

@@ -10,7 +10,7 @@ length 1, token 0; their outputs are never read.
 
 The graph ends with the logits of every row. Outside a graph the LM head would be a cuBLAS
 call whose row count changes whenever a sequence finishes, and cuBLAS pays 0.2-10 ms of host
-time the first time it sees a shape (H100, 2026-11-22: docs/benchmarks/2026-11-22-session5.md);
+time the first time it sees a shape (H100, 2026-11-22: docs/benchmarks/2026-11-22-batch1-matmuls-and-final-figures-h100.md);
 inside, that cost is paid once per size, at capture, and the step launches nothing more.
 
 What must hold for a graph to be valid at replay (checked in tests/gpu):

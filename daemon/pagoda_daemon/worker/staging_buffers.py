@@ -29,11 +29,11 @@ class CpuGpuBuffer:
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.np: np.ndarray = self.host.numpy()
         self.device = torch.zeros(shape, dtype=dtype, device=device) if on_gpu else self.host
-        self.spare = torch.zeros(shape, dtype=dtype, pin_memory=pin) if on_gpu else None
-        self.spare_np = self.spare.numpy() if self.spare is not None else None
+        self.spare: torch.Tensor | None = torch.zeros(shape, dtype=dtype, pin_memory=pin) if on_gpu else None
+        self.spare_np: np.ndarray | None = self.spare.numpy() if self.spare is not None else None
 
     def flip(self) -> None:
-        if self.spare is not None:
+        if self.spare is not None and self.spare_np is not None:
             self.host, self.np, self.spare, self.spare_np = self.spare, self.spare_np, self.host, self.np
 
     def to_device(self, n: int) -> torch.Tensor:

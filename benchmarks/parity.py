@@ -2,7 +2,7 @@
 
 Helpers used by the tests, and a report for the GPU machine:
 
-    python -m pagoda_daemon.bench.parity --device cuda --dtypes float32 bfloat16
+    python -m benchmarks.parity --device cuda --dtypes float32 bfloat16
 
 For each architecture, dtype and engine configuration it runs a batch of prompts
 through the engine and through transformers' greedy `generate` on the same weights,

@@ -1,13 +1,13 @@
 """End-to-end engine benchmarks on random-weight models (no download: config.json alone).
 
     # nano-vllm's workload: seed 0, 256 sequences, input/output lengths uniform in [100, 1024]
-    python -m pagoda_daemon.bench.throughput MODEL_DIR
+    python -m benchmarks.throughput MODEL_DIR
     # batch-1 decode latency (time per output token) for a 127-token prompt, 146 tokens out
-    python -m pagoda_daemon.bench.throughput MODEL_DIR --latency
+    python -m benchmarks.throughput MODEL_DIR --latency
     # process start to ready (a child process builds the engine, captures graphs, warms up)
-    python -m pagoda_daemon.bench.throughput MODEL_DIR --startup
+    python -m benchmarks.throughput MODEL_DIR --startup
     # torch-profiler trace of decode steps: host syncs per step, CPU vs GPU time per step
-    python -m pagoda_daemon.bench.throughput MODEL_DIR --profile-steps 20 --trace-dir OUT
+    python -m benchmarks.throughput MODEL_DIR --profile-steps 20 --trace-dir OUT
 
 The workload and its random stream are those of the vLLM anchor (`bench_vllm.py` in the
 shared anchors kit), token ids in and token ids out (vLLM runs with skip_tokenizer_init),
@@ -219,7 +219,7 @@ def latency(args) -> dict:
         decode = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
         results.append({"ttft_ms": round((stamps[0] - start) * 1e3, 2), "tpot_ms": round(decode * 1e3, 3)})
         core.kv_cache.reset_prefix_cache()  # every repeat prefills from scratch
-    from pagoda_kernels.bench import copy_bandwidth, make_timer
+    from benchmarks.kernels import copy_bandwidth, make_timer
 
     # The floor: every weight byte read once per token at the copy rate measured now.
     # (A copy moves each byte twice, read and write; its GB/s counts both.)
@@ -235,7 +235,7 @@ def latency(args) -> dict:
 
 def startup(args) -> dict:
     """Wall time from launching a fresh Python process to an engine that has warmed up."""
-    cmd = [sys.executable, "-m", "pagoda_daemon.bench.throughput", args.model, "--ready-only",
+    cmd = [sys.executable, "-m", "benchmarks.throughput", args.model, "--ready-only",
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--device", args.device]
     if args.enforce_eager:
         cmd.append("--enforce-eager")

@@ -2,11 +2,11 @@
 # One call on the GPU machine: set up, check, benchmark. Results land in $OUT (the device
 # tool's output folder) or ./.out, to be copied into docs/benchmarks/.
 #
-#   bash daemon/pagoda_daemon/bench/run_gpu.sh [all|parity|parity-triton|kernels|kernels-attention|tests|graphs|serve|
+#   bash benchmarks/run_gpu.sh [all|parity|parity-triton|kernels|kernels-attention|tests|graphs|serve|
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               vllm-stash|vllm] ...
 #
-# e2e: end-to-end engine benchmarks on random-weight models (bench/throughput.py). The default
+# e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
 # kernels compiled during each round.
 # vllm-stash / vllm: the two steps of the vLLM anchor kit (../shared/anchors/vllm), made as
@@ -17,10 +17,10 @@
 # The GPU image has torch, transformers, safetensors and tokenizers; anything else the
 # steps need travels as wheels in .whl/ (the server's: fastapi, uvicorn, pyzmq, pydantic, ...).
 set -uo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/daemon:$PWD/kernels:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD:$PWD/daemon:$PWD/kernels:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -45,23 +45,23 @@ has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0
 
 if has parity; then
   step "parity with transformers on CUDA (float32 must be identical; bfloat16 reported)"
-  python3 -m pagoda_daemon.bench.parity --device cuda --dtypes float32 bfloat16 | tee "$OUT/parity.jsonl" || status=1
+  python3 -m benchmarks.parity --device cuda --dtypes float32 bfloat16 | tee "$OUT/parity.jsonl" || status=1
 fi
 if has parity-triton; then
   step "parity with transformers on CUDA through the Triton attention backend"
-  python3 -m pagoda_daemon.bench.parity --device cuda --dtypes float32 bfloat16 --attention-backend triton \
+  python3 -m benchmarks.parity --device cuda --dtypes float32 bfloat16 --attention-backend triton \
     --configs default chunked-prefill-16 shared-prefix-cached tiny-cache-preemption | tee "$OUT/parity-triton.jsonl" || status=1
 fi
 if has kernels; then
   step "Triton kernels: GPU correctness grid, then benchmarks against the copy/matmul rates of this run"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py 2>&1 | tail -15 | tee "$OUT/kernels-pytest.txt" || status=1
-  python3 -m pagoda_kernels.bench --out "$OUT/kernels-bench.json" | tail -40 || status=1
+  python3 -m benchmarks.kernels --out "$OUT/kernels-bench.json" | tail -40 || status=1
 fi
 if has kernels-attention; then
   step "Triton attention and sampling kernels: their GPU tests, then their benchmarks"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "decode or prefill or varlen or backend or sampl" \
     2>&1 | tail -15 | tee "$OUT/kernels-pytest.txt" || status=1
-  python3 -m pagoda_kernels.bench --only decode,decode-mixed,prefill,sampling --out "$OUT/kernels-bench.json" | tail -40 \
+  python3 -m benchmarks.kernels --only decode,decode-mixed,prefill,sampling --out "$OUT/kernels-bench.json" | tail -40 \
     || status=1
 fi
 if has gpu-tests; then
@@ -95,7 +95,7 @@ if has graphs; then
   step "CUDA graphs: graphed decode equals eager, padding, eager fallback"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py 2>&1 | tail -15 | tee "$OUT/graphs-pytest.txt" || status=1
 fi
-CFG=daemon/pagoda_daemon/bench/configs
+CFG=benchmarks/configs
 if has vllm-stash; then
   step "vLLM anchor, step 1: stash core.part.00"
   mkdir -p /tmp/vllm_stash && cp .vllm_stash/* /tmp/vllm_stash/ && ls -la /tmp/vllm_stash || status=1
@@ -105,7 +105,7 @@ if has vllm; then
   B=.vllm_b OUT=$OUT bash .vllm_b/stage2.sh engine 2>&1 | grep -E "RESULT|Error|error|vllm " | tail -5 || status=1
   grep RESULT "$OUT/vllm_bench.log" | tee "$OUT/vllm.jsonl"
 fi
-T="python3 -m pagoda_daemon.bench.throughput"
+T="python3 -m benchmarks.throughput"
 e2e() { $T "$@" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }
 if has e2e || has e2e-throughput || has vllm; then
   step "Pagoda end to end: Qwen3-0.6B shape, nano-vllm workload (CUDA graphs + async scheduling), ${E2E_ROUNDS:-2} rounds"
@@ -132,7 +132,7 @@ if has e2e || has e2e-latency; then
 fi
 if has overhead; then
   step "engine CPU overhead per step at 256 running requests"
-  python3 -m pagoda_daemon.bench.step_overhead --num-requests 256 --steps 200 | tee "$OUT/step_overhead.json" || status=1
+  python3 -m benchmarks.step_overhead --num-requests 256 --steps 200 | tee "$OUT/step_overhead.json" || status=1
 fi
 if has topology; then
   step "node topology and pinning"

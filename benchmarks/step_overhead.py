@@ -4,7 +4,7 @@ sampling-batch construction and output bookkeeping, at N running requests.
 Runs the real Scheduler, KVCacheManager and ModelRunner input preparation on a tiny
 model without the forward pass, so the figure is the engine's Python overhead alone.
 
-    python -m pagoda_daemon.bench.step_overhead --num-requests 256 --steps 200
+    python -m benchmarks.step_overhead --num-requests 256 --steps 200
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Kernel benchmarks for the GPU machine; prints one JSON document.
 
-    python -m pagoda_kernels.bench                 # everything, on cuda:0
-    python -m pagoda_kernels.bench --only decode   # decode | prefill | moe | sampling | gemv (comma-separated)
-    python -m pagoda_kernels.bench --smoke         # tiny shapes on CPU under TRITON_INTERPRET=1
+    python -m benchmarks.kernels                 # everything, on cuda:0
+    python -m benchmarks.kernels --only decode   # decode | prefill | moe | sampling | gemv (comma-separated)
+    python -m benchmarks.kernels --smoke         # tiny shapes on CPU under TRITON_INTERPRET=1
 
 Every figure comes with its floor, measured in the same run on the same device:
 

@@ -1,1 +1,0 @@
-"""Benchmarks and reports that run on the GPU machine or measure the engine's CPU overhead."""
