@@ -1,14 +1,16 @@
-"""One reconcile pass over one InferenceService: read the world, decide, write only differences.
+"""One reconcile pass over one InferenceService: observe, decide, apply.
 
 Every trigger (create, update, resume, the periodic ticker, events of the children) runs the same
 level-triggered pass, so the order and number of triggers never matter:
 
-1. read the InferenceService, its Deployment and pods, and every NodeTopology;
-2. parse and validate the spec (``spec``), check capacity and placement (``placement``); a
-   problem here blocks the pass: the children are left exactly as they are;
-3. with ``autoscale``, scrape the ready pods' ``/metrics`` and take one autoscaler step;
-4. build the desired children (``builders``) and create/replace only those that differ;
-5. compute the status (``status``) and patch it only when it changed.
+1. ``observe()`` reads everything the pass needs into one ``Observed``: the InferenceService, the
+   NodeTopologies, its Deployment, pods and other children, the pods' ``/metrics`` on autoscaling
+   passes, Warning Events when a pod is stuck before starting;
+2. ``decide()`` is pure: parse and validate the spec (``spec``), check capacity and placement
+   (``placement``), take one autoscaler step, build the desired children (``builders``); a
+   problem blocks the generation and the children are left exactly as they are;
+3. ``apply()`` creates/replaces only the children that differ, computes the whole status
+   (``status.compute``) and patches it only when it changed.
 
 A per-object lock serialises passes for one InferenceService inside this process; the leader
 lease keeps a second operator process out.
@@ -87,48 +89,113 @@ def reconcile(
     return result
 
 
+@dataclass(frozen=True)
+class Observed:
+    """Everything one pass reads, read before anything is decided."""
+
+    body: Mapping[str, Any]  # the InferenceService
+    topologies: list[Mapping[str, Any]]
+    deployment: dict[str, Any] | None
+    pods: list[dict[str, Any]]
+    children: dict[str, dict[str, Any] | None]  # ConfigMap, Service (and NetworkPolicy) as they are
+    signals: dict[str, dict[str, Any]] | None  # per pod, scraped from /metrics; None: not this pass
+    pod_events: list[dict[str, Any]]  # Warning Events, read only when a pod is stuck before starting
+
+
+@dataclass
+class Decision:
+    """What the pass wants: a pure function of Observed (``decide``)."""
+
+    spec: ServiceSpec | None
+    blocker: status_mod.Problem | None  # what stops this generation from being applied
+    replicas: int
+    children: builders.Children | None  # None: leave the children as they are
+    autoscaling: dict[str, Any] | None  # the new status.autoscaling
+    scale: tuple[int, autoscaler.Evaluation] | None  # (replicas before, this pass's autoscaler step)
+    expert_parallel: int | None
+    reported: dict[str, dict[str, Any]]  # placement the daemons reported, by pod
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+
 def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Result | None:
+    observed = observe(ctx, namespace, name, autoscale)
+    if observed is None:
+        return None
+    now = ctx.clock()
+    decision = decide(observed, ctx.settings, now, ctx.supports)
+    return apply(ctx, observed, decision, now)
+
+
+def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observed | None:
+    """Read the InferenceService and its world; None when it is gone or being deleted."""
     kube = ctx.kube
     body = kube.get("InferenceService", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
-    generation = int(body["metadata"].get("generation") or 1)
-    previous = body.get("status") or {}
-    now = ctx.clock()
-    now_iso = autoscaler.to_iso(now)
-    events: list[tuple[str, str, str]] = []
-    wrote: list[str] = []
-
+    try:
+        spec: ServiceSpec | None = parse(name, namespace, body.get("spec") or {}, ctx.supports)
+    except InvalidSpec:
+        spec = None  # decide() says why; nothing more to read for it
     topologies = kube.topologies()
+    deployment = kube.get("Deployment", namespace, name)
+    pods = list(kube.list("Pod", namespace, builders.selector_string(name)))
+    children: dict[str, dict[str, Any] | None] = {}
+    signals = None
+    if spec is not None:
+        children["ConfigMap"] = kube.get("ConfigMap", namespace, builders.config_map_name(spec))
+        children["Service"] = kube.get("Service", namespace, name)
+        if ctx.settings.network_policy:
+            children["NetworkPolicy"] = kube.get("NetworkPolicy", namespace, name)
+        if autoscale:
+            signals = scrape_mod.scrape(pods, spec.port, spec.model.name, ctx.scrape_timeout, ctx.fetcher)
+    pod_events: list[dict[str, Any]] = []
+    if status_mod.needs_pod_events(pods):
+        # A pod stuck before its containers start (a hostPath that is not there, a PVC that
+        # cannot attach) says why only in Events.
+        try:
+            pod_events = list(kube.pod_warnings(namespace))
+        except ApiError as e:
+            log.debug("cannot read Events in %s: %s", namespace, e)
+    return Observed(body, list(topologies), deployment, pods, children, signals, pod_events)
+
+
+def decide(
+    observed: Observed, settings: builders.Settings, now: float, supports: Supports = supported
+) -> Decision:
+    """Validate, place, autoscale and build the desired children. Pure: no I/O, no clock."""
+    body = observed.body
+    meta = body["metadata"]
+    name, namespace = meta["name"], meta.get("namespace", "")
+    previous = body.get("status") or {}
     spec: ServiceSpec | None = None
     blocker: status_mod.Problem | None = None
     try:
-        spec = parse(name, namespace, body.get("spec") or {}, ctx.supports)
+        spec = parse(name, namespace, body.get("spec") or {}, supports)
     except InvalidSpec as e:
         blocker = status_mod.Problem("InvalidSpec", str(e))
     if spec is not None:
-        msg = placement.capacity_error(spec, topologies)
+        msg = placement.capacity_error(spec, observed.topologies)
         if msg:
             blocker = status_mod.Problem("InvalidSpec", msg)
         elif (
-            spec.placement.require_nvlink and spec.gpus > 1 and not placement.eligible_nodes(spec, topologies)
+            spec.placement.require_nvlink
+            and spec.gpus > 1
+            and not placement.eligible_nodes(spec, observed.topologies)
         ):
             blocker = status_mod.Problem(
                 "NoEligibleNodes",
                 f"requireNVLink: no NodeTopology shows {spec.gpus} GPUs connected all-to-all by NVLink/xGMI",
             )
 
-    deployment = kube.get("Deployment", namespace, name)
-    pods = [p for p in kube.list("Pod", namespace, builders.selector_string(name))]
-
     # What the daemons report: reused from the last status between scrapes.
     reported = {e["pod"]: e for e in previous.get("placement") or [] if e.get("pod")}
     expert_parallel = previous.get("expertParallel")
     auto_status = dict(previous.get("autoscaling") or {})
     autoscaled = auto_status.get("desiredReplicas") if spec and spec.autoscaling else None
-
-    if autoscale and spec is not None:
-        per_pod = scrape_mod.scrape(pods, spec.port, spec.model.name, ctx.scrape_timeout, ctx.fetcher)
+    scale = None
+    events: list[tuple[str, str, str]] = []
+    per_pod = observed.signals
+    if per_pod is not None and spec is not None:
         for pod_name, sig in per_pod.items():
             if "placement" in sig:
                 reported[pod_name] = sig["placement"]
@@ -136,27 +203,47 @@ def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Resu
         if eps:
             expert_parallel = min(eps)
         if spec.autoscaling and blocker is None:
-            auto_status, autoscaled, decision = _autoscale(spec, auto_status, autoscaled, per_pod, now)
-            if decision:
-                events.append(("Normal", "Autoscaled", decision))
+            current = desired_replicas(spec, autoscaled)
+            auto_status, ev = _autoscale(spec, auto_status, current, per_pod, now)
+            scale = (current, ev)
+            autoscaled = ev.desired
     if spec is not None and expert_parallel is None:
         expert_parallel = spec.parallelism.expert
 
-    desired_hash = None
     if spec is not None and blocker is None:
         replicas = desired_replicas(spec, autoscaled)
-        kids = builders.children(spec, body, replicas, ctx.settings)
-        actual = {
-            "ConfigMap": kube.get("ConfigMap", namespace, builders.config_map_name(spec)),
-            "Service": kube.get("Service", namespace, name),
-            "Deployment": deployment,
-        }
-        if kids.network_policy is not None:
-            actual["NetworkPolicy"] = kube.get("NetworkPolicy", namespace, name)
-        for child in kids.all():
+        kids = builders.children(spec, body, replicas, settings)
+    else:
+        replicas = int(((observed.deployment or {}).get("spec") or {}).get("replicas") or 0)
+        kids = None
+    if spec is not None and spec.autoscaling and autoscaled is None:
+        auto_status["desiredReplicas"] = replicas
+    autoscaling = auto_status if spec is not None and spec.autoscaling else None
+    return Decision(spec, blocker, replicas, kids, autoscaling, scale, expert_parallel, reported, events)
+
+
+def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> Result | None:
+    """Write the children that differ, then the status if it changed; record metrics and events."""
+    kube = ctx.kube
+    body = observed.body
+    namespace, name = body["metadata"].get("namespace", ""), body["metadata"]["name"]
+    previous = body.get("status") or {}
+    spec, blocker, scale = decision.spec, decision.blocker, decision.scale
+    events = list(decision.events)
+    wrote: list[str] = []
+    if scale is not None and spec is not None and spec.autoscaling is not None:
+        line = _record_scale(spec, *scale)
+        if line:
+            events.append(("Normal", "Autoscaled", line))
+
+    deployment = observed.deployment
+    desired_hash = None
+    if decision.children is not None:
+        actual = {**observed.children, "Deployment": deployment}
+        for child in decision.children.all():
             kind = child["kind"]
             try:
-                live, changed = _apply(kube, child, actual[kind], body["metadata"]["uid"])
+                live, changed = _apply(kube, child, actual.get(kind), body["metadata"]["uid"])
             except _Conflict as e:
                 blocker = status_mod.Problem("ChildConflict", str(e))
                 break
@@ -172,49 +259,29 @@ def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Resu
                 wrote.append(kind)
             if kind == "Deployment":
                 deployment = live
-        desired_hash = kids.deployment["metadata"]["annotations"][builders.HASH_ANNOTATION]
-        DESIRED.labels(namespace, name).set(replicas)
-    else:
-        replicas = int(((deployment or {}).get("spec") or {}).get("replicas") or 0)
+        desired_hash = decision.children.deployment["metadata"]["annotations"][builders.HASH_ANNOTATION]
+        DESIRED.labels(namespace, name).set(decision.replicas)
 
-    pod_events: list[dict[str, Any]] = []
-    if status_mod.needs_pod_events(pods):
-        # A pod stuck before its containers start (a hostPath that is not there, a PVC that
-        # cannot attach) says why only in Events.
-        try:
-            pod_events = kube.pod_warnings(namespace)
-        except ApiError as e:
-            log.debug("cannot read Events in %s: %s", namespace, e)
+    topo_by_node = {placement.node_name(t): t for t in observed.topologies}
     new = status_mod.compute(
-        generation=generation,
-        desired=replicas,
+        generation=int(body["metadata"].get("generation") or 1),
+        desired=decision.replicas,
         desired_hash=desired_hash,
         deployment=deployment,
-        pods=pods,
+        pods=observed.pods,
         previous=previous,
-        now=now_iso,
+        now=autoscaler.to_iso(now),
         blocker=blocker,
-        pod_events=pod_events,
+        pod_events=observed.pod_events,
+        selector=builders.selector_string(name),
+        endpoint=builders.endpoint(spec) if spec is not None else None,
+        expert_parallel=int(decision.expert_parallel) if decision.expert_parallel is not None else None,
+        placement=placement.replica_placement(observed.pods, topo_by_node, decision.reported),
+        autoscaling=decision.autoscaling,
     )
-    new["selector"] = builders.selector_string(name)
-    if spec is not None:
-        new["endpoint"] = builders.endpoint(spec)
-    if expert_parallel is not None:
-        new["expertParallel"] = int(expert_parallel)
-    topo_by_node = {placement.node_name(t): t for t in topologies}
-    new["placement"] = placement.replica_placement(pods, topo_by_node, reported)
-    if spec is not None and spec.autoscaling:
-        if autoscaled is None:
-            auto_status["desiredReplicas"] = replicas
-        new["autoscaling"] = auto_status
-
-    old_degraded = status_mod.condition(previous, "Degraded") or {}
-    new_degraded = status_mod.condition(new, "Degraded") or {}
-    if new_degraded.get("status") == "True" and (
-        old_degraded.get("status") != "True" or old_degraded.get("reason") != new_degraded.get("reason")
-    ):
-        events.append(("Warning", new_degraded["reason"], new_degraded.get("message", "")))
-
+    warning = status_mod.degraded_event(previous, new)
+    if warning:
+        events.append(warning)
     if not status_mod.same_status(_prune(previous), _prune(new)):
         patch = {"status": {**{k: None for k in previous if k not in new}, **new}}
         try:
@@ -234,14 +301,13 @@ def _prune(d: Mapping[str, Any]) -> dict[str, Any]:
 def _autoscale(
     spec: ServiceSpec,
     auto_status: dict[str, Any],
-    autoscaled: int | None,
+    current: int,
     per_pod: Mapping[str, Mapping[str, Any]],
     now: float,
-) -> tuple[dict[str, Any], int, str | None]:
-    """One autoscaler step; returns the new status.autoscaling, the desired replicas and a log line."""
+) -> tuple[dict[str, Any], autoscaler.Evaluation]:
+    """One autoscaler step (pure) from ``current`` replicas; the new status.autoscaling and the evaluation."""
     cfg = spec.autoscaling
     assert cfg is not None
-    current = desired_replicas(spec, autoscaled)
     samples = [s[cfg.metric] for s in per_pod.values() if cfg.metric in s]
     history = []
     for r in auto_status.get("recommendations") or []:
@@ -264,10 +330,8 @@ def _autoscale(
     }
     if ev.value is not None:
         out["value"] = round(ev.value, 6)
-        SIGNAL.labels(spec.namespace, spec.name, cfg.metric).set(ev.value)
     if auto_status.get("lastScaleTime"):
         out["lastScaleTime"] = auto_status["lastScaleTime"]
-    line = None
     if ev.desired != current:
         entry = {
             "time": autoscaler.to_iso(now),
@@ -281,11 +345,21 @@ def _autoscale(
             entry["value"] = round(ev.value, 6)
         out["decisions"] = autoscaler.record(out["decisions"], entry)
         out["lastScaleTime"] = autoscaler.to_iso(now)
-        direction = "up" if ev.desired > current else "down"
-        DECISIONS.labels(spec.namespace, spec.name, direction).inc()
-        line = f"{current} -> {ev.desired} replicas ({ev.reason}): {ev.message}"
-        log.info("autoscale %s/%s: %s", spec.namespace, spec.name, line)
-    return out, ev.desired, line
+    return out, ev
+
+
+def _record_scale(spec: ServiceSpec, current: int, ev: autoscaler.Evaluation) -> str | None:
+    """The autoscaler step's metrics and log line; the Event text when it changed the size."""
+    cfg = spec.autoscaling
+    assert cfg is not None
+    if ev.value is not None:
+        SIGNAL.labels(spec.namespace, spec.name, cfg.metric).set(ev.value)
+    if ev.desired == current:
+        return None
+    DECISIONS.labels(spec.namespace, spec.name, "up" if ev.desired > current else "down").inc()
+    line = f"{current} -> {ev.desired} replicas ({ev.reason}): {ev.message}"
+    log.info("autoscale %s/%s: %s", spec.namespace, spec.name, line)
+    return line
 
 
 class _Conflict(Exception):

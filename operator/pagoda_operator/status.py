@@ -213,8 +213,15 @@ def compute(
     now: str,
     blocker: Problem | None = None,
     pod_events: Sequence[Mapping[str, Any]] = (),
+    selector: str | None = None,
+    endpoint: str | None = None,
+    expert_parallel: int | None = None,
+    placement: list[dict[str, Any]] | None = None,
+    autoscaling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Conditions, counts and observedGeneration.
+    """The whole status: conditions, counts and observedGeneration, and what the pass carries
+    through (the scale selector, the endpoint, the expert-parallel size, where each replica
+    runs, the autoscaler's state).
 
     ``blocker`` is a problem that stopped the operator from applying this generation (InvalidSpec,
     NoEligibleNodes): the children then still carry the previous spec, observedGeneration stays
@@ -283,7 +290,19 @@ def compute(
     }
     if observed is not None:
         out["observedGeneration"] = observed
+    carried = {"selector": selector, "endpoint": endpoint, "expertParallel": expert_parallel,
+               "placement": placement, "autoscaling": autoscaling}
+    out.update({k: v for k, v in carried.items() if v is not None})
     return out
+
+
+def degraded_event(previous: Mapping[str, Any] | None, new: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """A Warning Event when the status turns Degraded, or Degraded for another reason."""
+    old = condition(previous, "Degraded") or {}
+    cur = condition(new, "Degraded") or {}
+    if cur.get("status") == "True" and (old.get("status") != "True" or old.get("reason") != cur.get("reason")):
+        return ("Warning", cur["reason"], cur.get("message", ""))
+    return None
 
 
 def condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
