@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # token id -> logprob, for the sampled token and the top-N alternatives at one position
 Logprobs = dict[int, float]
@@ -32,6 +32,32 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestTiming:
+    """When things happened to one request, in ``time.monotonic()`` seconds: one record per
+    request, kept by the frontend's OutputProcessor and read by metrics, traces and callers
+    (``RequestOutput.metrics``, as vLLM's RequestMetrics)."""
+
+    arrival_time: float
+    queue_time: float | None = None  # arrival to first schedule, measured by the engine core
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def tokens_arrived(self, n: int, now: float) -> float | None:
+        """Record n new tokens; the interval per token since the previous ones (None for the first)."""
+        gap = None
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif self.last_token_time is not None:
+            gap = (now - self.last_token_time) / n
+        self.last_token_time = now
+        return gap
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -39,4 +65,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestTiming | None = None

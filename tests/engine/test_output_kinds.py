@@ -58,3 +58,20 @@ def test_a_stop_string_spanning_deltas_is_cut_exactly_and_never_leaks(llm):
     deltas = [o.outputs[0] for o in run(llm, llm.tokenizer.encode(prompt), cut, RequestOutputKind.DELTA)]
     assert "".join(d.text for d in deltas) == text[: text.find(stop)]
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+
+
+def test_one_timing_record_per_request():
+    from pagoda_daemon.outputs import RequestTiming
+
+    timing = RequestTiming(arrival_time=10.0)
+    assert timing.tokens_arrived(1, 10.5) is None and timing.time_to_first_token == 0.5
+    assert timing.tokens_arrived(4, 11.5) == 0.25  # four tokens in one second
+    assert timing.last_token_time == 11.5
+
+
+def test_the_final_output_carries_the_requests_timing(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    final = run(llm, [5, 9, 13, 17], params, RequestOutputKind.DELTA)[-1]
+    t = final.metrics
+    assert t is not None and t.queue_time is not None and t.queue_time >= 0
+    assert t.arrival_time <= t.first_token_time <= t.last_token_time

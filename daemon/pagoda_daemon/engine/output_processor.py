@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pagoda_daemon.engine.detokenizer import IncrementalDetokenizer
 from pagoda_daemon.engine.messages import EngineCoreOutput
-from pagoda_daemon.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from pagoda_daemon.outputs import CompletionOutput, RequestOutput, RequestOutputKind, RequestTiming
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -18,11 +18,10 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    arrival_time: float
+    timing: RequestTiming
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    first_token_time: float | None = None
     num_cached_tokens: int = 0
 
 
@@ -31,6 +30,8 @@ class ProcessedOutputs:
     outputs: list[RequestOutput]
     # requests a stop string finished, which the core must stop: (request id, stop string)
     stop_string_finished: list[tuple[str, str]]
+    # (seconds per token since the request's previous tokens, tokens) for each output with new tokens
+    inter_token: list[tuple[float, int]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -39,13 +40,15 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+                    params: SamplingParams, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    arrival_time: float | None = None) -> None:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output,
         )
         self.states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, detok, time.monotonic(), output_kind,
+            request_id, prompt, prompt_token_ids, params, detok,
+            RequestTiming(time.monotonic() if arrival_time is None else arrival_time), output_kind,
             logprobs=[] if params.logprobs is not None else None,
         )
 
@@ -57,13 +60,18 @@ class OutputProcessor:
         return bool(self.states)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        results, stopped = [], []
+        results, stopped, gaps = [], [], []
+        now = time.monotonic()
         for out in core_outputs:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # aborted by the caller meanwhile
-            if state.first_token_time is None and out.new_token_ids:
-                state.first_token_time = time.monotonic()
+            if out.new_token_ids:
+                gap = state.timing.tokens_arrived(len(out.new_token_ids), now)
+                if gap is not None:
+                    gaps.append((gap, len(out.new_token_ids)))
+            if out.queue_time is not None:
+                state.timing.queue_time = out.queue_time
             state.num_cached_tokens = out.num_cached_tokens
             state.token_ids.extend(out.new_token_ids)
             if state.logprobs is not None and state.output_kind is not RequestOutputKind.DELTA:
@@ -80,7 +88,7 @@ class OutputProcessor:
             elif state.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
             results.append(self._make_output(state, finish_reason, stop_reason, out.new_token_ids, out.new_logprobs))
-        return ProcessedOutputs(results, stopped)
+        return ProcessedOutputs(results, stopped, gaps)
 
     def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason,
                      new_token_ids: list[int], new_logprobs: list[dict[int, float]]) -> RequestOutput:
@@ -101,10 +109,7 @@ class OutputProcessor:
             stop_reason=stop_reason,
             logprobs=logprobs,
         )
-        metrics = {"arrival_time": state.arrival_time}
-        if state.first_token_time is not None:
-            metrics["first_token_time"] = state.first_token_time
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-            state.num_cached_tokens, metrics,
+            state.num_cached_tokens, state.timing,
         )

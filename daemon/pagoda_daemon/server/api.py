@@ -295,10 +295,12 @@ def _wall(monotonic_s: float) -> float:
 def _span_events(span, out: RequestOutput) -> None:
     """Scheduled and first-token events of the first generation, at the times they happened."""
     m = out.metrics
-    if m.get("queue_time") is not None:
-        span.event("scheduled", timestamp=_wall(m["arrival_time"] + m["queue_time"]))
-    if m.get("first_token_time") is not None:
-        span.event("first_token", timestamp=_wall(m["first_token_time"]))
+    if m is None:
+        return
+    if m.queue_time is not None:
+        span.event("scheduled", timestamp=_wall(m.arrival_time + m.queue_time))
+    if m.first_token_time is not None:
+        span.event("first_token", timestamp=_wall(m.first_token_time))
 
 
 async def _collect(raw: Request, streams, builder, span) -> JSONResponse:

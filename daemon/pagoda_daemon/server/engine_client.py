@@ -73,10 +73,7 @@ class _Tracked:
     """What the client keeps per in-flight request (for routing and metrics)."""
 
     queue: asyncio.Queue
-    arrival: float
     prompt_tokens: int
-    last_token_time: float | None = None
-    first_token_time: float | None = None
     generated: int = 0
 
 
@@ -220,11 +217,11 @@ class EngineClient:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
-        tracked = _Tracked(asyncio.Queue(), request.arrival, len(request.prompt_ids))
+        tracked = _Tracked(asyncio.Queue(), len(request.prompt_ids))
         self.requests[rid] = tracked
         try:
             self.output_processor.add_request(rid, request.prompt_text, request.prompt_ids, request.params,
-                                              output_kind)
+                                              output_kind, request.arrival)
             self._to_core.send(request.frame)
         except BaseException:
             self.requests.pop(rid, None)
@@ -249,7 +246,7 @@ class EngineClient:
             if not finished:  # the caller went away (client disconnect): give the blocks back
                 aborted = self.output_processor.abort_request(request_id)
                 if aborted is not None and self.metrics is not None:
-                    self._record_finished(aborted, tracked, time.monotonic(), None)
+                    self._record_finished(aborted, tracked, time.monotonic())
                 if self.dead_reason is None:
                     with contextlib.suppress(zmq.ZMQError):
                         await self._to_core.send(wire.encode(AbortRequests([request_id])))
@@ -274,20 +271,16 @@ class EngineClient:
 
     def _route(self, core_outputs) -> None:
         now = time.monotonic()
-        queue_times = {o.request_id: o.queue_time for o in core_outputs if o.queue_time is not None}
         processed = self.output_processor.process(core_outputs)
         for rid, stop_str in processed.stop_string_finished:
             self._to_core.send(wire.encode(FinishRequest(rid, stop_str)))  # zmq.asyncio send: fire and forget
+        if self.metrics is not None:
+            for seconds, n in processed.inter_token:
+                self.metrics.observe_inter_token(seconds, n)
         for core_out in core_outputs:
-            n = len(core_out.new_token_ids)
             tracked = self.requests.get(core_out.request_id)
-            if n and tracked is not None:
-                if tracked.first_token_time is None:
-                    tracked.first_token_time = now
-                elif self.metrics is not None:
-                    self.metrics.observe_inter_token((now - tracked.last_token_time) / n, n)
-                tracked.last_token_time = now
-                tracked.generated += n
+            if tracked is not None:
+                tracked.generated += len(core_out.new_token_ids)
         for out in processed.outputs:
             tracked = self.requests.get(out.request_id)
             if tracked is None:
@@ -295,16 +288,16 @@ class EngineClient:
             if out.finished:
                 # done here, not only when its reader finishes: a reader that never started must not leak it
                 self.requests.pop(out.request_id, None)
-                out.metrics["queue_time"] = queue_times.get(out.request_id)
                 if self.metrics is not None:
-                    self._record_finished(out, tracked, now, queue_times.get(out.request_id))
+                    self._record_finished(out, tracked, now)
             tracked.queue.put_nowait(out)
 
-    def _record_finished(self, out: RequestOutput, tracked: _Tracked, now: float, queue_time) -> None:
-        ttft = None if tracked.first_token_time is None else tracked.first_token_time - tracked.arrival
+    def _record_finished(self, out: RequestOutput, tracked: _Tracked, now: float) -> None:
+        timing = out.metrics
+        assert timing is not None and self.metrics is not None
         self.metrics.observe_finished(
-            out.outputs[0].finish_reason or "abort", now - tracked.arrival, queue_time, ttft,
-            tracked.prompt_tokens, tracked.generated,
+            out.outputs[0].finish_reason or "abort", now - timing.arrival_time, timing.queue_time,
+            timing.time_to_first_token, tracked.prompt_tokens, tracked.generated,
         )
         self.metrics.add_tokens(tracked.prompt_tokens, tracked.generated)
 
