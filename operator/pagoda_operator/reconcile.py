@@ -4,7 +4,7 @@ Every trigger (create, update, resume, the periodic ticker, events of the childr
 level-triggered pass, so the order and number of triggers never matter:
 
 1. ``observe()`` reads everything the pass needs into one ``Observed``: the InferenceService, the
-   NodeTopologies (from the watch-fed ``TopologyCache``), its Deployment, pods and other children, the pods' ``/metrics`` on autoscaling
+   NodeTopologies, its Deployment, pods and other children, the pods' ``/metrics`` on autoscaling
    passes, Warning Events when a pod is stuck before starting;
 2. ``decide()`` is pure: parse and validate the spec (``spec``), check capacity and placement
    (``placement``), take one autoscaler step, build the desired children (``builders``); a
@@ -32,7 +32,6 @@ from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
 from pagoda_operator.spec import InvalidSpec, ServiceSpec, Supports, desired_replicas, parse
 from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL
-from pagoda_operator.topology_cache import TopologyCache
 
 log = logging.getLogger("pagoda_operator")
 
@@ -50,7 +49,6 @@ class Context:
     fetcher: Callable[[str, float], str] = scrape_mod.fetch
     # the daemon capabilities a spec may ask for (pagoda_daemon.capabilities; tests widen it)
     supports: Supports = supported
-    topologies: TopologyCache = field(default_factory=TopologyCache)
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -138,7 +136,7 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         spec: ServiceSpec | None = parse(name, namespace, body.get("spec") or {}, ctx.supports)
     except InvalidSpec:
         spec = None  # decide() says why; nothing more to read for it
-    topologies = ctx.topologies.get(kube.topologies)
+    topologies = kube.topologies()
     deployment = kube.get("Deployment", namespace, name)
     pods = list(kube.list("Pod", namespace, builders.selector_string(name)))
     children: dict[str, dict[str, Any] | None] = {}
