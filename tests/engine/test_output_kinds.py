@@ -19,6 +19,9 @@ def llm(tiny_models):
 
 def run(llm: LLM, prompt: list[int], params: SamplingParams, kind: RequestOutputKind):
     engine = llm.engine
+    # Every run computes its prompt afresh: a prefix-cache hit takes another path through the
+    # kernels, equal in tokens but not bit-equal in logprobs, and the runs are compared exactly.
+    assert engine.core.kv_cache.reset_prefix_cache()
     rid = engine.add_request(prompt, params, output_kind=kind)
     outs = []
     while engine.has_unfinished_requests():
