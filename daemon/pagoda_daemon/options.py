@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pagoda_daemon import capabilities
@@ -33,14 +34,13 @@ class OptionInfo:
     maximum: float | None = None
     cli: bool = True  # False: set by the program, not a flag (the model path, derived options)
     needs: str | None = None  # a capability that any value other than the default needs
-    metavar: str | None = None
 
 
 def option(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, minimum: float | None = None,
            exclusive_minimum: bool = False, maximum: float | None = None, cli: bool = True,
-           needs: str | None = None, metavar: str | None = None) -> Any:
+           needs: str | None = None) -> Any:
     """A dataclass field that is also a declared option."""
-    info = OptionInfo(help, choices, minimum, exclusive_minimum, maximum, cli, needs, metavar)
+    info = OptionInfo(help, choices, minimum, exclusive_minimum, maximum, cli, needs)
     return dataclasses.field(default=default, metadata={_KEY: info})
 
 
@@ -59,8 +59,12 @@ class Declared:
         return "--" + self.name.replace("_", "-")
 
 
-def declared(cls: type) -> Iterator[Declared]:
+@functools.cache
+def declared(cls: type) -> tuple[Declared, ...]:
+    """The declared options of a dataclass (read once per class: evaluating its type hints is
+    the costly part, and every construction and every operator validation asks)."""
     hints = typing.get_type_hints(cls)
+    out = []
     for f in dataclasses.fields(cls):
         info = f.metadata.get(_KEY)
         if info is None:
@@ -68,7 +72,13 @@ def declared(cls: type) -> Iterator[Declared]:
         hint = hints[f.name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         base = args[0] if args else hint
-        yield Declared(f.name, base, type(None) in typing.get_args(hint), f.default, info)
+        out.append(Declared(f.name, base, type(None) in typing.get_args(hint), f.default, info))
+    return tuple(out)
+
+
+def _value_of(values: object | Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """An option's value from a dataclass instance, parsed flags or a mapping of options."""
+    return values.get(name, default) if isinstance(values, Mapping) else getattr(values, name, default)
 
 
 def add_cli_args(group: argparse._ActionsContainer, cls: type) -> None:
@@ -82,7 +92,7 @@ def add_cli_args(group: argparse._ActionsContainer, cls: type) -> None:
                                help=d.info.help + shown)
         else:
             group.add_argument(d.flag, type=_parser_for(d), default=d.default, choices=d.info.choices,
-                               metavar=d.info.metavar, help=d.info.help + shown)
+                               help=d.info.help + shown)
 
 
 def _parser_for(d: Declared) -> Callable[[str], Any]:
@@ -100,8 +110,7 @@ def _finite_float(text: str) -> float:
 
 def values_from_args(args: argparse.Namespace | Mapping[str, Any], cls: type) -> dict[str, Any]:
     """The declared options' values out of parsed flags (or a resolved options mapping)."""
-    get = args.get if isinstance(args, Mapping) else lambda k, d: getattr(args, k, d)
-    return {d.name: get(d.name, d.default) for d in declared(cls) if d.info.cli}
+    return {d.name: _value_of(args, d.name, d.default) for d in declared(cls) if d.info.cli}
 
 
 def check_value(d: Declared, value: Any, where: str) -> Any:
@@ -124,7 +133,8 @@ def check_value(d: Declared, value: Any, where: str) -> Any:
 def check_bounds(obj: object) -> None:
     """Allowed values and bounds of every declared option of a dataclass instance, then the
     capabilities its non-default values need (ValueError naming the flag)."""
-    for d in declared(type(obj)):
+    cls: type = type(obj)
+    for d in declared(cls):
         value = getattr(obj, d.name)
         if value is None:
             if not d.nullable:
@@ -149,20 +159,18 @@ def refusals(obj: object | Mapping[str, Any], cls: type | None = None,
              supports: Callable[[str], bool] = capabilities.supported) -> dict[str, str]:
     """Option name -> the capability it lacks, for the declared options whose value needs a
     capability this build does not have (read by the daemon's start and the operator's validation)."""
-    cls = cls or type(obj)
-    get = obj.get if isinstance(obj, Mapping) else lambda k, d: getattr(obj, k, d)
     return {
         d.name: d.info.needs
-        for d in declared(cls)
-        if d.info.needs and not supports(d.info.needs) and get(d.name, d.default) not in (d.default, None)
+        for d in declared(cls or type(obj))
+        if d.info.needs and not supports(d.info.needs)
+        and _value_of(obj, d.name, d.default) not in (d.default, None)
     }
 
 
 def refusal_message(obj: object | Mapping[str, Any], cls: type | None = None) -> str | None:
     """The daemon's refusal of every unsupported option in one line, by flag name."""
-    get = obj.get if isinstance(obj, Mapping) else lambda k, d=None: getattr(obj, k, d)
     refused = refusals(obj, cls)
     if not refused:
         return None
-    return "; ".join(f"--{name.replace('_', '-')}={get(name)}: {capabilities.refusal(cap)}"
+    return "; ".join(f"--{name.replace('_', '-')}={_value_of(obj, name)}: {capabilities.refusal(cap)}"
                      for name, cap in refused.items())

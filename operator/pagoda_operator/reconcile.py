@@ -3,10 +3,11 @@
 Every trigger (create, update, resume, the periodic ticker, events of the children) runs the same
 level-triggered pass, so the order and number of triggers never matter:
 
-1. ``observe()`` reads everything the pass needs into one ``Observed``: the InferenceService, the
-   NodeTopologies, its Deployment, pods and other children, the pods' ``/metrics`` on autoscaling
-   passes, Warning Events when a pod is stuck before starting;
-2. ``decide()`` is pure: parse and validate the spec (``spec``), check capacity and placement
+1. ``observe()`` reads everything the pass needs into one ``Observed``: the InferenceService
+   (with its spec parsed and validated once, ``spec``), the NodeTopologies, its Deployment, pods
+   and other children, the pods' ``/metrics`` on autoscaling passes, Warning Events when a pod
+   is stuck before starting;
+2. ``decide()`` is pure: block on an invalid spec, check capacity and placement
    (``placement``), take one autoscaler step, build the desired children (``builders``); a
    problem blocks the generation and the children are left exactly as they are;
 3. ``apply()`` creates/replaces only the children that differ, computes the whole status
@@ -94,6 +95,8 @@ class Observed:
     """Everything one pass reads, read before anything is decided."""
 
     body: Mapping[str, Any]  # the InferenceService
+    spec: ServiceSpec | None  # the spec parsed and validated, or None with why in spec_error
+    spec_error: str | None
     topologies: list[Mapping[str, Any]]
     deployment: dict[str, Any] | None
     pods: list[dict[str, Any]]
@@ -114,7 +117,6 @@ class Decision:
     scale: tuple[int, autoscaler.Evaluation] | None  # (replicas before, this pass's autoscaler step)
     expert_parallel: int | None
     reported: dict[str, dict[str, Any]]  # placement the daemons reported, by pod
-    events: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Result | None:
@@ -122,7 +124,7 @@ def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Resu
     if observed is None:
         return None
     now = ctx.clock()
-    decision = decide(observed, ctx.settings, now, ctx.supports)
+    decision = decide(observed, ctx.settings, now)
     return apply(ctx, observed, decision, now)
 
 
@@ -132,10 +134,12 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
     body = kube.get("InferenceService", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
+    spec: ServiceSpec | None = None
+    spec_error = None
     try:
-        spec: ServiceSpec | None = parse(name, namespace, body.get("spec") or {}, ctx.supports)
-    except InvalidSpec:
-        spec = None  # decide() says why; nothing more to read for it
+        spec = parse(name, namespace, body.get("spec") or {}, ctx.supports)
+    except InvalidSpec as e:
+        spec_error = str(e)  # decide() reports it; nothing more to read for this spec
     topologies = kube.topologies()
     deployment = kube.get("Deployment", namespace, name)
     pods = list(kube.list("Pod", namespace, builders.selector_string(name)))
@@ -156,23 +160,17 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
             pod_events = list(kube.pod_warnings(namespace))
         except ApiError as e:
             log.debug("cannot read Events in %s: %s", namespace, e)
-    return Observed(body, list(topologies), deployment, pods, children, signals, pod_events)
+    return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events)
 
 
-def decide(
-    observed: Observed, settings: builders.Settings, now: float, supports: Supports = supported
-) -> Decision:
-    """Validate, place, autoscale and build the desired children. Pure: no I/O, no clock."""
+def decide(observed: Observed, settings: builders.Settings, now: float) -> Decision:
+    """Place, autoscale and build the desired children. Pure: no I/O, no clock."""
     body = observed.body
-    meta = body["metadata"]
-    name, namespace = meta["name"], meta.get("namespace", "")
     previous = body.get("status") or {}
-    spec: ServiceSpec | None = None
+    spec = observed.spec
     blocker: status_mod.Problem | None = None
-    try:
-        spec = parse(name, namespace, body.get("spec") or {}, supports)
-    except InvalidSpec as e:
-        blocker = status_mod.Problem("InvalidSpec", str(e))
+    if observed.spec_error is not None:
+        blocker = status_mod.Problem("InvalidSpec", observed.spec_error)
     if spec is not None:
         msg = placement.capacity_error(spec, observed.topologies)
         if msg:
@@ -193,7 +191,6 @@ def decide(
     auto_status = dict(previous.get("autoscaling") or {})
     autoscaled = auto_status.get("desiredReplicas") if spec and spec.autoscaling else None
     scale = None
-    events: list[tuple[str, str, str]] = []
     per_pod = observed.signals
     if per_pod is not None and spec is not None:
         for pod_name, sig in per_pod.items():
@@ -219,7 +216,7 @@ def decide(
     if spec is not None and spec.autoscaling and autoscaled is None:
         auto_status["desiredReplicas"] = replicas
     autoscaling = auto_status if spec is not None and spec.autoscaling else None
-    return Decision(spec, blocker, replicas, kids, autoscaling, scale, expert_parallel, reported, events)
+    return Decision(spec, blocker, replicas, kids, autoscaling, scale, expert_parallel, reported)
 
 
 def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> Result | None:
@@ -229,7 +226,7 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
     namespace, name = body["metadata"].get("namespace", ""), body["metadata"]["name"]
     previous = body.get("status") or {}
     spec, blocker, scale = decision.spec, decision.blocker, decision.scale
-    events = list(decision.events)
+    events: list[tuple[str, str, str]] = []
     wrote: list[str] = []
     if scale is not None and spec is not None and spec.autoscaling is not None:
         line = _record_scale(spec, *scale)

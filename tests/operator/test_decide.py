@@ -7,16 +7,26 @@ from typing import Any
 
 import pytest
 
+from pagoda_daemon.capabilities import supported
 from pagoda_operator.builders import Settings
 from pagoda_operator.reconcile import Decision, Observed, decide
+from pagoda_operator.spec import InvalidSpec, Supports, parse
 from tests.operator.operator_fakes import every_capability, isvc, topology
 
 SETTINGS = Settings(daemon_image="img:1")
 NOW = 1_800_000_000.0
 
 
-def observed(body: dict[str, Any], *, topologies=(), deployment=None, signals=None) -> Observed:
-    return Observed(body, list(topologies), deployment, [], {"ConfigMap": None, "Service": None}, signals, [])
+def observed(body: dict[str, Any], *, topologies=(), deployment=None, signals=None,
+             supports: Supports = supported) -> Observed:
+    """What observe() would have read: the body parsed as observe() parses it, and the rest."""
+    meta = body["metadata"]
+    try:
+        spec, error = parse(meta["name"], meta["namespace"], body["spec"], supports), None
+    except InvalidSpec as e:
+        spec, error = None, str(e)
+    children = {"ConfigMap": None, "Service": None}
+    return Observed(body, spec, error, list(topologies), deployment, [], children, signals, [])
 
 
 def test_a_valid_spec_decides_every_child_and_the_replicas():
@@ -28,7 +38,7 @@ def test_a_valid_spec_decides_every_child_and_the_replicas():
 
 def test_an_invalid_spec_keeps_the_children_and_the_live_replicas():
     body = isvc(resources={"gpusPerReplica": 8}, parallelism={"tensor": 3})
-    d = decide(observed(body, deployment={"spec": {"replicas": 2}}), SETTINGS, NOW, every_capability)
+    d = decide(observed(body, deployment={"spec": {"replicas": 2}}, supports=every_capability), SETTINGS, NOW)
     assert d.children is None and d.replicas == 2
     assert d.blocker is not None and d.blocker.reason == "InvalidSpec" and "does not divide" in d.blocker.message
 

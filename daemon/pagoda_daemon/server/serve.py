@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 # command's flags too, in an image without the server's packages (uvicorn, fastapi, zmq).
 from pagoda_daemon import capabilities
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.options import check_value, declared, refusal_message
+from pagoda_daemon.options import check_value, declared, refusal_message, values_from_args
 from pagoda_daemon.server.auth import API_KEY_ENV, DEFAULT_EXEMPT_PATHS, APIKeys, split_list
 from pagoda_daemon.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits, RequestLimits
 
@@ -98,12 +98,10 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
 
 
 def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
-    from pagoda_daemon.cli import engine_kwargs
-
     try:
         options = resolve_options(args, explicit)
-        ns = argparse.Namespace(**options)
-        config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]), **engine_kwargs(ns))
+        config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]),
+                              **values_from_args(options, EngineConfig))
         from pagoda_daemon.models.loader import load_config
 
         model_config = load_config(config.model)  # a bad path or architecture fails here, before any process
