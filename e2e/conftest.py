@@ -248,6 +248,7 @@ class LocalCluster(KubeCluster):
         self.node: str = env["NODE_NAME"]
         self.node_ip: str = env["NODE_IP"]
         self.pod_cidr: str = env["POD_CIDR"]
+        self.bridge: str = env["BRIDGE"]
         self.docker_host: str = env["DOCKER_HOST"]
         self.env["DOCKER_HOST"] = self.docker_host
         self.daemon_image = ""
@@ -255,6 +256,10 @@ class LocalCluster(KubeCluster):
         self.model_dir = Path()
         self.release, self.release_namespace = "pagoda", "pagoda-system"
         self.host_settings_before: dict[str, str] = {}  # host_settings() before the node started
+
+    def bridge_mac(self) -> str:
+        """The node bridge's MAC address (fixed by node.sh; see there why it must not move)."""
+        return Path(f"/sys/class/net/{self.bridge}/address").read_text().strip()
 
     @staticmethod
     def host_settings() -> dict[str, str]:

@@ -272,6 +272,7 @@ def test_killed_daemon_container_restarts_and_status_recovers(local_cluster, ns)
 
 
 def test_delete_removes_everything(local_cluster, ns):
+    mac = local_cluster.bridge_mac()
     local_cluster.kubectl("delete", "inferenceservice", NAME, "-n", ns, "--wait=true", "--timeout=60s")
     selector = f"pagoda.dev/inferenceservice={NAME}"
 
@@ -284,6 +285,10 @@ def test_delete_removes_everything(local_cluster, ns):
 
     local_cluster.wait_for(gone, timeout=120, interval=1, what="children, pods and containers gone")
     assert local_cluster.endpoints(NAME, ns) == []
+    # The pods' veths left the bridge and its MAC stayed: the remaining pods' ARP entries for
+    # the gateway still hold, so the API server still reaches the admission webhook (the next
+    # test's apply goes through it).
+    assert local_cluster.bridge_mac() == mac
 
 
 def test_bad_model_path_is_degraded_with_the_reason(local_cluster, tmp_path):

@@ -70,7 +70,13 @@ net_up() {
   done
   [ -n "$n" ] || die "no free network id (bridges pagoda-k1..250 all exist?)"
   local br=pagoda-k$n
-  ip link add "$br" type bridge
+  # A fixed MAC address: a Linux bridge created without one takes the lowest MAC of its ports and
+  # changes it as pods' veths come and go. The pods' ARP entries for the gateway then point at a
+  # MAC nobody answers for, and replies to this machine (the API server calling the admission
+  # webhook) are lost until those entries expire, 15-45 s later: that was a flaky e2e failure
+  # ("failed calling webhook ... dial tcp 10.244.N.10:9443: i/o timeout") right after pods were
+  # deleted. Locally administered (02:...), one per network id.
+  ip link add "$br" address "$(printf '02:70:67:64:%02x:01' "$n")" type bridge
   ip addr add "10.244.$n.1/24" dev "$br"
   ip addr add "10.96.$n.1/32" dev "$br"
   ip link set "$br" up
