@@ -206,7 +206,9 @@ def build_registry(
 
     @kopf.on.event(GROUP, VERSION, TOPOLOGY_PLURAL, registry=registry, id="node-labels")
     def on_topology(event: Mapping[str, Any], body: kopf.Body, name: str, **_: Any) -> None:
-        sync_node_labels(ctx, name, None if event.get("type") == "DELETED" else body)
+        current = None if event.get("type") == "DELETED" else body
+        ctx.topologies.observe(name, current)  # what reconcile passes read instead of a list
+        sync_node_labels(ctx, name, current)
 
     return registry
 

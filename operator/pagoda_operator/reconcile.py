@@ -4,9 +4,9 @@ Every trigger (create, update, resume, the periodic ticker, events of the childr
 level-triggered pass, so the order and number of triggers never matter:
 
 1. ``observe()`` reads everything the pass needs into one ``Observed``: the InferenceService
-   (with its spec parsed and validated once, ``spec``), the NodeTopologies, its Deployment, pods
-   and other children, the pods' ``/metrics`` on autoscaling passes, Warning Events when a pod
-   is stuck before starting;
+   (with its spec parsed and validated once, ``spec``), the NodeTopologies (from the watch-fed
+   ``TopologyCache``), its Deployment, pods and other children, the pods' ``/metrics`` on
+   autoscaling passes, Warning Events when a pod is stuck before starting;
 2. ``decide()`` is pure: block on an invalid spec, check capacity and placement
    (``placement``), take one autoscaler step, build the desired children (``builders``); a
    problem blocks the generation and the children are left exactly as they are;
@@ -33,6 +33,7 @@ from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
 from pagoda_operator.spec import InvalidSpec, ServiceSpec, Supports, desired_replicas, parse
 from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL
+from pagoda_operator.topology_cache import TopologyCache
 
 log = logging.getLogger("pagoda_operator")
 
@@ -50,6 +51,7 @@ class Context:
     fetcher: Callable[[str, float], str] = scrape_mod.fetch
     # the daemon capabilities a spec may ask for (pagoda_daemon.capabilities; tests widen it)
     supports: Supports = supported
+    topologies: TopologyCache = field(default_factory=TopologyCache)
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -140,7 +142,7 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         spec = parse(name, namespace, body.get("spec") or {}, ctx.supports)
     except InvalidSpec as e:
         spec_error = str(e)  # decide() reports it; nothing more to read for this spec
-    topologies = kube.topologies()
+    topologies = ctx.topologies.get(kube.topologies)
     deployment = kube.get("Deployment", namespace, name)
     pods = list(kube.list("Pod", namespace, builders.selector_string(name)))
     children: dict[str, dict[str, Any] | None] = {}
