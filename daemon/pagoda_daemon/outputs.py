@@ -66,3 +66,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestTiming | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's
+    # shape); with DELTA outputs only on the first output
+    prompt_logprobs: list[Logprobs | None] | None = None

@@ -20,6 +20,9 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids: a whole large vocabulary's worth
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 64  # one bad word's token sequence
 MAX_REPETITION_PENALTY = 100.0
 # Like vLLM: a positive temperature below this is raised to it (smaller ones overflow the softmax).
 MIN_POSITIVE_TEMPERATURE = 1e-2
@@ -69,13 +72,24 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # logprobs of every prompt token after the first (the top N alternatives, plus the prompt's
+    # own token); a request asking for them skips prefix-cache hits, as in vLLM
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None  # sample only from these
+    # token sequences never to complete (vLLM's bad_words, tokenized by the frontend): the last
+    # token of a sequence is banned whenever the output ends with the ones before it
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
         self._validate()
         if self.top_k == -1 or self.top_k >= TOP_K_WHOLE_VOCABULARY:
             self.top_k = 0
@@ -119,6 +133,19 @@ class SamplingParams:
                     f"(0, {MAX_REPETITION_PENALTY:g}]")
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.allowed_token_ids is not None:
+            if not 1 <= len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+                fail("allowed_token_ids", f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(self.allowed_token_ids)}")
+            if any(not is_strict_int(t) or not 0 <= t <= INT64_MAX for t in self.allowed_token_ids):
+                fail("allowed_token_ids", "must be non-negative integers")
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            fail("bad_words", f"may hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words_token_ids)}")
+        for word in self.bad_words_token_ids:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS or any(
+                    not is_strict_int(t) or not 0 <= t <= INT64_MAX for t in word):
+                fail("bad_words", f"each word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
         if len(self.stop) > MAX_STOP_STRINGS:
             fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
@@ -129,7 +156,8 @@ class SamplingParams:
             fail("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if any(not is_strict_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, f"must be true or false, got {_shown(getattr(self, name))}")
 
@@ -140,3 +168,9 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Sampling reads the request's earlier output tokens on the host (penalties, bad words):
+        the engine waits for each step's tokens before scheduling the next."""
+        return self.uses_penalties or bool(self.bad_words_token_ids)

@@ -50,10 +50,23 @@ optional_fields = {
     "skip_special_tokens": st.booleans(),
     "user": st.text(max_size=16),
     "cache_salt": st.text(max_size=16),
+    # vLLM's extra fields
+    "spaces_between_special_tokens": st.booleans(),
+    "request_id": st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=16),
+    "priority": st.just(0),
+    "truncate_prompt_tokens": st.one_of(st.just(-1), st.integers(1, 40)),
+    "allowed_token_ids": st.lists(st.integers(0, 511), min_size=1, max_size=8),
+    "bad_words": st.lists(text, max_size=3),
+    "prompt_logprobs": st.integers(0, 20),
+    "return_tokens_as_token_ids": st.booleans(),
+    "add_special_tokens": st.booleans(),
 }
-completion_fields = {**optional_fields, "logprobs": st.integers(0, 20)}
+completion_fields = {**optional_fields, "logprobs": st.integers(0, 20), "echo": st.booleans()}
 chat_fields = {**optional_fields, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
-               "max_completion_tokens": st.integers(2, 6), "add_generation_prompt": st.booleans()}
+               "max_completion_tokens": st.integers(2, 6), "add_generation_prompt": st.booleans(),
+               "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), st.booleans()),
+               "documents": st.lists(st.fixed_dictionaries({"title": text, "text": text}), max_size=2),
+               "echo": st.booleans(), "continue_final_message": st.just(False)}
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
      "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
@@ -90,7 +103,8 @@ hostile_value = st.one_of(
                      RAW + "[" * 5000 + "]" * 5000, RAW + "{" * 3000 + "}" * 3000, RAW + "0.0000001e-400"]),
 )
 field_names = st.sampled_from(sorted({*completion_fields, *chat_fields, "prompt", "messages", "model", "stream",
-                                      "stream_options", "echo", "best_of", "tools", "logit_bias", "bogus", ""}))
+                                      "stream_options", "echo", "best_of", "tools", "logit_bias", "suffix",
+                                      "chat_template", "bogus", ""}))
 
 
 @st.composite
@@ -242,7 +256,7 @@ def test_the_fuzzed_fields_cover_every_request_field():
     from pagoda_daemon.server.protocol import ChatCompletionRequest, CompletionRequest
 
     set_by_case = {"model", "stream", "stream_options"}
-    refused_unless_default = {"echo", "best_of"}  # unsupported values: the hostile strategies send them
+    refused_unless_default = {"best_of"}  # unsupported values: the hostile strategies send them
     assert set(CompletionRequest.model_fields) == {*completion_fields, "prompt", "max_tokens", *set_by_case,
                                                    *refused_unless_default}
     assert set(ChatCompletionRequest.model_fields) == {*chat_fields, "messages", "max_tokens", *set_by_case}

@@ -13,6 +13,7 @@ from pagoda_daemon.telemetry.metrics import (
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     EngineMetrics,
+    FinishedRequest,
     build_1_2_5_buckets,
 )
 
@@ -142,17 +143,24 @@ def test_counters_move_by_exact_deltas(metrics):
 
 def test_observe_finished(metrics):
     before = scrape(metrics)
-    metrics.observe_finished(
-        "stop", e2e_s=1.2, queue_s=0.1, ttft_s=0.3, prompt_tokens=17, generation_tokens=9
-    )
-    metrics.observe_finished(
-        "length", e2e_s=2.0, queue_s=0.2, ttft_s=0.4, prompt_tokens=3, generation_tokens=16
-    )
+    metrics.observe_finished(FinishedRequest(
+        "stop", e2e_s=1.2, queue_s=0.1, ttft_s=0.3, prompt_tokens=17, generation_tokens=9, cached_tokens=16,
+        max_tokens=20, prefill_s=0.2, decode_s=0.8))
+    metrics.observe_finished(FinishedRequest(
+        "length", e2e_s=2.0, queue_s=0.2, ttft_s=0.4, prompt_tokens=3, generation_tokens=16, max_tokens=16,
+        prefill_s=0.2, decode_s=1.5))
     # Aborted while waiting: never scheduled, no first token.
-    metrics.observe_finished(
-        "abort", e2e_s=0.05, queue_s=None, ttft_s=None, prompt_tokens=5, generation_tokens=0
-    )
+    metrics.observe_finished(FinishedRequest(
+        "abort", e2e_s=0.05, queue_s=None, ttft_s=None, prompt_tokens=5, generation_tokens=0))
     after = scrape(metrics)
+    # the phases of the two that ran; the aborted one has none
+    assert delta(before, after, "vllm:request_prefill_time_seconds_count") == 2
+    assert delta(before, after, "vllm:request_decode_time_seconds_sum") == pytest.approx(2.3)
+    assert delta(before, after, "vllm:request_inference_time_seconds_sum") == pytest.approx(2.7)
+    assert delta(before, after, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.1 + 0.1)
+    assert delta(before, after, "vllm:prompt_tokens_cached_total") == 16
+    assert delta(before, after, "vllm:request_prefill_kv_computed_tokens_sum") == 1 + 3
+    assert delta(before, after, "vllm:request_max_num_generation_tokens_sum") == 36
 
     for reason, n in (("stop", 1), ("length", 1), ("abort", 1)):
         assert delta(before, after, "vllm:request_success_total", finished_reason=reason) == n

@@ -13,9 +13,11 @@ _PROMPT_CONTEXT = 6
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 stop: list[str], include_stop_str_in_output: bool) -> None:
+                 stop: list[str], include_stop_str_in_output: bool, spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # honoured by slow (Python) tokenizers; fast ones never put spaces there
+        self.decode_options = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         context = prompt_token_ids[-_PROMPT_CONTEXT:]
         self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
@@ -32,6 +34,7 @@ class IncrementalDetokenizer:
             self.token_ids[start:end],
             skip_special_tokens=self.skip_special_tokens,
             clean_up_tokenization_spaces=False,
+            **self.decode_options,
         )
 
     def update(self, new_token_ids: list[int], check_stop: bool) -> str | None:

@@ -183,9 +183,15 @@ class EngineCore:
         outputs = []
         for s in sched.scheduled:
             req = s.request
+            scored = result.prompt_logprobs.get(req.request_id)
+            if scored is not None and req.prompt_logprobs is not None:
+                first, entries = scored
+                # a request recomputed after preemption scores its prompt again: keep the first
+                req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first:])
             token = accepted.get(req.request_id)
             if token is None and req.request_id not in finished_ids:
                 continue
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # sent once
             lp = result.logprobs.get(req.request_id)
             queue_time = None
             if req.finish_reason is not None and req.first_scheduled_time is not None:
@@ -199,6 +205,7 @@ class EngineCore:
                     new_logprobs=[lp] if lp is not None else [],
                     num_cached_tokens=req.num_cached_tokens,
                     queue_time=queue_time,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs
@@ -216,4 +223,5 @@ class EngineCore:
             num_kv_blocks=self.kv_cache.num_blocks,
             num_free_kv_blocks=self.kv_cache.num_free_blocks,
             prefix_cache=self.kv_cache.make_stats(),
+            step_tokens=s.step_tokens,
         )

@@ -94,6 +94,18 @@ class InvalidInput(ValueError):
         self.code = code
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word tokenized as is and with a leading space
+    (how it appears after another word), without special tokens; empty results dropped."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for variant in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -111,15 +123,22 @@ class InputProcessor:
         if self.max_chars_per_token is not None and len(text) // self.max_chars_per_token >= self.max_model_len:
             raise self._too_long(len(text) // self.max_chars_per_token, at_least=True)
 
-    def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Return (prompt text or None, prompt token ids); raise InvalidInput (a ValueError) on bad input."""
+    def process(self, prompt: PromptType, params: SamplingParams, *, add_special_tokens: bool = True,
+                truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids); raise InvalidInput (a ValueError) on bad input.
+
+        add_special_tokens: let the tokenizer add its BOS and the like (off for a text that
+        already holds them, e.g. a rendered chat template). truncate_prompt_tokens: keep only
+        the prompt's last k tokens (vLLM's option: the text is then None, as it no longer
+        matches the ids)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInput("prompt must not be empty")
-            self.check_text_length(prompt)
+            if truncate_prompt_tokens is None:
+                self.check_text_length(prompt)
             if has_lone_surrogate(prompt):
                 raise InvalidInput("prompt must be valid Unicode (it holds a lone surrogate)")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             text: str | None = prompt
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
@@ -131,6 +150,9 @@ class InputProcessor:
                 raise InvalidInput(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         else:
             raise InvalidInput(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
+            token_ids = token_ids[len(token_ids) - truncate_prompt_tokens:]
+            text = None
         if not token_ids:
             raise InvalidInput("prompt must not be empty")
         if len(token_ids) >= self.max_model_len:
@@ -146,4 +168,8 @@ class InputProcessor:
                 f"model's context of {self.max_model_len} tokens", param="min_tokens", code="context_length_exceeded")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise InvalidInput(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
+        if params.allowed_token_ids is not None and any(not 0 <= t < self.vocab_size for t in params.allowed_token_ids):
+            raise InvalidInput(f"allowed_token_ids must be in [0, {self.vocab_size})", param="allowed_token_ids")
+        if any(not 0 <= t < self.vocab_size for word in params.bad_words_token_ids for t in word):
+            raise InvalidInput(f"bad_words token ids must be in [0, {self.vocab_size})", param="bad_words")
         return text, token_ids

@@ -47,8 +47,8 @@ class KVCacheManager:
         At least one token is always left to compute, since the last position's
         logits are needed to sample.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position's logits: compute them all
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

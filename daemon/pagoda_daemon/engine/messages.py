@@ -59,6 +59,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_logprobs: list[dict[int, float]] = []
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first schedule, sent with the final output
+    # with the first output of a request that asked for them: one entry per prompt token (None
+    # for the first, which nothing scores)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class PrefixCacheStats(msgspec.Struct, array_like=True, gc=False):
@@ -85,14 +88,17 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_steps: int = 0
     num_preemptions: int = 0
     prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+    step_tokens: list[int] = msgspec.field(default_factory=list)  # tokens of each step since the previous stats
 
     def add_counters(self, later: EngineStats) -> EngineStats:
-        """These counters plus a later snapshot's, with the later gauges."""
+        """These counters plus a later snapshot's, with the later gauges (and the later
+        step_tokens only: a running total keeps no per-step list)."""
         return EngineStats(
             later.num_running, later.num_waiting, later.kv_cache_usage, later.num_kv_blocks,
             later.num_free_kv_blocks, self.num_steps + later.num_steps, self.num_preemptions + later.num_preemptions,
             PrefixCacheStats(self.prefix_cache.queries + later.prefix_cache.queries,
                              self.prefix_cache.hits + later.prefix_cache.hits),
+            later.step_tokens,
         )
 
 

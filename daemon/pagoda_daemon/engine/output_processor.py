@@ -23,6 +23,8 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_delta: list[dict[int, float] | None] | None = None  # not yet handed out
 
 
 @dataclass
@@ -44,7 +46,7 @@ class OutputProcessor:
                     arrival_time: float | None = None) -> None:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output,
+            params.include_stop_str_in_output, params.spaces_between_special_tokens,
         )
         self.states[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, detok,
@@ -73,6 +75,8 @@ class OutputProcessor:
             if out.queue_time is not None:
                 state.timing.queue_time = out.queue_time
             state.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = state.prompt_logprobs_delta = out.prompt_logprobs
             state.token_ids.extend(out.new_token_ids)
             if state.logprobs is not None and state.output_kind is not RequestOutputKind.DELTA:
                 state.logprobs.extend(out.new_logprobs)
@@ -94,9 +98,11 @@ class OutputProcessor:
                      new_token_ids: list[int], new_logprobs: list[dict[int, float]]) -> RequestOutput:
         finished = finish_reason is not None
         delta = state.detokenizer.take_delta(finished)
+        prompt_logprobs = state.prompt_logprobs
         if state.output_kind is RequestOutputKind.DELTA:
             text, token_ids = delta, new_token_ids
             logprobs = new_logprobs if state.logprobs is not None else None
+            prompt_logprobs, state.prompt_logprobs_delta = state.prompt_logprobs_delta, None
         else:
             text = state.detokenizer.text if finished else state.detokenizer.text[: state.detokenizer.emitted]
             token_ids = list(state.token_ids)
@@ -111,5 +117,5 @@ class OutputProcessor:
         )
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-            state.num_cached_tokens, state.timing,
+            state.num_cached_tokens, state.timing, prompt_logprobs,
         )

@@ -59,6 +59,9 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.update_block_hashes()
         self.first_scheduled_time: float | None = None
+        # prompt logprobs scored so far (sampling_params.prompt_logprobs), until sent with the first output
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
 
     @property
     def num_tokens(self) -> int:

@@ -17,17 +17,22 @@ pending token straight from the previous step's device output).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+# step_tokens kept between two stats reads at most (a reader that never reads stats, such as a
+# long offline run, must not grow it without bound)
+MAX_STEPS_RECORDED = 4096
 
 
 @dataclass
 class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
+    step_tokens: list[int] = field(default_factory=list)  # tokens scheduled, per step
 
 
 class Scheduler:
@@ -65,7 +70,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        if request.sampling_params.uses_penalties:
+        if request.sampling_params.needs_host_tokens:
             self.num_needing_host_tokens += 1
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
@@ -142,6 +147,8 @@ class Scheduler:
 
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.stats.num_steps += 1
+        if out.num_scheduled_tokens and len(self.stats.step_tokens) < MAX_STEPS_RECORDED:
+            self.stats.step_tokens.append(out.num_scheduled_tokens)
         return out
 
     @staticmethod
@@ -222,6 +229,6 @@ class Scheduler:
         req.status = status
         self.kv_cache.free(req)
         del self.requests[req.request_id]
-        if req.sampling_params.uses_penalties:
+        if req.sampling_params.needs_host_tokens:
             self.num_needing_host_tokens -= 1
         self._finished_ids.append(req.request_id)

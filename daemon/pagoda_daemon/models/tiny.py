@@ -27,6 +27,9 @@ def main():\n    return "hello, world"\n
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    # as Qwen3's template: chat_template_kwargs {"enable_thinking": false} opens and closes the thought
+    "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n"
+    "{% endif %}"
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -18,10 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda_daemon import __version__
-from pagoda_daemon.engine.input_processor import InvalidInput
+from pagoda_daemon.engine.input_processor import InvalidInput, bad_words_token_ids
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
+from pagoda_daemon.server import tokens
 from pagoda_daemon.server.auth import APIKeys
+from pagoda_daemon.server.chat_template import render_chat
 from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError, PreparedRequest
 from pagoda_daemon.server.errors import APIError, bad_request, unavailable
 from pagoda_daemon.server.http_guard import RequestGuard
@@ -32,6 +35,7 @@ from pagoda_daemon.server.protocol import (
     parse_request,
     validation_error,
 )
+from pagoda_daemon.server.responses import ChatBuilder, CompletionBuilder, ResponseOptions
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,17 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         body, content_type = client.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != settings.served_model_name:
+            raise _no_such_model(model_id, settings, status=404)
+        return _model_card(settings, client)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """SageMaker's health route (vLLM serves it too): /health's answer."""
+        return await health()
+
     @app.post("/v1/completions")
     async def completions(raw: Request):
         req = await parse(CompletionRequest, raw)
@@ -118,7 +133,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         params = req.sampling_params(settings.default_max_tokens)
         prompts = req.prompts()
         _check_batch_fits(client, settings, len(prompts) * params.n)
-        processed = await asyncio.to_thread(_process_prompts, client, prompts, params)
+        processed, params = await asyncio.to_thread(_process_prompts, client, prompts, params, req)
         return await _serve(raw, client, settings, req, processed, params, chat=False, tracer=tracer)
 
     @app.post("/v1/chat/completions")
@@ -127,20 +142,40 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         _check_model(req.model, settings)
         params = req.sampling_params()
         _check_batch_fits(client, settings, params.n)
-        processed = await asyncio.to_thread(_process_chat, client, req, params)
+        processed, params = await asyncio.to_thread(_process_chat, client, req, params)
         return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer)
 
+    tokens.add_routes(app, client, settings.served_model_name, parse)
+    for path in NOT_SERVED:
+        app.add_api_route(path, _not_served(path), methods=["GET", "POST"], include_in_schema=False)
     return app
+
+
+# OpenAI routes this server does not serve: a 404 that says so, in the OpenAI error shape.
+NOT_SERVED = ("/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions", "/v1/audio/translations",
+              "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/rerank", "/v1/score",
+              "/pooling", "/classify")
+
+
+def _not_served(path: str):
+    async def not_served():
+        raise APIError(f"this server does not serve {path}: it generates text (/v1/completions, "
+                       "/v1/chat/completions)", 404, code="not_found")
+    return not_served
 
 
 # ---- request handling ------------------------------------------------------------------
 
 
+def _no_such_model(name: str, settings: ServerSettings, status: int = 400) -> APIError:
+    shown = name if len(name) <= 100 else name[:100] + "..."
+    return APIError(f"the model '{shown}' does not exist; this server serves '{settings.served_model_name}'",
+                    status, param="model", code="model_not_found")
+
+
 def _check_model(name: str, settings: ServerSettings) -> None:
     if name != settings.served_model_name:
-        shown = name if len(name) <= 100 else name[:100] + "..."
-        raise bad_request(f"the model '{shown}' does not exist; this server serves '{settings.served_model_name}'",
-                          param="model", code="model_not_found")
+        raise _no_such_model(name, settings)
 
 
 def _capacity(client: EngineClient, settings: ServerSettings) -> int:
@@ -162,32 +197,40 @@ def _ensure_ready(client: EngineClient) -> None:
         raise unavailable(client.not_ready_reason or "the engine is not ready")
 
 
-def _process_prompt(client: EngineClient, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+Processed = list[tuple[str | None, list[int]]]  # (prompt text or None, prompt token ids) per prompt
+
+
+def _process_prompt(client: EngineClient, prompt, params: SamplingParams, req) -> tuple[str | None, list[int]]:
     try:
-        return client.validate(prompt, params)
+        truncate = req.truncation(client.input_processor.max_model_len) if client.input_processor else None
+        return client.validate(prompt, params, add_special_tokens=req.add_special_tokens,
+                               truncate_prompt_tokens=truncate)
     except InvalidInput as e:
         raise bad_request(str(e), param=e.param, code=e.code) from e
     except ValueError as e:
         raise bad_request(str(e), param="prompt") from e
 
 
-def _process_prompts(client: EngineClient, prompts: list, params: SamplingParams) -> list[tuple[str | None, list[int]]]:
+def _with_bad_words(client: EngineClient, params: SamplingParams, req) -> SamplingParams:
+    if not req.bad_words:
+        return params
+    return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(client.tokenizer, req.bad_words))
+
+
+def _process_prompts(client: EngineClient, prompts: list, params: SamplingParams,
+                     req: CompletionRequest) -> tuple[Processed, SamplingParams]:
     """Tokenize and check every prompt (run in a worker thread: the tokenizer releases the GIL)."""
     _ensure_ready(client)
-    return [_process_prompt(client, p, params) for p in prompts]
+    params = _with_bad_words(client, params, req)
+    return [_process_prompt(client, p, params, req) for p in prompts], params
 
 
 def _process_chat(client: EngineClient, req: ChatCompletionRequest,
-                  params: SamplingParams) -> list[tuple[str | None, list[int]]]:
+                  params: SamplingParams) -> tuple[Processed, SamplingParams]:
     """Apply the chat template, then tokenize and check (run in a worker thread)."""
     _ensure_ready(client)
-    conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        prompt_text = client.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-    except Exception as e:  # a template that rejects the conversation is the caller's problem
-        raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
-    return [_process_prompt(client, prompt_text, params)]
+    params = _with_bad_words(client, params, req)
+    return [_process_prompt(client, render_chat(client.tokenizer, req), params, req)], params
 
 
 def _model_card(settings: ServerSettings, client: EngineClient) -> dict:
@@ -220,21 +263,27 @@ def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams
     return prepared
 
 
-async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, req, prompts, params, chat: bool,
-                 tracer=None):
+async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, req, prompts: Processed,
+                 params: SamplingParams, chat: bool, tracer=None):
     limit = _capacity(client, settings)
     n_new = len(prompts) * params.n
     if client.num_in_flight + n_new > limit:
         raise unavailable(f"the server is at capacity ({client.num_in_flight} requests in flight); retry later")
-    base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    # The response id is the caller's (request_id field, else X-Request-Id); the engine's ids add
+    # a random part, so a caller reusing an id never collides with a request in flight.
+    name = req.request_id or raw.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+    base_id = ("chatcmpl-" if chat else "cmpl-") + name
+    engine_id = f"{base_id}-{uuid.uuid4().hex[:8]}"
     created = int(time.time())
     arrival = time.monotonic()
-    prepared = _prepare(client, base_id, prompts, params, getattr(req, "cache_salt", None), arrival)
+    prepared = _prepare(client, engine_id, prompts, params, getattr(req, "cache_salt", None), arrival)
     # No await from here to the last submit: the engine cannot be found dead half way through.
     _ensure_ready(client)
     # streamed: each output carries only what is new; otherwise one complete output at the end
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    streams = [(index, len(p.prompt_ids), client.submit(p, kind)) for index, p in prepared]
+    streams = [(index, client.submit(p, kind)) for index, p in prepared]
+    if client.metrics is not None:
+        client.metrics.observe_request_params(params.n, req.max_tokens)
     span = None
     if tracer is not None:
         span = tracer.start_request_span(dict(raw.headers), base_id, {
@@ -246,8 +295,12 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
             "gen_ai.operation.name": "chat" if chat else "text_completion",
         })
         span.event("queued")
-    builder_cls = _ChatBuilder if chat else _CompletionBuilder
-    builder = builder_cls(base_id, created, req.model, client.tokenizer, params.n, params.logprobs)
+    options = ResponseOptions(
+        response_id=base_id, created=created, model=req.model, n=params.n, num_top_logprobs=params.logprobs,
+        prompt_logprobs=req.prompt_logprobs is not None, echo=req.echo and not chat,
+        echo_only=getattr(req, "echo_only", False), echo_text=req.echo_text() if chat else "",
+        token_ids_as_tokens=req.return_tokens_as_token_ids, continuous_usage=req.continuous_usage)
+    builder = (ChatBuilder if chat else CompletionBuilder)(options, client.tokenizer, prompts)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(streams, builder, include_usage, span),
@@ -255,36 +308,36 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     return await _collect(raw, streams, builder, span)
 
 
-async def _merge(streams) -> AsyncIterator[tuple[int, int, RequestOutput]]:
+async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the outputs of several generations as they arrive."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index, prompt_len, gen):
+    async def pump(index, gen):
         try:
             async for out in gen:
-                await queue.put((index, prompt_len, out))
+                await queue.put((index, out))
         except Exception as e:
-            await queue.put((index, prompt_len, e))
+            await queue.put((index, e))
         finally:
-            await queue.put((index, prompt_len, None))
+            await queue.put((index, None))
 
-    tasks = [asyncio.create_task(pump(i, n, g)) for i, n, g in streams]
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in streams]
     remaining = len(tasks)
     try:
         while remaining:
-            index, prompt_len, item = await queue.get()
+            index, item = await queue.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, Exception):
                 raise item
             else:
-                yield index, prompt_len, item
+                yield index, item
     finally:
         for t in tasks:
             t.cancel()
         # a cancelled pump may still be inside its generator: wait for it before closing that
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _, _, g in streams:
+        for _, g in streams:
             await g.aclose()
 
 
@@ -303,13 +356,13 @@ def _span_events(span, out: RequestOutput) -> None:
         span.event("first_token", timestamp=_wall(m.first_token_time))
 
 
-async def _collect(raw: Request, streams, builder, span) -> JSONResponse:
-    finals: dict[int, tuple[int, RequestOutput]] = {}
+async def _collect(raw: Request, streams, builder: CompletionBuilder, span) -> JSONResponse:
+    finals: dict[int, RequestOutput] = {}
 
     async def gather():
-        async for index, prompt_len, out in _merge(streams):
+        async for index, out in _merge(streams):
             if out.finished:
-                finals[index] = (prompt_len, out)
+                finals[index] = out
                 if span is not None and index == 0:
                     _span_events(span, out)
 
@@ -331,35 +384,32 @@ async def _collect(raw: Request, streams, builder, span) -> JSONResponse:
         raise e.api_error() from e
     body = builder.full(finals)
     if span is not None:
-        usage = body["usage"]
-        span.end(",".join(c["finish_reason"] or "" for c in body["choices"]), usage["prompt_tokens"],
-                 usage["completion_tokens"])
+        u = body["usage"]
+        span.end(builder.finish_reasons(finals), u["prompt_tokens"], u["completion_tokens"])
     return JSONResponse(body)
 
 
-async def _stream(streams, builder, include_usage: bool, span) -> AsyncIterator[str]:
+async def _stream(streams, builder: CompletionBuilder, include_usage: bool, span) -> AsyncIterator[str]:
     """Stream DELTA outputs: each carries only the text, tokens and logprobs new since the last."""
-    prompt_tokens: dict[int, int] = {}
-    completion_tokens: dict[int, int] = {}
     reasons = []
     try:
-        async for index, prompt_len, out in _merge(streams):
+        async for index, out in _merge(streams):
+            if index not in builder.choices:
+                for chunk in builder.first_chunks(index, out):
+                    yield _sse(chunk)
+            delta = builder.delta(index, out)
+            if delta is not None:
+                yield _sse(delta)
             c = out.outputs[0]
-            if index not in prompt_tokens and hasattr(builder, "role_chunk"):
-                yield _sse(builder.role_chunk(index))
-            prompt_tokens[index] = prompt_len
-            completion_tokens[index] = completion_tokens.get(index, 0) + len(c.token_ids)
-            if c.text or c.finish_reason is not None or c.logprobs:
-                yield _sse(builder.chunk(index, c.text, c.finish_reason, c.logprobs, c.token_ids))
             if c.finish_reason is not None:
                 reasons.append(c.finish_reason)
                 if span is not None and index == 0:
                     _span_events(span, out)
-        n_prompt = builder.prompt_tokens({i: (n, None) for i, n in prompt_tokens.items()})
+        final = builder.usage_chunk()
         if include_usage:
-            yield _sse(builder.usage_chunk(_usage(n_prompt, sum(completion_tokens.values()))))
+            yield _sse(final)
         if span is not None:
-            span.end(",".join(reasons), n_prompt, sum(completion_tokens.values()))
+            span.end(",".join(reasons), final["usage"]["prompt_tokens"], final["usage"]["completion_tokens"])
     except EngineDeadError as e:
         if span is not None:
             span.end(None, 0, 0, error=str(e))
@@ -369,93 +419,3 @@ async def _stream(streams, builder, include_usage: bool, span) -> AsyncIterator[
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _top(lp: dict[int, float], n: int) -> list[tuple[int, float]]:
-    return sorted(lp.items(), key=lambda kv: kv[1], reverse=True)[:n]
-
-
-class _CompletionBuilder:
-    """Builds /v1/completions bodies and stream chunks."""
-
-    object_name = "text_completion"
-
-    def __init__(self, rid: str, created: int, model: str, tokenizer, n: int, num_top_logprobs: int | None):
-        self.rid, self.created, self.model = rid, created, model
-        self.tokenizer, self.n, self.num_top = tokenizer, n, num_top_logprobs
-
-    def _envelope(self, choices: list, **extra) -> dict:
-        return {"id": self.rid, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
-
-    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None):
-        if logprobs is None:
-            return None
-        dec = self.tokenizer.decode
-        return {
-            "tokens": [dec([t]) for t in token_ids],
-            "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
-            "top_logprobs": [{dec([k]): v for k, v in _top(lp, self.num_top or 0)} for lp in logprobs],
-            "text_offset": [],
-        }
-
-    def chunk(self, index, delta, finish, logprobs, token_ids) -> dict:
-        return self._envelope([{"index": index, "text": delta, "logprobs": self._logprobs(token_ids, logprobs),
-                                "finish_reason": finish}])
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._envelope([], usage=usage)
-
-    def prompt_tokens(self, finals) -> int:
-        # n generations of one prompt count its tokens once
-        return sum(n for index, (n, _) in finals.items() if index % self.n == 0)
-
-    def full(self, finals) -> dict:
-        choices = []
-        for index in sorted(finals):
-            c = finals[index][1].outputs[0]
-            choices.append({"index": index, "text": c.text, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                            "finish_reason": c.finish_reason})
-        completion = sum(len(out.outputs[0].token_ids) for _, out in finals.values())
-        return self._envelope(choices, usage=_usage(self.prompt_tokens(finals), completion))
-
-
-class _ChatBuilder(_CompletionBuilder):
-    """Builds /v1/chat/completions bodies and stream chunks."""
-
-    object_name = "chat.completion.chunk"
-
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self.tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def _logprobs(self, token_ids, logprobs):
-        if logprobs is None:
-            return None
-        return {"content": [
-            {**self._entry(t, lp.get(t)), "top_logprobs": [self._entry(k, v) for k, v in _top(lp, self.num_top or 0)]}
-            for t, lp in zip(token_ids, logprobs)
-        ]}
-
-    def role_chunk(self, index: int) -> dict:
-        return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}])
-
-    def chunk(self, index, delta, finish, logprobs, token_ids) -> dict:
-        return self._envelope([{"index": index, "delta": {"content": delta} if delta else {},
-                                "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish}])
-
-    def full(self, finals) -> dict:
-        choices = []
-        for index in sorted(finals):
-            c = finals[index][1].outputs[0]
-            choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason})
-        completion = sum(len(out.outputs[0].token_ids) for _, out in finals.values())
-        body = self._envelope(choices, usage=_usage(self.prompt_tokens(finals), completion))
-        body["object"] = "chat.completion"
-        return body

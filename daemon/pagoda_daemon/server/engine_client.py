@@ -75,6 +75,7 @@ class _Tracked:
     queue: asyncio.Queue
     prompt_tokens: int
     generated: int = 0
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -188,11 +189,13 @@ class EngineClient:
 
     # ---- requests ---------------------------------------------------------------------
 
-    def validate(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def validate(self, prompt: PromptType, params: SamplingParams, *, add_special_tokens: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt; ValueError on bad input."""
         if self.input_processor is None:
             raise EngineDeadError("the engine is not ready")
-        return self.input_processor.process(prompt, params)
+        return self.input_processor.process(prompt, params, add_special_tokens=add_special_tokens,
+                                            truncate_prompt_tokens=truncate_prompt_tokens)
 
     @property
     def num_in_flight(self) -> int:
@@ -217,7 +220,7 @@ class EngineClient:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
-        tracked = _Tracked(asyncio.Queue(), len(request.prompt_ids))
+        tracked = _Tracked(asyncio.Queue(), len(request.prompt_ids), max_tokens=request.params.max_tokens)
         self.requests[rid] = tracked
         try:
             self.output_processor.add_request(rid, request.prompt_text, request.prompt_ids, request.params,
@@ -266,6 +269,8 @@ class EngineClient:
                 log.info("engine ready: %s", message)
                 if self.metrics is not None:
                     self.metrics.set_placement(message.gpus, message.numa_nodes, message.expert_parallel_size)
+                    self.metrics.set_cache_config(message.block_size, message.num_kv_blocks,
+                                                  self.config.enable_prefix_caching)
             elif isinstance(message, EngineFailed):
                 self._fail_all(message.reason)
 
@@ -295,10 +300,18 @@ class EngineClient:
     def _record_finished(self, out: RequestOutput, tracked: _Tracked, now: float) -> None:
         timing = out.metrics
         assert timing is not None and self.metrics is not None
-        self.metrics.observe_finished(
+        # imported here: metrics exist, so prometheus_client is installed
+        from pagoda_daemon.telemetry.metrics import FinishedRequest
+
+        scheduled = None if timing.queue_time is None else timing.arrival_time + timing.queue_time
+        first, last = timing.first_token_time, timing.last_token_time
+        self.metrics.observe_finished(FinishedRequest(
             out.outputs[0].finish_reason or "abort", now - timing.arrival_time, timing.queue_time,
             timing.time_to_first_token, tracked.prompt_tokens, tracked.generated,
-        )
+            cached_tokens=out.num_cached_tokens, max_tokens=tracked.max_tokens,
+            prefill_s=None if scheduled is None or first is None else max(first - scheduled, 0.0),
+            decode_s=None if first is None or last is None else last - first,
+        ))
         self.metrics.add_tokens(tracked.prompt_tokens, tracked.generated)
 
     def _record_stats(self, stats: EngineStats) -> None:

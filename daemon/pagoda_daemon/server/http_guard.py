@@ -7,17 +7,23 @@ the rest of the request is never read:
    where the request ends; a proxy in front may pick the other one: request smuggling);
 2. no valid API key (when keys are configured): 401 (`server/auth.py`);
 3. a POST while the server drains for shutdown: 503 `server_shutting_down`;
-4. a POST whose body is not `application/json`: 415 (a browser sends `text/plain`,
+4. a POST with a body that is not `application/json`: 415 (a browser sends `text/plain`,
    form and multipart bodies cross-site without asking; JSON needs a CORS preflight,
    which this server never grants);
 5. a body over `max_body_bytes`: 413, from Content-Length before reading anything, else as
    soon as the streamed body passes the limit (nothing over the limit is buffered).
 
 The body is then read here, bounded, and handed to the application as one message.
+
+Every response, refusals included, carries ``X-Request-Id``: the client's own when it sent a
+usable one (printable ASCII, at most 256 characters), else a fresh one. The handlers name the
+request by it (response ids, engine request ids, logs, traces), found in ``scope["state"]``.
 """
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,6 +35,19 @@ from pagoda_daemon.server.limits import RequestLimits
 
 class BodyTooLarge(Exception):
     pass
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_REQUEST_ID_CHARS = 256
+_USABLE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_REQUEST_ID_CHARS)
+
+
+def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The client's X-Request-Id when usable, else a new random one."""
+    values = _header_values(headers, REQUEST_ID_HEADER)
+    if len(values) == 1 and _USABLE_REQUEST_ID.fullmatch(values[0]):
+        return values[0].decode("ascii")
+    return uuid.uuid4().hex
 
 
 def _header_values(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
@@ -58,7 +77,8 @@ def header_refusal(scope: Scope, limits: RequestLimits, keys: APIKeys, draining:
         if draining:
             return APIError("the server is shutting down; retry on another replica", 503,
                             code="server_shutting_down", headers={"Retry-After": "1"})
-        if not is_json_media_type(_header_values(headers, b"content-type")):
+        has_body = _header_values(headers, b"transfer-encoding") or (content_length and content_length[0] != b"0")
+        if has_body and not is_json_media_type(_header_values(headers, b"content-type")):
             return APIError("the request body must be JSON: send 'Content-Type: application/json'", 415,
                             code="unsupported_media_type")
     if content_length and int(content_length[0]) > limits.max_body_bytes:  # h11 checked it is one integer
@@ -97,6 +117,9 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        request_id = request_id_of(scope["headers"])
+        scope.setdefault("state", {})["request_id"] = request_id
+        send = _with_request_id(send, request_id)
         refusal = header_refusal(scope, self.limits, self.keys, self.draining())
         if refusal is not None:
             await _refuse(refusal, scope, receive, send)
@@ -108,6 +131,17 @@ class RequestGuard:
             return
         if body is not None:
             await self.app(scope, _replay(body, receive), send)
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    header = (REQUEST_ID_HEADER, request_id.encode("ascii"))
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), header]}
+        await send(message)
+
+    return sending
 
 
 async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:

@@ -124,7 +124,7 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     if not keys.enabled:
         log.warning("the API is unauthenticated: anyone who reaches port %d can use it (set --api-key or %s)",
                     options["port"], API_KEY_ENV)
-    metrics = _make_metrics(served_name, max_model_len)
+    metrics = _make_metrics(served_name, max_model_len, config.max_num_batched_tokens)
     tracer = _make_tracer(options.get("otlp_traces_endpoint"))
     client = EngineClient(config, metrics=metrics, log_level=log_level,
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
@@ -187,13 +187,13 @@ async def _serve_until_stopped(server: DrainingServer, serving: asyncio.Task, cl
         stop.cancel()
 
 
-def _make_metrics(served_name: str, max_model_len: int):
+def _make_metrics(served_name: str, max_model_len: int, max_num_batched_tokens: int):
     try:
         from pagoda_daemon.telemetry.metrics import EngineMetrics
     except ImportError:  # prometheus-client missing: /metrics answers empty
         log.warning("prometheus-client is not installed: /metrics is empty")
         return None
-    return EngineMetrics(served_name, max_model_len=max_model_len)
+    return EngineMetrics(served_name, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
 
 
 def _make_tracer(endpoint: str | None):

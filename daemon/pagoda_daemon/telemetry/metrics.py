@@ -11,6 +11,9 @@ exposes them. All methods are thread-safe (prometheus_client locks per value).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -40,6 +43,17 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n buckets
+
+
+def iteration_token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """vLLM's iteration_tokens_total buckets: 1, 8, 16, 32, ... up to the step's token budget."""
+    buckets = [1, 8]
+    while buckets[-1] < max_num_batched_tokens:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to and including `max_value` (vLLM's token-count buckets)."""
     buckets: list[int] = []
@@ -53,11 +67,28 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+@dataclass
+class FinishedRequest:
+    """What the metrics record of one finished generation (times in seconds)."""
+
+    finished_reason: str
+    e2e_s: float
+    queue_s: float | None  # arrival to first schedule
+    ttft_s: float | None
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int = 0
+    max_tokens: int | None = None
+    prefill_s: float | None = None  # first schedule to first token
+    decode_s: float | None = None  # first token to last token
+
+
 class EngineMetrics:
     """The serving metrics of one engine (one served model)."""
 
     def __init__(
-        self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int = 32768
+        self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int = 32768,
+        max_num_batched_tokens: int = 8192,
     ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -152,6 +183,38 @@ class EngineMetrics:
             registry=r,
         ).labels(model_name)
 
+        def histogram(name: str, doc: str, buckets) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        # Phases of a finished request (vLLM's meanings: prefill is first schedule to first
+        # token, decode first to last token, inference the two together).
+        self._tpot = histogram("vllm:request_time_per_output_token_seconds",
+                               "Histogram of time_per_output_token_seconds per request.", INTER_TOKEN_BUCKETS)
+        self._prefill = histogram("vllm:request_prefill_time_seconds",
+                                  "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self._decode = histogram("vllm:request_decode_time_seconds",
+                                 "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self._inference = histogram("vllm:request_inference_time_seconds",
+                                    "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self._max_generation = histogram("vllm:request_max_num_generation_tokens",
+                                         "Histogram of maximum number of requested generation tokens.", token_buckets)
+        self._prefill_computed = histogram("vllm:request_prefill_kv_computed_tokens",
+                                           "Histogram of new KV tokens computed during prefill (excluding cached "
+                                           "tokens).", token_buckets)
+        self._params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self._params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                            "Histogram of the max_tokens request parameter.", token_buckets)
+        self._iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                           "Histogram of number of tokens per engine_step.",
+                                           iteration_token_buckets(max_num_batched_tokens))
+        self._prompt_tokens_cached = Counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix cache).", labels, registry=r,
+        ).labels(model_name)
+        self._cache_config = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", ["block_size", "num_gpu_blocks",
+                                                                                   "enable_prefix_caching"], registry=r,
+        )
+
         # Pagoda's own: where this replica runs, for the operator's status.placement.
         self._placement = Gauge(
             "pagoda:placement_info", "Where this replica's engine runs (value 1; the labels carry the facts).",
@@ -160,6 +223,11 @@ class EngineMetrics:
         self._expert_parallel = Gauge(
             "pagoda:expert_parallel_size", "Current expert-parallel size of this replica.", labels, registry=r
         ).labels(model_name)
+
+    def set_cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        """Once the engine is up (llm-d's prefix-aware routing reads the block size here)."""
+        self._cache_config.clear()
+        self._cache_config.labels(str(block_size), str(num_blocks), str(enable_prefix_caching)).set(1)
 
     def set_placement(self, gpus: list[int], numa_nodes: list[int], expert_parallel_size: int = 1) -> None:
         """Once the engine is up: its GPUs and NUMA nodes (comma-separated labels) and EP size."""
@@ -181,6 +249,8 @@ class EngineMetrics:
             self._prefix_hits.inc(stats.prefix_cache.hits)
         if stats.num_preemptions:
             self._preemptions.inc(stats.num_preemptions)
+        for n in stats.step_tokens:
+            self._iteration_tokens.observe(n)
 
     def add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         """Deltas: prompt tokens computed (prefill) and tokens generated since the last call."""
@@ -191,28 +261,39 @@ class EngineMetrics:
 
     # -- per request ----------------------------------------------------------------------
 
-    def observe_finished(
-        self,
-        finished_reason: str,
-        e2e_s: float,
-        queue_s: float | None,
-        ttft_s: float | None,
-        prompt_tokens: int,
-        generation_tokens: int,
-    ) -> None:
-        """One finished request. `queue_s` / `ttft_s` are None when the request never got
-        that far (e.g. aborted while waiting); those histograms are then left alone."""
-        counter = self._success.get(finished_reason)
+    def observe_finished(self, r: FinishedRequest) -> None:
+        """One finished request. Phases it never reached (aborted while waiting: no queue time,
+        no first token) leave their histograms alone."""
+        counter = self._success.get(r.finished_reason)
         if counter is None:  # an unexpected reason still counts, under its own label value
-            counter = self._success_family.labels(self.model_name, finished_reason)
+            counter = self._success_family.labels(self.model_name, r.finished_reason)
         counter.inc()
-        self._e2e.observe(e2e_s)
-        if queue_s is not None:
-            self._queue.observe(queue_s)
-        if ttft_s is not None:
-            self._ttft.observe(ttft_s)
-        self._req_prompt_tokens.observe(prompt_tokens)
-        self._req_generation_tokens.observe(generation_tokens)
+        self._e2e.observe(r.e2e_s)
+        if r.queue_s is not None:
+            self._queue.observe(r.queue_s)
+        if r.ttft_s is not None:
+            self._ttft.observe(r.ttft_s)
+        self._req_prompt_tokens.observe(r.prompt_tokens)
+        self._req_generation_tokens.observe(r.generation_tokens)
+        if r.max_tokens is not None:
+            self._max_generation.observe(r.max_tokens)
+        if r.queue_s is not None:  # it was scheduled: its prompt went through prefill
+            self._prefill_computed.observe(r.prompt_tokens - r.cached_tokens)
+        if r.cached_tokens:
+            self._prompt_tokens_cached.inc(r.cached_tokens)
+        if r.prefill_s is not None:
+            self._prefill.observe(r.prefill_s)
+        if r.decode_s is not None:
+            self._decode.observe(r.decode_s)
+            self._inference.observe((r.prefill_s or 0.0) + r.decode_s)
+            if r.generation_tokens > 1:
+                self._tpot.observe(r.decode_s / (r.generation_tokens - 1))
+
+    def observe_request_params(self, n: int, max_tokens: int | None) -> None:
+        """One API request's n and max_tokens (before it fans out into n generations)."""
+        self._params_n.observe(n)
+        if max_tokens is not None:
+            self._params_max_tokens.observe(max_tokens)
 
     def observe_inter_token(self, seconds: float, count: int = 1) -> None:
         """Record `count` inter-token intervals of `seconds` each (an output that carries k

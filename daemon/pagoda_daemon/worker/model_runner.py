@@ -11,7 +11,7 @@ schedule the next step while this one runs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +54,44 @@ class RunnerRequestState:
 class StepResult:
     sampled: dict[str, int]  # request id -> token, only for requests that reached the end of their tokens
     logprobs: dict[str, dict[int, float]]
+    # request id -> (position of the first prompt token scored, one entry per scored token), for
+    # requests that asked for prompt logprobs and had prompt tokens in this step
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobRows:
+    """Where the prompt logprobs of one step come from: the hidden-state rows (flattened batch)
+    whose logits score the next prompt token, per request."""
+
+    request_ids: list[str] = field(default_factory=list)
+    first_positions: list[int] = field(default_factory=list)  # the first scored token's position
+    counts: list[int] = field(default_factory=list)
+    num_top: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)  # the prompt token each row scores
+
+    def add(self, request, start: int, num_new: int, first_row: int) -> None:
+        """Positions start..start+num_new-1 were computed; each p < prompt_len - 1 scores token p+1."""
+        end = min(start + num_new, request.num_prompt_tokens - 1)
+        if end <= start:
+            return
+        self.request_ids.append(request.request_id)
+        self.first_positions.append(start + 1)
+        self.counts.append(end - start)
+        self.num_top.append(request.sampling_params.prompt_logprobs)
+        self.rows.extend(range(first_row, first_row + end - start))
+        self.targets.extend(request.all_token_ids[start + 1 : end + 1])
+
+
+def _scores_prompt(s) -> bool:
+    """This step computes prompt positions of a request that asked for prompt logprobs."""
+    req = s.request
+    return req.sampling_params.prompt_logprobs is not None and s.start < req.num_prompt_tokens - 1
+
+
+# Prompt logprobs take a [rows, vocab] float32 log-softmax: at most this many rows at a time.
+PROMPT_LOGPROBS_ROWS_PER_PASS = 1024
 
 
 class LaunchedStep:
@@ -61,11 +99,13 @@ class LaunchedStep:
     memory behind a CUDA event; result() waits for them."""
 
     def __init__(self, request_ids: list[str], num_logprobs: list[int | None], host: dict[str, torch.Tensor],
-                 event: torch.cuda.Event | None) -> None:
+                 event: torch.cuda.Event | None,
+                 prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] | None = None) -> None:
         self.request_ids = request_ids
         self.num_logprobs = num_logprobs
         self.host = host
         self.event = event
+        self.prompt_logprobs = prompt_logprobs or {}
 
     @classmethod
     def empty(cls) -> LaunchedStep:
@@ -73,7 +113,7 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         if not self.request_ids:
-            return StepResult({}, {})
+            return StepResult({}, {}, self.prompt_logprobs)
         with phase("pagoda.wait_for_gpu"):
             if self.event is not None:
                 self.event.synchronize()  # the one host sync of the step
@@ -93,7 +133,7 @@ class LaunchedStep:
                 for tid, lp in zip(top_ids[j][:n], top_lps[j][:n]):
                     entry.setdefault(tid, lp)
                 logprobs[rid] = entry
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -121,6 +161,7 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         self.max_cudagraph_batch_size = min(engine_config.max_cudagraph_batch_size, self.max_num_seqs,
                                             self.max_num_tokens)
+        self._prompt_rows = PromptLogprobRows()  # the eager step being prepared
 
     # ---- KV cache --------------------------------------------------------------------
 
@@ -158,7 +199,7 @@ class ModelRunner:
 
     def graph_size(self, sched: SchedulerOutput) -> int | None:
         """The captured batch size this step replays, or None when it runs eagerly."""
-        if self.cuda_graphs is None or any(s.num_new_tokens != 1 for s in sched.scheduled):
+        if self.cuda_graphs is None or any(s.num_new_tokens != 1 or _scores_prompt(s) for s in sched.scheduled):
             return None
         return self.cuda_graphs.padded_size(len(sched.scheduled))
 
@@ -197,9 +238,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         pending_dst: list[int] = []
         pending_src: list[int] = []
+        prompt_rows = PromptLogprobRows()
         for i, s in enumerate(sched.scheduled):
             req = s.request
             start, n = s.start, s.num_new_tokens
+            if _scores_prompt(s):
+                prompt_rows.add(req, start, n, t)
             if start >= req.num_tokens:  # the previous step's sample, not on the host yet
                 ids_np[t] = 0
                 pending_dst.append(t)
@@ -241,6 +285,7 @@ class ModelRunner:
         logits_indices = b.logits_indices.to_device(num_logits)
         if pad_to is not None:  # the graph reads its inputs from the buffers in place
             return StepInputs(logits_indices, sample_rows)
+        self._prompt_rows = prompt_rows
 
         seq_lens_cpu = lens_np[:num_seqs].tolist()
         qsl_cpu = qsl_np[: num_seqs + 1].tolist()
@@ -282,6 +327,19 @@ class ModelRunner:
             width = self.max_model_len + 1
             batch.prompt_token_ids = b.token_matrix("prompt", [r.prompt_token_ids for r in reqs], self.vocab_size, width)
             batch.output_token_ids = b.token_matrix("output", [r.output_token_ids for r in reqs], self.vocab_size, width)
+        if any(p.allowed_token_ids is not None for p in params):
+            allowed = torch.ones(len(params), self.vocab_size, dtype=torch.bool)
+            for j, p in enumerate(params):
+                if p.allowed_token_ids is not None:
+                    allowed[j] = False
+                    allowed[j, p.allowed_token_ids] = True
+            batch.allowed = allowed.to(self.device, non_blocking=True)
+        banned = [(j, word[-1]) for j, r in enumerate(reqs) for word in r.sampling_params.bad_words_token_ids
+                  if len(word) == 1 or r.output_token_ids[len(r.output_token_ids) - len(word) + 1:] == word[:-1]]
+        if banned:
+            banned_rows, banned_tokens = zip(*banned)
+            batch.banned = (torch.tensor(banned_rows, device=self.device),
+                            torch.tensor(banned_tokens, device=self.device))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_num_logprobs = min(max(wanted), self.vocab_size) if wanted else None
         return batch
@@ -304,8 +362,9 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 logits = self.model.compute_logits(hidden[inputs.logits_indices]) if rows else None
+        prompt_logprobs = self._prompt_logprobs(hidden, self._prompt_rows) if graph_size is None else {}
         if not rows:
-            return LaunchedStep.empty()
+            return LaunchedStep([], [], {}, None, prompt_logprobs)
         with phase("pagoda.sample"):
             batch = self._sampling_batch(sched, rows)
             out = self.sampler(logits, batch)
@@ -323,7 +382,42 @@ class ModelRunner:
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
-        return LaunchedStep(rids, [r.sampling_params.logprobs for r in reqs], host, event)
+        return LaunchedStep(rids, [r.sampling_params.logprobs for r in reqs], host, event, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         where: PromptLogprobRows) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """Log-probabilities of each scored prompt token (and the top N at its position) from the
+        raw logits, as the sampled tokens' logprobs are. Synchronous: a request asking for these
+        is scoring a prompt, not racing for latency."""
+        if not where.rows:
+            return {}
+        top_n = min(max(where.num_top), self.vocab_size)
+        chosen_parts, top_lp_parts, top_id_parts = [], [], []
+        for lo in range(0, len(where.rows), PROMPT_LOGPROBS_ROWS_PER_PASS):
+            rows = torch.tensor(where.rows[lo : lo + PROMPT_LOGPROBS_ROWS_PER_PASS], device=self.device)
+            targets = torch.tensor(where.targets[lo : lo + PROMPT_LOGPROBS_ROWS_PER_PASS], device=self.device)
+            logprobs = self.model.compute_logits(hidden[rows]).to(torch.float32).log_softmax(dim=-1)
+            chosen_parts.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1))
+            if top_n > 0:
+                top_lp, top_id = logprobs.topk(top_n, dim=-1)
+                top_lp_parts.append(top_lp)
+                top_id_parts.append(top_id)
+        chosen = torch.cat(chosen_parts).tolist()
+        top_lps = torch.cat(top_lp_parts).tolist() if top_n > 0 else [[]] * len(chosen)
+        top_ids = torch.cat(top_id_parts).tolist() if top_n > 0 else [[]] * len(chosen)
+        out: dict[str, tuple[int, list[dict[int, float]]]] = {}
+        k = 0
+        for rid, first, count, n in zip(where.request_ids, where.first_positions, where.counts, where.num_top):
+            entries = []
+            for j in range(k, k + count):
+                entry = {where.targets[j]: chosen[j]}
+                for tid, lp in zip(top_ids[j][:n], top_lps[j][:n]):
+                    entry.setdefault(tid, lp)
+                entries.append(entry)
+            out[rid] = (first, entries)
+            k += count
+        return out
+
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -37,6 +37,10 @@ class SamplingBatch:
     prompt_token_ids: torch.Tensor | None = None  # [B, P] padded with vocab_size
     output_token_ids: torch.Tensor | None = None  # [B, O] padded with vocab_size
     max_num_logprobs: int | None = None
+    # logit masks (None when no row uses them): allowed_token_ids as a [B, V] bool mask of the
+    # tokens a row may sample, and the (row, token) pairs bad_words bans this step
+    allowed: torch.Tensor | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids)
 
 
 @dataclass
@@ -97,11 +101,21 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | 
     return probs.div(q).argmax(dim=-1)
 
 
+def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """allowed_token_ids and bad_words: what a row may not sample gets -inf."""
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, _NEG_INF)
+    if batch.banned is not None:
+        rows, tokens = batch.banned
+        logits = logits.index_put((rows, tokens), torch.tensor(_NEG_INF, device=logits.device))
+    return logits
+
+
 def _temperature_only(batch: SamplingBatch) -> bool:
     """True when the batch needs no more than temperature scaling (or greedy) per row."""
     return (batch.top_k is None and batch.top_p is None and batch.min_p is None and not batch.generators
             and batch.repetition_penalty is None and batch.presence_penalty is None
-            and batch.frequency_penalty is None)
+            and batch.frequency_penalty is None and batch.allowed is None and batch.banned is None)
 
 
 class Sampler:
@@ -146,6 +160,7 @@ class Sampler:
         """logits: float32 (not modified)."""
         if batch.repetition_penalty is not None:
             logits = apply_penalties(logits, batch)
+        logits = apply_masks(logits, batch)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy

@@ -1,0 +1,257 @@
+"""OpenAI response bodies and stream chunks for /v1/completions and /v1/chat/completions.
+
+One builder per request. It sees each generation's outputs (by choice index; ``n`` choices per
+prompt) and writes what OpenAI's API and vLLM's server return: logprobs with ``text_offset``,
+``echo`` (the prompt, and its logprobs, before the completion), vLLM's ``prompt_logprobs``,
+usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens read from the prefix cache),
+and usage on every chunk with ``stream_options.continuous_usage_stats``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda_daemon.outputs import Logprobs, RequestOutput
+
+Prompt = tuple[str | None, list[int]]  # (prompt text or None, token ids)
+
+
+@dataclass
+class ResponseOptions:
+    response_id: str
+    created: int
+    model: str
+    n: int  # choices per prompt
+    num_top_logprobs: int | None  # None: no logprobs
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field asked for
+    echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
+    echo_text: str = ""  # chat: the assistant message echoed before the reply
+    token_ids_as_tokens: bool = False  # vLLM's return_tokens_as_token_ids
+    continuous_usage: bool = False
+
+
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}
+    if cached is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
+
+
+def _top(lp: Logprobs, n: int) -> list[tuple[int, float]]:
+    return sorted(lp.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+@dataclass
+class _Choice:
+    """What a streamed choice has sent so far."""
+
+    started: bool = False
+    completion_tokens: int = 0
+    text_offset: int = 0  # where the next token's text starts (the tokens' strings so far, summed)
+    cached_tokens: int = 0
+
+
+class CompletionBuilder:
+    object_name = "text_completion"
+
+    def __init__(self, options: ResponseOptions, tokenizer, prompts: list[Prompt]) -> None:
+        self.o = options
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.choices: dict[int, _Choice] = {}
+
+    # ---- pieces ------------------------------------------------------------------------
+
+    def envelope(self, choices: list, **extra: Any) -> dict[str, Any]:
+        return {"id": self.o.response_id, "object": self.object_name, "created": self.o.created,
+                "model": self.o.model, "choices": choices, **extra}
+
+    def token_str(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.o.token_ids_as_tokens else self.tokenizer.decode([token_id])
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.o.n]
+
+    def prompt_text(self, index: int) -> str:
+        text, ids = self.prompt_of(index)
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    @staticmethod
+    def end_offset(logprobs: dict[str, Any] | None) -> int:
+        """The text_offset after these logprobs' last token."""
+        if not logprobs or not logprobs.get("tokens"):
+            return 0
+        return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+    def _logprobs(self, token_ids: list[int], entries: list[Logprobs | None], offset: int,
+                  whole_entries: bool = False) -> dict[str, Any]:
+        """OpenAI's completion logprobs for these tokens. text_offset counts the tokens' strings
+        from the choice's first token (equal to positions in the text wherever tokens decode
+        to whole characters), so streamed and whole answers agree. whole_entries: every
+        alternative the engine returned (the prompt's, as vLLM's echo does), else the top
+        num_top_logprobs."""
+        tokens = [self.token_str(t) for t in token_ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        n = self.o.num_top_logprobs or 0
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else e.get(t) for t, e in zip(token_ids, entries)],
+            "top_logprobs": [None if e is None else {self.token_str(k): v for k, v in
+                                                     (e.items() if whole_entries else _top(e, n))}
+                             for e in entries],
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def _join(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+        if a is None or b is None:
+            return a or b
+        return {key: a[key] + b[key] for key in a}
+
+    def _prompt_logprobs_field(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, decoded_token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": lp, "decoded_token": self.token_str(t)}
+                                        for t, lp in e.items()} for e in out.prompt_logprobs]
+
+    def _echo(self, index: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and (with logprobs) its logprobs, for echo."""
+        text = self.prompt_text(index)
+        if self.o.num_top_logprobs is None:
+            return text, None
+        ids = self.prompt_of(index)[1]
+        entries = out.prompt_logprobs or [None] * len(ids)
+        return text, self._logprobs(ids, list(entries), 0, whole_entries=True)
+
+    def cached_tokens(self, finals: dict[int, RequestOutput]) -> int:
+        # n generations of one prompt count its tokens once
+        return sum(out.num_cached_tokens for index, out in finals.items() if index % self.o.n == 0)
+
+    def prompt_tokens(self, prompt_lens: dict[int, int]) -> int:
+        return sum(n for index, n in prompt_lens.items() if index % self.o.n == 0)
+
+    # ---- whole responses -----------------------------------------------------------------
+
+    def _choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        c = out.outputs[0]
+        text, logprobs = ("", None) if not self.o.echo else self._echo(index, out)
+        if not self.o.echo_only:
+            gen = None
+            if c.logprobs is not None:
+                gen = self._logprobs(c.token_ids, list(c.logprobs), self.end_offset(logprobs))
+            text += c.text
+            logprobs = self._join(logprobs, gen)
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.o.prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs_field(out)
+        return choice
+
+    def completion_tokens(self, out: RequestOutput) -> int:
+        return 0 if self.o.echo_only else len(out.outputs[0].token_ids)
+
+    def full(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        choices = [self._choice(i, finals[i]) for i in sorted(finals)]
+        completion = sum(self.completion_tokens(out) for out in finals.values())
+        prompt = self.prompt_tokens({i: len(out.prompt_token_ids) for i, out in finals.items()})
+        return self.envelope(choices, usage=usage(prompt, completion, self.cached_tokens(finals)))
+
+    # ---- streams ---------------------------------------------------------------------------
+
+    def _chunk_usage(self, index: int, state: _Choice) -> dict[str, Any]:
+        return {"usage": usage(len(self.prompt_of(index)[1]), state.completion_tokens)} if self.o.continuous_usage else {}
+
+    def first_chunks(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        """Sent before a choice's first delta: the echoed prompt (and prompt logprobs)."""
+        state = self.choices[index] = _Choice()
+        if not self.o.echo and not self.o.prompt_logprobs:
+            return []
+        choice: dict[str, Any] = {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+        if self.o.echo:
+            choice["text"], choice["logprobs"] = self._echo(index, out)
+            state.text_offset = self.end_offset(choice["logprobs"])
+        if self.o.prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs_field(out)
+        return [self.envelope([choice], **self._chunk_usage(index, state))]
+
+    def delta(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        """One DELTA output as a chunk, or None when it carries nothing to send."""
+        state = self.choices[index]
+        c = out.outputs[0]
+        state.cached_tokens = out.num_cached_tokens
+        if self.o.echo_only:
+            if c.finish_reason is None:
+                return None
+            text, token_ids, logprobs = "", [], None
+        else:
+            text, token_ids, logprobs = c.text, c.token_ids, c.logprobs
+            state.completion_tokens += len(token_ids)
+        if not (text or c.finish_reason is not None or logprobs):
+            return None
+        lp = None
+        if logprobs is not None:
+            lp = self._logprobs(token_ids, list(logprobs), state.text_offset)
+            state.text_offset = self.end_offset(lp) or state.text_offset
+        return self.envelope([self._delta_choice(index, text, lp, c.finish_reason, c.stop_reason)],
+                             **self._chunk_usage(index, state))
+
+    def _delta_choice(self, index: int, text: str, logprobs, finish: str | None, stop_reason) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stop_reason}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        prompt = self.prompt_tokens({i: len(self.prompt_of(i)[1]) for i in self.choices})
+        completion = sum(s.completion_tokens for s in self.choices.values())
+        cached = sum(s.cached_tokens for i, s in self.choices.items() if i % self.o.n == 0)
+        return self.envelope([], usage=usage(prompt, completion, cached))
+
+    def finish_reasons(self, finals: dict[int, RequestOutput]) -> str:
+        return ",".join(out.outputs[0].finish_reason or "" for _, out in sorted(finals.items()))
+
+
+class ChatBuilder(CompletionBuilder):
+    object_name = "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        text = self.token_str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, token_ids, entries, offset, whole_entries=False):
+        n = self.o.num_top_logprobs or 0
+        return {"content": [
+            {**self._entry(t, e.get(t)), "top_logprobs": [self._entry(k, v) for k, v in _top(e, n)]}
+            for t, e in zip(token_ids, entries)
+        ]}
+
+    def _choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        c = out.outputs[0]
+        lp = None if c.logprobs is None else self._logprobs(c.token_ids, list(c.logprobs), 0)
+        return {"index": index, "message": {"role": "assistant", "content": self.o.echo_text + c.text},
+                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def full(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        body = super().full(finals)
+        body["object"] = "chat.completion"
+        if self.o.prompt_logprobs:  # vLLM puts the (one) prompt's on the response
+            body["prompt_logprobs"] = self._prompt_logprobs_field(finals[min(finals)])
+        return body
+
+    def first_chunks(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        state = self.choices[index] = _Choice()
+        delta: dict[str, Any] = {"role": "assistant", "content": self.o.echo_text}
+        extra: dict[str, Any] = {}
+        if self.o.prompt_logprobs:
+            extra["prompt_logprobs"] = self._prompt_logprobs_field(out)
+        return [self.envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                              **extra, **self._chunk_usage(index, state))]
+
+    def _delta_choice(self, index: int, text: str, logprobs, finish: str | None, stop_reason) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": finish, "stop_reason": stop_reason}
