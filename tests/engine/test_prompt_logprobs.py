@@ -25,7 +25,7 @@ def hf_prompt_logprobs(path: str, prompt: list[int]) -> torch.Tensor:
 def test_prompt_logprobs_match_transformers(tiny_models, arch, config_name):
     path = tiny_models[arch]
     engine_kwargs, shared_prefix = CONFIGS[config_name]
-    llm = LLM(path, **{"num_kv_blocks": 256, "max_model_len": 512, **engine_kwargs})
+    llm = LLM(path, dtype="float32", **{"num_kv_blocks": 256, "max_model_len": 512, **engine_kwargs})
     vocab = llm.engine.model_config.vocab_size
     seed = int(torch.randint(0, 2**31, ()).item())
     lengths = [max(n, shared_prefix + 1) for n in LENGTHS]

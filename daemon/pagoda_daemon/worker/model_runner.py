@@ -334,7 +334,8 @@ class ModelRunner:
                     allowed[j] = False
                     allowed[j, p.allowed_token_ids] = True
             batch.allowed = allowed.to(self.device, non_blocking=True)
-        banned = [(j, word[-1]) for j, r in enumerate(reqs) for word in r.sampling_params.bad_words_token_ids
+        banned = [(j, word[-1]) for j, r in enumerate(reqs) if r.sampling_params.bad_words_token_ids
+                  for word in r.sampling_params.bad_words_token_ids
                   if len(word) == 1 or r.output_token_ids[len(r.output_token_ids) - len(word) + 1:] == word[:-1]]
         if banned:
             banned_rows, banned_tokens = zip(*banned)
