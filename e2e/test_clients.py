@@ -10,9 +10,10 @@ the tiny model's tokenizer; nothing comes from a model hub. Every check reads th
 report (guidellm exits 0 even when every request failed).
 
 inference-perf is not here: no registry these machines reach carries it (pip finds no
-distribution of `inference-perf`), so its vLLM client is covered by what it reads instead: the
-fields it sends are accepted (tests/server/test_vllm_compat.py) and the metric series its vLLM
-client scrapes are all exposed (same file, SCRAPED).
+distribution of `inference-perf`), so its vLLM client is covered by what it sends and reads
+instead: its fields are accepted (tests/server/test_vllm_compat.py) and the metric series its
+vLLM client scrapes are all exposed (same file, SCRAPED). docs/testing.md records a run of it
+installed from source by hand.
 """
 
 from __future__ import annotations

@@ -252,3 +252,37 @@ def test_metrics_carry_every_scraped_vllm_series(server):
     assert params_n["1.0"] < params_n["2.0"]  # the n=2 requests
     assert sum(s.value for s in samples["vllm:iteration_tokens_total_count"]) > 0
     assert sum(s.value for s in samples["vllm:request_time_per_output_token_seconds_count"]) > 0
+
+
+def test_the_openai_sdk_reads_every_new_shape(openai_client, offline):
+    """The official client parses these into its own types: a field of the wrong shape would
+    fail its validation or come back None."""
+    card = openai_client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME
+    prompt = random_text_ids(offline, 8)
+    echoed = openai_client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, echo=True, logprobs=2,
+                                              temperature=0)
+    lp = echoed.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and echoed.choices[0].text.startswith(offline.engine.tokenizer.decode(prompt))
+    chat = openai_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    for kind in ("chat", "completions"):
+        common = dict(model=MODEL_NAME, max_tokens=4, n=3, stream=True, extra_body={"ignore_eos": True},
+                      stream_options={"include_usage": True})
+        if kind == "chat":
+            stream = openai_client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **common)
+        else:
+            stream = openai_client.completions.create(prompt="Paged attention", **common)
+        chunks = list(stream)
+        assert {c.index for ch in chunks for c in ch.choices} == {0, 1, 2}
+        finished = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+        assert finished == ["length"] * 3
+        assert chunks[-1].usage.completion_tokens == 12
+    repeat = random_text_ids(offline, 40)
+    openai_client.completions.create(model=MODEL_NAME, prompt=repeat, max_tokens=1)
+    again = openai_client.completions.create(model=MODEL_NAME, prompt=repeat, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(repeat) - 1) // 16 * 16
