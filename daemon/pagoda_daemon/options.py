@@ -130,7 +130,7 @@ def check_value(d: Declared, value: Any, where: str) -> Any:
     return float(value) if d.type is float else value
 
 
-def check_bounds(obj: object) -> None:
+def check_bounds(obj: object, supports: Callable[[str], bool] = capabilities.supported) -> None:
     """Allowed values and bounds of every declared option of a dataclass instance, then the
     capabilities its non-default values need (ValueError naming the flag)."""
     cls: type = type(obj)
@@ -150,7 +150,7 @@ def check_bounds(obj: object) -> None:
                              f"{lo}, got {value}")
         if hi is not None and value > hi:
             raise ValueError(f"{d.name} must be at most {hi}, got {value}")
-    message = refusal_message(obj)
+    message = refusal_message(obj, supports=supports)
     if message:
         raise ValueError(message)
 
@@ -167,9 +167,10 @@ def refusals(obj: object | Mapping[str, Any], cls: type | None = None,
     }
 
 
-def refusal_message(obj: object | Mapping[str, Any], cls: type | None = None) -> str | None:
+def refusal_message(obj: object | Mapping[str, Any], cls: type | None = None,
+                    supports: Callable[[str], bool] = capabilities.supported) -> str | None:
     """The daemon's refusal of every unsupported option in one line, by flag name."""
-    refused = refusals(obj, cls)
+    refused = refusals(obj, cls, supports)
     if not refused:
         return None
     return "; ".join(f"--{name.replace('_', '-')}={_value_of(obj, name)}: {capabilities.refusal(cap)}"

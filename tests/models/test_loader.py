@@ -159,3 +159,40 @@ def test_cpu_cache_is_sized_from_the_byte_budget(tiny_models):
     llm = LLM(tiny_models["qwen3"], device="cpu", kv_cache_memory_bytes=4 << 20, max_model_len=256)
     worker = llm.engine.core.executor.worker
     assert llm.get_stats().num_kv_blocks == (4 << 20) // worker.kv_block_bytes()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_each_tensor_parallel_rank_reads_only_its_shard(tiny_models, arch, monkeypatch):
+    """Rank r of 2 reads its rows/columns of every split tensor (safetensors slices: only those
+    bytes) and the ranks' shards put back together are the checkpoint."""
+    from pagoda_daemon.distributed.parallel_state import TensorParallel
+
+    path = tiny_models[arch]
+    config = loader.load_config(path)
+    full = dict(loader.iterate_weights(path))
+    total = sum(t.read().numel() for t in full.values())
+    read: list[int] = []
+    original = loader.CheckpointTensor.read
+
+    def counting(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        read.append(out.numel())
+        return out
+
+    monkeypatch.setattr(loader.CheckpointTensor, "read", counting)
+    shards = []
+    for rank in range(2):
+        read.clear()
+        shards.append(loader.load_model(path, config, torch.float32, torch.device("cpu"), TorchPagedAttention, 128,
+                                        tp=TensorParallel(rank, 2)))
+        assert sum(read) < 0.6 * total, (rank, sum(read), total)  # norms and the router are whole on each
+    monkeypatch.undo()
+    whole = load(path)
+    params = [dict(m.named_parameters()) for m in shards]
+    q = whole.model.layers[0].self_attn.qkv_proj
+    q_rows = q.shard_offsets["q_proj"][1]
+    assert torch.equal(torch.cat([p["model.layers.0.self_attn.qkv_proj.weight"][: q_rows // 2] for p in params]),
+                       q.weight[:q_rows])
+    assert torch.equal(torch.cat([p["model.layers.0.self_attn.o_proj.weight"] for p in params], dim=1),
+                       whole.model.layers[0].self_attn.o_proj.weight)
+    assert torch.equal(torch.cat([p["model.embed_tokens.weight"] for p in params]), whole.model.embed_tokens.weight)

@@ -153,6 +153,8 @@ BAD_REQUESTS = [
      "truncate_prompt_tokens"),
     ("allowed_token_ids out of range", {"model": MODEL_NAME, "prompt": "hi", "allowed_token_ids": [10**6]},
      "allowed_token_ids"),
+    ("a bad word of more tokens than a word may hold",
+     {"model": MODEL_NAME, "prompt": "hi", "bad_words": ["\u00e9\U0001F680" * 40]}, "bad_words"),
     ("allowed_token_ids empty", {"model": MODEL_NAME, "prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("prompt_logprobs past the bound", {"model": MODEL_NAME, "prompt": "hi", "prompt_logprobs": 21},
      "prompt_logprobs"),

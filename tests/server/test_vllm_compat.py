@@ -265,7 +265,8 @@ def test_the_openai_sdk_reads_every_new_shape(openai_client, offline):
     lp = echoed.choices[0].logprobs
     assert len(lp.tokens) == len(prompt) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset[0] == 0 and echoed.choices[0].text.startswith(offline.engine.tokenizer.decode(prompt))
-    chat = openai_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+    fresh = " ".join(random.choices(WORDS, k=12))  # a conversation no earlier test cached
+    chat = openai_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": fresh}],
                                                  max_tokens=3, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)

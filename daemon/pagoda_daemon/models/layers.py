@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, kernels: bool = False) -> None:
@@ -91,12 +93,17 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input in one matmul (q/k/v, gate/up).
+    """Several projections of the same input in one matmul (q/k/v, gate/up), column-parallel
+    under tensor parallelism.
 
-    `shards` names the checkpoint tensors that fill consecutive row ranges.
+    `shards` names the checkpoint tensors that fill consecutive row ranges, each with the
+    number of rows this rank holds; `checkpoint_rows` says which rows of each checkpoint tensor
+    those are (start, count, the tensor's row count; default: all of them, the one-GPU case).
+    The loader reads only those.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False, kernels: bool = False) -> None:
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False, kernels: bool = False,
+                 checkpoint_rows: dict[str, tuple[int, int, int]] | None = None) -> None:
         offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shards.items():
@@ -104,6 +111,81 @@ class MergedLinear(Linear):
             offset += size
         super().__init__(in_features, offset, bias, kernels)
         self.shard_offsets = offsets
+        self.checkpoint_rows = checkpoint_rows or {name: (0, size, size) for name, size in shards.items()}
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the tensor-parallel ranks: each rank
+    multiplies its slice, the partial products are summed over the group, then the bias is
+    added once. Rank r holds the checkpoint's columns [r * in/size, (r + 1) * in/size)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, kernels: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
+        local = tp.split(in_features, "the input features of a row-parallel projection")
+        super().__init__(local, out_features, bias, kernels)
+        self.tp = tp
+        self.checkpoint_cols = (tp.rank * local, local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().forward(x)
+        out = self._gemv(x, self.weight, None) if self.skinny(x) else F.linear(x, self.weight)
+        out = self.tp.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().forward_silu_mul(gate_up)
+        out = self.tp.all_reduce(self._gemv(gate_up, self.weight, None, silu_mul=True))
+        return out if self.bias is None else out + self.bias
+
+
+def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
+    """(first token id, ids held, rows per rank): the vocabulary split in equal row counts,
+    the last rank's padded when the size does not divide it."""
+    per_rank = -(-vocab_size // tp.size)
+    start = min(tp.rank * per_rank, vocab_size)
+    return start, min(per_rank, vocab_size - start), per_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding with its rows split over the ranks: each rank looks up the ids it
+    holds (zeros elsewhere) and the group sums. One rank: a plain embedding lookup."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.start, self.held, rows = vocab_range(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.checkpoint_rows = (self.start, self.held)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.held)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(Linear):
+    """The output projection with the vocabulary split as VocabParallelEmbedding splits it;
+    every rank gets the whole logits (gathered, padding dropped)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, kernels: bool = False, tp: TensorParallel = SINGLE) -> None:
+        start, held, rows = vocab_range(vocab_size, tp)
+        super().__init__(hidden_size, rows, kernels=kernels)
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.checkpoint_rows = (start, held)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        if not self.tp.enabled:
+            return logits
+        return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
 def rope_parameters(config) -> dict:

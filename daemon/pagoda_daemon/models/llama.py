@@ -10,12 +10,15 @@ import torch
 from torch import nn
 
 from pagoda_daemon.attention.backend import AttentionBackend, AttentionMetadata, KVCacheSpec
+from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel, kv_heads_per_rank
 from pagoda_daemon.models.layers import (
-    Linear,
     MergedLinear,
+    ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SiluAndMul,
+    VocabParallelEmbedding,
     rope_parameters,
 )
 
@@ -25,19 +28,27 @@ def head_dim_of(config) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, backend: type[AttentionBackend], rotary: RotaryEmbedding, qk_norm: bool) -> None:
+    """Under tensor parallelism each rank holds num_heads / size query heads and its share of
+    the KV heads (replicated when there are more ranks than KV heads); o_proj sums the ranks."""
+
+    def __init__(self, config, backend: type[AttentionBackend], rotary: RotaryEmbedding, qk_norm: bool,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         kernels = backend.uses_kernels
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
+        self.num_heads = tp.split(config.num_attention_heads, "the number of attention heads")
+        self.num_kv_heads, first_kv_head = kv_heads_per_rank(config.num_key_value_heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
+        kv_rows = (first_kv_head * self.head_dim, self.kv_size, config.num_key_value_heads * self.head_dim)
+        q_rows = (tp.rank * self.q_size, self.q_size, config.num_attention_heads * self.head_dim)
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias, kernels
+            config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias, kernels,
+            checkpoint_rows={"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows},
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias, kernels)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias, kernels,
+                                        tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by every layer
@@ -56,11 +67,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels: bool = False) -> None:
+    """gate/up column-parallel, down row-parallel: one sum over the ranks per MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
-        self.gate_up_proj = MergedLinear(hidden_size, shards, kernels=kernels)
-        self.down_proj = Linear(intermediate_size, hidden_size, kernels=kernels)
+        local = tp.split(intermediate_size, "the MLP's intermediate size")
+        rows = (tp.rank * local, local, intermediate_size)
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": local, "up_proj": local}, kernels=kernels,
+                                         checkpoint_rows={"gate_proj": rows, "up_proj": rows})
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, kernels=kernels, tp=tp)
         self.act = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,9 +87,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, backend, rotary: RotaryEmbedding, qk_norm: bool, mlp: nn.Module) -> None:
+    def __init__(self, config, backend, rotary: RotaryEmbedding, qk_norm: bool, mlp: nn.Module,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, rotary, qk_norm)
+        self.self_attn = Attention(config, backend, rotary, qk_norm, tp)
         self.mlp = mlp
         kernels = backend.uses_kernels
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
@@ -91,9 +108,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, layers: list[DecoderLayer], kernels: bool = False) -> None:
+    def __init__(self, config, layers: list[DecoderLayer], kernels: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -116,23 +134,26 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj"),
     )
 
-    def __init__(self, config, backend: type[AttentionBackend], max_positions: int) -> None:
+    def __init__(self, config, backend: type[AttentionBackend], max_positions: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope_parameters(config), backend.uses_kernels)
         layers = [self.make_layer(config, backend, rotary, i) for i in range(config.num_hidden_layers)]
-        self.model = DecoderModel(config, layers, backend.uses_kernels)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, kernels=backend.uses_kernels)
+        self.model = DecoderModel(config, layers, backend.uses_kernels, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, backend.uses_kernels, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_layer(self, config, backend, rotary: RotaryEmbedding, index: int) -> DecoderLayer:
-        mlp = MLP(config.hidden_size, config.intermediate_size, backend.uses_kernels)
-        return DecoderLayer(config, backend, rotary, self.qk_norm, mlp)
+        mlp = MLP(config.hidden_size, config.intermediate_size, backend.uses_kernels, self.tp)
+        return DecoderLayer(config, backend, rotary, self.qk_norm, mlp, self.tp)
 
     def kv_cache_spec(self) -> KVCacheSpec:
+        """This rank's KV cache: its share of the KV heads."""
         c = self.config
-        return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
+        return KVCacheSpec(c.num_hidden_layers, kv_heads_per_rank(c.num_key_value_heads, self.tp)[0], head_dim_of(c))
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

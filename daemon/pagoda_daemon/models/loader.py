@@ -14,6 +14,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import safe_open
 
+from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel
 from pagoda_daemon.models.layers import MergedLinear
 from pagoda_daemon.models.registry import resolve_model_class
 
@@ -85,15 +86,41 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """One tensor of a checkpoint, read lazily: a tensor-parallel rank reads only the rows or
+    columns it holds (safetensors slices read just those bytes)."""
+
+    def __init__(self, source) -> None:
+        self._source = source  # a safetensors slice, or a tensor
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> CheckpointTensor:
+        return cls(tensor)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if isinstance(self._source, torch.Tensor):
+            return tuple(self._source.shape)
+        return tuple(self._source.get_shape())
+
+    def read(self, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
+        """The whole tensor, or [start, start + size) along dim (0 or 1)."""
+        if dim is None:
+            return self._source[:] if not isinstance(self._source, torch.Tensor) else self._source
+        stop = start + (self.shape[dim] - start if size is None else size)
+        return self._source[start:stop] if dim == 0 else self._source[:, start:stop]
+
+
+def iterate_weights(path: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, st.get_tensor(name)
+                yield name, CheckpointTensor(st.get_slice(name))
 
 
-def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model, merging stacked and expert tensors."""
+def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, CheckpointTensor]]) -> None:
+    """Copy checkpoint tensors into the model, merging stacked and expert tensors; under tensor
+    parallelism each parameter takes its rank's slice (the layer's checkpoint_rows/cols)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     pending = _expected_pieces(model, params)
@@ -105,14 +132,21 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
             continue  # tied checkpoints may still carry a copy of the embedding
         if "rotary_emb.inv_freq" in name:
             continue
-        target, piece, dest = _locate(model, params, name, stacked, expert_param)
-        if dest.shape != tensor.shape:
+        target, piece, dest, (dim, start, size, full) = _locate(model, params, name, stacked, expert_param)
+        expected = list(dest.shape)
+        if dim is not None:
+            expected[dim] = full
+        if list(tensor.shape) != expected:
             raise WeightLoadError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"the model expects {tuple(dest.shape)} for {target!r}"
+                f"the model expects {tuple(expected)} for {target!r}"
             )
         with torch.no_grad():
-            dest.copy_(tensor)
+            part = tensor.read(dim, start, size)
+            if dim is not None and part.shape[dim] < dest.shape[dim]:  # a padded vocabulary shard
+                dest.zero_()
+                dest = dest.narrow(dim, 0, part.shape[dim])
+            dest.copy_(part)
         pending[target].discard(piece)
 
     missing = sorted(f"{t}{'' if p is None else f'[{p}]'}" for t, pieces in pending.items() for p in pieces)
@@ -140,18 +174,37 @@ def _expected_pieces(model, params) -> dict[str, set]:
     return pending
 
 
+# Which part of a checkpoint tensor a parameter takes: (dim, start, size, the checkpoint's size
+# along dim), or all of it.
+WHOLE = (None, 0, None, None)
+
+
+def _slice_of(module, param_name: str, dest: torch.Tensor):
+    """The checkpoint slice a (non-merged) parameter takes, from its module's TP layout."""
+    leaf = param_name.rsplit(".", 1)[-1]
+    rows = getattr(module, "checkpoint_rows", None)
+    if isinstance(rows, tuple) and leaf == "weight":  # vocabulary-split embedding or LM head
+        return 0, rows[0], rows[1], getattr(module, "vocab_size", rows[1])
+    cols = getattr(module, "checkpoint_cols", None)
+    if cols is not None and leaf == "weight":  # row-parallel: input columns
+        return 1, cols[0], cols[1], cols[1] * module.tp.size
+    return WHOLE
+
+
 def _locate(model, params, name, stacked, expert_param):
-    """Map a checkpoint tensor name to (parameter name, piece key, destination view)."""
+    """Map a checkpoint tensor name to (parameter name, piece key, destination view, slice)."""
     if expert_param is not None and (hit := expert_param(name)) is not None:
         target, expert, proj = hit
         if target not in params or expert >= params[target].shape[0]:
             raise WeightLoadError(f"checkpoint tensor {name!r} does not match any model parameter")
         p = params[target]
+        moe = model.get_submodule(target.rsplit(".", 1)[0])
+        start, inter = getattr(moe, "checkpoint_inter", (0, p.shape[-1] if proj == "down_proj" else p.shape[1] // 2))
+        full = inter * moe.tp.size if hasattr(moe, "tp") else inter
         if proj == "down_proj":
-            return target, (expert, proj), p.data[expert]
-        inter = p.shape[1] // 2
+            return target, (expert, proj), p.data[expert], (1, start, inter, full)
         rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-        return target, (expert, proj), p.data[expert, rows]
+        return target, (expert, proj), p.data[expert, rows], (0, start, inter, full)
     for merged, shard in stacked:
         if f".{shard}." in name:
             target = name.replace(f".{shard}.", f".{merged}.")
@@ -159,22 +212,25 @@ def _locate(model, params, name, stacked, expert_param):
                 break
             module = model.get_submodule(target.rsplit(".", 1)[0])
             offset, size = module.shard_offsets[shard]
-            return target, shard, params[target].data[offset : offset + size]
+            start, count, full = module.checkpoint_rows[shard]
+            return target, shard, params[target].data[offset : offset + size], (0, start, count, full)
     if name not in params:
         raise WeightLoadError(f"checkpoint tensor {name!r} does not match any model parameter")
-    return name, None, params[name].data
+    module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return name, None, params[name].data, _slice_of(module, name, params[name].data)
 
 
 def load_model(path: str | Path, config, dtype: torch.dtype, device: torch.device, backend, max_positions: int,
-               load_format: str = "auto"):
-    """Build the model on `device` and fill it from the checkpoint's safetensors, or with
-    random weights when load_format is "dummy" (config.json alone is enough)."""
+               load_format: str = "auto", tp: TensorParallel = SINGLE):
+    """Build the model on `device` (this rank's shard under tensor parallelism) and fill it
+    from the checkpoint's safetensors, or with random weights when load_format is "dummy"
+    (config.json alone is enough)."""
     model_cls = resolve_model_class(config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(config, backend, max_positions)
+            model = model_cls(config, backend, max_positions, tp)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":

@@ -212,9 +212,13 @@ def _process_prompt(client: EngineClient, prompt, params: SamplingParams, req) -
 
 
 def _with_bad_words(client: EngineClient, params: SamplingParams, req) -> SamplingParams:
+    """The bad words as token sequences (a word past SamplingParams' token bound is a 400)."""
     if not req.bad_words:
         return params
-    return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(client.tokenizer, req.bad_words))
+    try:
+        return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(client.tokenizer, req.bad_words))
+    except ValueError as e:
+        raise bad_request(str(e), param="bad_words") from e
 
 
 def _process_prompts(client: EngineClient, prompts: list, params: SamplingParams,

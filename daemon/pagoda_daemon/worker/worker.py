@@ -11,11 +11,13 @@ vLLM's ``v1/worker/gpu_worker.py`` is the model.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pagoda_daemon.distributed.parallel_state import min_over_ranks, tensor_parallel_group
 from pagoda_daemon.engine.scheduler_output import SchedulerOutput
 from pagoda_daemon.models import loader
 from pagoda_daemon.worker.model_runner import LaunchedStep, ModelRunner
@@ -70,7 +72,11 @@ class Worker:
         from pagoda_daemon.attention import get_attention_backend
 
         self.config = config
+        self.tp = tensor_parallel_group(config.tensor_parallel_size)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.tp.enabled:  # one GPU per rank, in launch order on the node
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.tp.rank)))
+            torch.cuda.set_device(self.device)
         # Pin before anything big is allocated on the host, so it lands on local memory.
         self.cpu_pin = pin_worker(self.device, config.numa_policy)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
@@ -78,6 +84,7 @@ class Worker:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         model = loader.load_model(
             config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.load_format,
+            self.tp,
         )
         self.kv_cache_spec = model.kv_cache_spec()
         self.runner = ModelRunner(model, model_config, config, self.device, self.dtype, max_model_len)
@@ -99,13 +106,16 @@ class Worker:
 
     def available_kv_blocks(self) -> int:
         """How many KV blocks this device can hold: the GPU's from a profiling pass, the CPU's
-        from its byte budget; ``num_kv_blocks`` overrides both."""
+        from its byte budget; ``num_kv_blocks`` overrides both. Under tensor parallelism, the
+        smallest rank's count (every rank holds the same blocks of its own heads)."""
         per_block = self.kv_block_bytes()
         if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            return self._profile_gpu_blocks(per_block)
-        return (self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+            blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            blocks = self._profile_gpu_blocks(per_block)
+        else:
+            blocks = (self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+        return min_over_ranks(blocks, self.tp)
 
     def _profile_gpu_blocks(self, per_block: int) -> int:
         """KV budget = gpu_memory_utilization x the memory left free after a profiling forward pass."""
