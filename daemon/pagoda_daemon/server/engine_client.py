@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.2
 DRAIN_POLL_S = 0.05
+SHUTDOWN_SEND_S = 2.0  # the core reads its input between steps; a live one takes the Shutdown at once
 
 
 class EngineDeadError(RuntimeError):
@@ -175,8 +176,9 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         if self.process is not None and self.process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._to_core.send(wire.encode(Shutdown()))
+            if self.dead_reason is None:  # a dead core (still exiting) reads nothing: the send would wait forever
+                with contextlib.suppress(zmq.ZMQError, TimeoutError):
+                    await asyncio.wait_for(self._to_core.send(wire.encode(Shutdown())), SHUTDOWN_SEND_S)
             await asyncio.to_thread(self.process.join, 5)
             if self.process.is_alive():
                 self.process.kill()
