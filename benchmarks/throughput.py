@@ -48,7 +48,7 @@ def build_core(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=0,
         async_scheduling=args.async_scheduling,
-        gpu_memory_utilization=0.9,
+        gpu_memory_utilization=0.9, tensor_parallel_size=args.tensor_parallel_size,
     )
     core = EngineCore(config)
     core.warm_up()
@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks 1..N-1 start in processes of their own")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--num-seqs", type=int, default=256)

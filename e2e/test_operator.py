@@ -411,11 +411,11 @@ def test_spec_change_rolls_progressing_then_ready(cluster, ns, operator):
 
 
 def test_invalid_combination_is_degraded_and_children_untouched(cluster, ns, operator):
-    cluster.apply(isvc("combo", resources={"gpusPerReplica": 4}), ns)
+    cluster.apply(isvc("combo", resources={"gpusPerReplica": 4}, parallelism={"tensor": 4}), ns)
     wait_ready(cluster, "combo", ns, replicas=1, op=operator)
     before = versions(cluster, "combo", ns)
     cluster.kubectl(
-        "patch", "pisvc", "combo", "-n", ns, "--type=merge", "-p", '{"spec":{"parallelism":{"tensor":3}}}'
+        "patch", "pisvc", "combo", "-n", ns, "--type=merge", "-p", '{"spec":{"parallelism":{"expert":3}}}'
     )
 
     def degraded():
@@ -423,9 +423,9 @@ def test_invalid_combination_is_degraded_and_children_untouched(cluster, ns, ope
         return c if c.get("reason") == "InvalidSpec" else None
 
     c = cluster.wait_for(degraded, timeout=30, what="Degraded/InvalidSpec")
-    assert c["status"] == "True" and "does not divide resources.gpusPerReplica (4)" in c["message"]
+    assert c["status"] == "True" and "= 12 must equal resources.gpusPerReplica (4)" in c["message"]
     # and the daemon's capability list, read by the operator: no crash-looping pod for it
-    assert "spec.parallelism.tensor: tensor parallelism" in c["message"], c
+    assert "spec.parallelism.expert: expert parallelism" in c["message"], c
     time.sleep(2)
     assert versions(cluster, "combo", ns) == before
     events = cluster.kubectl(
@@ -435,7 +435,7 @@ def test_invalid_combination_is_degraded_and_children_untouched(cluster, ns, ope
 
 
 def test_unschedulable_pods_are_degraded(cluster, ns, operator):
-    cluster.apply(isvc("huge", resources={"gpusPerReplica": 16}), ns)
+    cluster.apply(isvc("huge", resources={"gpusPerReplica": 16}, parallelism={"tensor": 16}), ns)
 
     def degraded():
         c = cond(get(cluster, "pisvc", "huge", ns), "Degraded")
@@ -560,6 +560,7 @@ def test_require_nvlink_places_through_node_topology(cluster, ns, operator, gpu_
             isvc(
                 "nv",
                 resources={"gpusPerReplica": 8},
+                parallelism={"tensor": 8},
                 placement={"requireNVLink": True},
             ),
             ns,

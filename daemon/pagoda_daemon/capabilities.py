@@ -21,7 +21,7 @@ class Capability:
 CAPABILITIES: dict[str, Capability] = {
     c.name: c
     for c in (
-        Capability("tensor_parallel", False, "tensor parallelism (one model sharded over several GPUs)"),
+        Capability("tensor_parallel", True, "tensor parallelism (one model sharded over several GPUs)"),
         Capability("expert_parallel", False, "expert parallelism (MoE experts spread over several GPUs)"),
         Capability("data_parallel", False, "data parallelism inside one replica"),
         Capability("elastic_expert_parallel", False, "elastic expert parallelism"),

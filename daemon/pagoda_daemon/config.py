@@ -4,26 +4,13 @@ are generated from these declarations (``options.py``); names follow vLLM's engi
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
-from pagoda_daemon import capabilities
 from pagoda_daemon.options import check_bounds, option
 
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def _supported_here(capability: str) -> bool:
-    """This build's capabilities, plus tensor parallelism where a launcher already started the
-    ranks (an initialised torch.distributed world: the offline engine run under torchrun, as
-    vLLM's external-launcher mode). `pagoda serve` and the operator start no ranks yet, so they
-    keep refusing it (capabilities.py)."""
-    if capabilities.supported(capability):
-        return True
-    dist = sys.modules.get("torch.distributed")
-    return capability == "tensor_parallel" and dist is not None and dist.is_available() and dist.is_initialized()
 
 
 @dataclass
@@ -62,7 +49,8 @@ class EngineConfig:
                               "node) | none | cpus=<list>")
     # Declared so that the operator can render them and both sides refuse them by name
     # until the distributed engine and KV offload land (capabilities.py).
-    tensor_parallel_size: int = option(1, "GPUs one model is sharded over", minimum=1, needs="tensor_parallel")
+    tensor_parallel_size: int = option(1, "GPUs one model is sharded over", minimum=1, maximum=64,
+                                       needs="tensor_parallel")
     expert_parallel_size: int = option(1, "GPUs the MoE experts are spread over", minimum=1,
                                        needs="expert_parallel")
     data_parallel_size: int = option(1, "engine replicas inside one daemon", minimum=1, needs="data_parallel")
@@ -76,7 +64,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must name a model directory")
-        check_bounds(self, supports=_supported_here)
+        check_bounds(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):

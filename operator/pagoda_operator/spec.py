@@ -348,17 +348,17 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
     errors += _field_errors(s)
     errors += capability_errors(s, supports)
     par = s.parallelism
-    ranks = par.tensor * par.expert
+    ranks = par.tensor * par.expert * par.data
     if s.gpus == 0:
-        if par.tensor * par.expert * par.data != 1 or par.elastic:
+        if ranks != 1 or par.elastic:
             errors.append(
                 "parallelism needs GPUs: with resources.gpusPerReplica 0 (CPU) tensor, expert and data "
                 "must be 1 and elastic unset"
             )
-    elif s.gpus % ranks != 0:
+    elif not par.elastic and ranks != s.gpus:  # one engine rank per GPU: none idle, none shared
         errors.append(
-            f"parallelism.tensor ({par.tensor}) × parallelism.expert ({par.expert}) = {ranks} does not "
-            f"divide resources.gpusPerReplica ({s.gpus})"
+            f"parallelism.tensor ({par.tensor}) × expert ({par.expert}) × data ({par.data}) = {ranks} "
+            f"must equal resources.gpusPerReplica ({s.gpus}): the engine runs one rank per GPU"
         )
     if par.elastic and s.gpus > 0:
         assert par.min_expert is not None and par.max_expert is not None

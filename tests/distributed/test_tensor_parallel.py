@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 from benchmarks.parity import CONFIGS, hf_greedy, random_prompts
 
 CASES = ["default", "chunked-prefill-16", "shared-prefix-cached", "tiny-cache-preemption"]
+# The executor's step plans must carry what async scheduling feeds forward, and preemption.
+EXECUTOR_CASES = ["chunked-prefill-16", "shared-prefix-cached", "async-chunked", "async-preemption"]
 LENGTHS = [1, 5, 17, 33, 48, 70, 95, 120, 9]
 MAX_TOKENS = 12
 
@@ -28,41 +30,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, path: str, arch: str, seed: int, out_dir: str) -> None:
+def _run_cases(size: int, path: str, seed: int, cases: list[str]) -> dict:
+    from pagoda_daemon import LLM, SamplingParams
+
+    results = {}
+    for case in cases:
+        engine_kwargs, shared_prefix = CONFIGS[case]
+        llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=size,
+                  **{"num_kv_blocks": 256, "max_model_len": 512, **engine_kwargs})
+        vocab = llm.engine.model_config.vocab_size
+        prompts = random_prompts(vocab, [max(n, shared_prefix + 1) for n in LENGTHS], seed=seed,
+                                 shared_prefix=shared_prefix)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
+        outs = llm.generate(prompts, params)
+        stats = llm.get_stats()
+        results[case] = {
+            "prompts": prompts,
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "prompt_logprobs": [[None if e is None else e[t] for e, t in zip(o.prompt_logprobs, p)]
+                                for o, p in zip(outs, prompts)],
+            "preemptions": stats.num_preemptions,
+            "free": llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks,
+        }
+        llm.engine.core.shutdown()
+    return results
+
+
+def _rank_main(rank: int, size: int, port: int, path: str, seed: int, out_dir: str) -> None:
+    """One rank of a world a launcher started: every rank runs the engine on the same requests."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from pagoda_daemon import LLM, SamplingParams
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        results = {}
-        for case in CASES:
-            engine_kwargs, shared_prefix = CONFIGS[case]
-            llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=size,
-                      **{"num_kv_blocks": 256, "max_model_len": 512, **engine_kwargs})
-            vocab = llm.engine.model_config.vocab_size
-            prompts = random_prompts(vocab, [max(n, shared_prefix + 1) for n in LENGTHS], seed=seed,
-                                     shared_prefix=shared_prefix)
-            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
-            outs = llm.generate(prompts, params)
-            stats = llm.get_stats()
-            results[case] = {
-                "prompts": prompts,
-                "tokens": [o.outputs[0].token_ids for o in outs],
-                "prompt_logprobs": [[None if e is None else e[t] for e, t in zip(o.prompt_logprobs, p)]
-                                    for o, p in zip(outs, prompts)],
-                "preemptions": stats.num_preemptions,
-                "free": llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks,
-            }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_run_cases(size, path, seed, CASES)))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(size: int, path: str, arch: str, seed: int, out_dir: Path) -> list[dict]:
-    mp.start_processes(_rank_main, args=(size, _free_port(), path, arch, seed, str(out_dir)), nprocs=size,
+def _executor_main(_: int, size: int, path: str, seed: int, out_dir: str) -> None:
+    """No launcher: the engine's executor starts ranks 1..size-1 itself (`pagoda serve`'s way)."""
+    torch.set_num_threads(1)
+    Path(out_dir, "rank0.json").write_text(json.dumps(_run_cases(size, path, seed, EXECUTOR_CASES)))
+
+
+def run_ranks(size: int, path: str, seed: int, out_dir: Path) -> list[dict]:
+    mp.start_processes(_rank_main, args=(size, _free_port(), path, seed, str(out_dir)), nprocs=size,
                        start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(size)]
 
@@ -97,23 +111,37 @@ def assert_same_greedy(path: str, prompt: list[int], got: list[int], want: list[
         assert want[-1] == hf_model(path).generation_config.eos_token_id, (where, want)
 
 
+def check_against_transformers(path: str, result: dict, seed: int) -> None:
+    for case, got in result.items():
+        assert got["free"], (case, "blocks leaked")
+        if "preemption" in case:
+            assert got["preemptions"] > 0, "the cache was meant to be too small for the batch"
+        for prompt, tokens, plp in zip(got["prompts"], got["tokens"], got["prompt_logprobs"]):
+            assert_same_greedy(path, prompt, tokens, hf_greedy(path, prompt, MAX_TOKENS), (case, seed))
+            assert plp[0] is None
+            assert plp[1:] == pytest.approx(hf_prompt_logprobs(path, prompt), abs=1e-4), (case, seed)
+
+
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_tensor_parallel_matches_transformers(tiny_models, tmp_path, arch, size):
     path = tiny_models[arch]
     seed = int(torch.randint(0, 2**31, ()).item())
-    ranks = run_ranks(size, path, arch, seed, tmp_path)
+    ranks = run_ranks(size, path, seed, tmp_path)
     for case in CASES:
-        first = ranks[0][case]
         for other in ranks[1:]:
-            assert other[case]["tokens"] == first["tokens"], (case, "ranks disagree")
-        assert first["free"], (case, "blocks leaked")
-        if case == "tiny-cache-preemption":
-            assert first["preemptions"] > 0, "the cache was meant to be too small for the batch"
-        for prompt, tokens, plp in zip(first["prompts"], first["tokens"], first["prompt_logprobs"]):
-            assert_same_greedy(path, prompt, tokens, hf_greedy(path, prompt, MAX_TOKENS), (case, seed))
-            assert plp[0] is None
-            assert plp[1:] == pytest.approx(hf_prompt_logprobs(path, prompt), abs=1e-4), (case, seed)
+            assert other[case]["tokens"] == ranks[0][case]["tokens"], (case, "ranks disagree")
+    check_against_transformers(path, ranks[0], seed)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_ranks_started_by_the_executor_match_transformers(tiny_models, tmp_path, arch):
+    """`LLM(tensor_parallel_size=2)` with no launcher: rank 1 in a process the executor starts,
+    fed each step's plan; chunked prefill, prefix-cache hits, async scheduling and preemption."""
+    path = tiny_models[arch]
+    seed = int(torch.randint(0, 2**31, ()).item())
+    mp.start_processes(_executor_main, args=(2, path, seed, str(tmp_path)), nprocs=1, start_method="spawn")
+    check_against_transformers(path, json.loads((tmp_path / "rank0.json").read_text()), seed)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_models):
@@ -125,3 +153,84 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_models):
     with pytest.raises(ValueError, match=r"number of attention heads \(4\) is not divisible by the tensor-parallel size 3"):
         Attention(config, type("B", (), {"uses_kernels": False, "__call__": None}), None, False,
                   TensorParallel(0, 3))
+
+
+def test_pagoda_serve_with_tensor_parallel_ranks_in_processes(tiny_models, tmp_path):
+    """`pagoda serve --tensor-parallel-size 2` on CPU: the engine core's worker is rank 0, the
+    executor starts rank 1 in a process of its own (gloo), and the answers are the one-process
+    engine's; stopping the server stops the rank."""
+    import httpx
+
+    from pagoda_daemon import LLM, SamplingParams
+    from tests.server.conftest import ServerProcess
+
+    path = tiny_models["qwen3_moe"]
+    srv = ServerProcess(path, "--max-model-len", "256", "--tensor-parallel-size", "2", "--dtype", "float32",
+                        "--max-num-batched-tokens", "32", log_dir=tmp_path, served_name="tiny")
+    try:
+        srv.wait_ready(timeout=180)
+        prompts = random_prompts(512, [3, 30, 75], seed=int(torch.randint(0, 2**31, ()).item()))
+        got = [httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 10,
+                                                             "temperature": 0, "ignore_eos": True},
+                          timeout=60).json()["choices"][0] for p in prompts]
+        one = LLM(path, dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64)
+        want = one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        for g, w, p in zip(got, want, prompts):
+            assert g["text"] == w.outputs[0].text, (len(p), g, w.outputs[0].text)
+        ranks = Path(f"/proc/{srv.engine_pid()}/task/{srv.engine_pid()}/children").read_text().split()
+        assert len(ranks) == 1
+        for pid in [str(srv.engine_pid()), *ranks]:  # the rendezvous and gloo sockets: loopback only
+            listening = _listening_addresses(pid)
+            assert listening and all(a in ("0100007F", "00000000000000000000000001000000") for a in listening), listening
+    finally:
+        assert srv.stop() == 0
+    for pid in ranks:
+        assert not _running(pid)
+
+
+def _listening_addresses(pid: str) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                found.append(cols[1].rsplit(":", 1)[0])
+    return found
+
+
+def _running(pid: str) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text().lower()
+
+
+def test_a_dead_rank_fails_the_engine_and_the_daemon_exits(tiny_models, tmp_path):
+    """A rank killed under `pagoda serve` (OOM killer, a GPU fault) must not leave rank 0
+    waiting in a collective: the next request gets 500 engine_dead and the daemon exits 1,
+    so the kubelet restarts the pod."""
+    import signal
+
+    import httpx
+
+    from tests.server.conftest import ServerProcess
+
+    srv = ServerProcess(tiny_models["qwen3"], "--max-model-len", "256", "--tensor-parallel-size", "2",
+                        "--dtype", "float32", log_dir=tmp_path, served_name="tiny")
+    try:
+        srv.wait_ready(timeout=180)
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        engine = srv.engine_pid()
+        (rank1,) = Path(f"/proc/{engine}/task/{engine}/children").read_text().split()
+        os.kill(int(rank1), signal.SIGKILL)
+        resp = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_dead", resp.text
+        assert srv.proc.wait(30) == 1
+        assert not _running(str(engine))
+    finally:
+        srv.stop()

@@ -193,6 +193,7 @@ def test_placement_reaches_the_pod():
     tol = [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
     _, kids = build(
         resources={"gpusPerReplica": 4},
+        parallelism={"tensor": 4},
         placement={"nodeSelector": {"pool": "h100"}, "tolerations": tol, "requireNVLink": True},
     )
     pod = kids.deployment["spec"]["template"]["spec"]

@@ -40,23 +40,23 @@ def test_an_invalid_spec_keeps_the_children_and_the_live_replicas():
     body = isvc(resources={"gpusPerReplica": 8}, parallelism={"tensor": 3})
     d = decide(observed(body, deployment={"spec": {"replicas": 2}}, supports=every_capability), SETTINGS, NOW)
     assert d.children is None and d.replicas == 2
-    assert d.blocker is not None and d.blocker.reason == "InvalidSpec" and "does not divide" in d.blocker.message
+    assert d.blocker is not None and d.blocker.reason == "InvalidSpec" and "must equal" in d.blocker.message
 
 
 def test_a_capability_the_daemon_lacks_blocks_the_generation():
-    d = decide(observed(isvc(resources={"gpusPerReplica": 2}, parallelism={"tensor": 2})), SETTINGS, NOW)
-    assert d.children is None and d.blocker is not None and "spec.parallelism.tensor" in d.blocker.message
+    d = decide(observed(isvc(resources={"gpusPerReplica": 2}, parallelism={"expert": 2})), SETTINGS, NOW)
+    assert d.children is None and d.blocker is not None and "spec.parallelism.expert" in d.blocker.message
 
 
 def test_more_gpus_than_any_node_offers_is_invalid():
-    body = isvc(resources={"gpusPerReplica": 8})
+    body = isvc(resources={"gpusPerReplica": 8}, parallelism={"tensor": 8})
     d = decide(observed(body, topologies=[topology("n1", 4)]), SETTINGS, NOW)
     assert d.blocker is not None and "larger than any node offers" in d.blocker.message
 
 
 @pytest.mark.parametrize("groups, eligible", [([[0, 1, 2, 3]], True), ([[0, 1], [2, 3]], False)])
 def test_require_nvlink_needs_a_node_with_an_all_to_all_group(groups, eligible):
-    body = isvc(resources={"gpusPerReplica": 4}, placement={"requireNVLink": True})
+    body = isvc(resources={"gpusPerReplica": 4}, parallelism={"tensor": 4}, placement={"requireNVLink": True})
     d = decide(observed(body, topologies=[topology("n1", 4, groups)]), SETTINGS, NOW)
     assert (d.blocker is None) == eligible
     if not eligible:

@@ -163,7 +163,7 @@ def test_invalid_spec_leaves_children_untouched(fake_kube):
     st = status(fake_kube)
     deg = condition(st, "Degraded")
     assert (deg["status"], deg["reason"]) == ("True", "InvalidSpec")
-    assert "tensor (3)" in deg["message"] and "does not divide resources.gpusPerReplica (8)" in deg["message"]
+    assert "tensor (3)" in deg["message"] and "must equal resources.gpusPerReplica (8)" in deg["message"]
     assert st["observedGeneration"] == 1 and st["readyReplicas"] == 1
     assert r.events[0][:2] == ("Warning", "InvalidSpec")
     assert reconcile(ctx, "default", "llama", "timer").wrote == []  # stays quiet while invalid
@@ -410,11 +410,11 @@ def test_foreign_network_policy_is_not_overwritten(fake_kube):
 
 
 def test_an_unsupported_capability_is_a_degraded_condition_not_a_crash_loop(fake_kube):
-    fake_kube.put(isvc(resources={"gpusPerReplica": 2}, parallelism={"tensor": 2}))
+    fake_kube.put(isvc(resources={"gpusPerReplica": 2}, parallelism={"expert": 2}))
     ctx = make(fake_kube)
     ctx.supports = supported  # the daemon's own capability list
     r = reconcile(ctx, "default", "llama", "create")
     assert r.wrote == ["status"] and children_writes(fake_kube) == []
     deg = condition(status(fake_kube), "Degraded")
     assert (deg["status"], deg["reason"]) == ("True", "InvalidSpec")
-    assert "spec.parallelism.tensor: tensor parallelism" in deg["message"]
+    assert "spec.parallelism.expert: expert parallelism" in deg["message"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda_operator.spec import InvalidSpec, desired_replicas, parse
+from pagoda_operator.spec import InvalidSpec, daemon_config, desired_replicas, parse
 from tests.operator.operator_fakes import every_capability
 
 MODEL = {"name": "m", "pvc": {"claimName": "weights"}}
@@ -68,13 +68,17 @@ def test_valid_combinations(extra):
 INVALID = [
     (
         {"resources": {"gpusPerReplica": 8}, "parallelism": {"tensor": 3}},
-        "tensor (3) × parallelism.expert (1) = 3 does not divide",
+        "tensor (3) × expert (1) × data (1) = 3 must equal resources.gpusPerReplica (8)",
     ),
     (
         {"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 2, "expert": 4}},
-        "= 8 does not divide resources.gpusPerReplica (4)",
+        "= 8 must equal resources.gpusPerReplica (4)",
     ),
     ({"resources": {"gpusPerReplica": 0}, "parallelism": {"tensor": 2}}, "parallelism needs GPUs"),
+    (  # GPUs the engine would leave idle
+        {"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 2}},
+        "tensor (2) × expert (1) × data (1) = 2 must equal resources.gpusPerReplica (4)",
+    ),
     (
         {
             "resources": {"gpusPerReplica": 8},
@@ -194,7 +198,6 @@ def test_desired_replicas(replicas, autoscaling, autoscaled, expected):
 @pytest.mark.parametrize(
     "extra, field",
     [
-        ({"resources": {"gpusPerReplica": 2}, "parallelism": {"tensor": 2}}, "spec.parallelism.tensor"),
         ({"resources": {"gpusPerReplica": 4}, "parallelism": {"expert": 4}}, "spec.parallelism.expert"),
         ({"resources": {"gpusPerReplica": 2}, "parallelism": {"data": 2}}, "spec.parallelism.data"),
         (
@@ -211,6 +214,11 @@ def test_what_the_daemon_cannot_do_is_refused_naming_the_field(extra, field):
     with pytest.raises(InvalidSpec, match=f"{field}: .* is not supported by this Pagoda build yet"):
         parse("svc", "ns", {"model": MODEL, **extra})
     parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)  # valid otherwise
+
+
+def test_tensor_parallelism_is_accepted_by_this_build():
+    spec = parse("svc", "ns", {"model": MODEL, "resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 4}})
+    assert daemon_config(spec)["tensor_parallel_size"] == 4
 
 
 def test_a_model_uri_is_refused_until_the_daemon_fetches_models():

@@ -38,7 +38,7 @@ def test_a_deletion_the_watch_missed_ends_with_the_next_list():
 
 def test_reconcile_passes_list_topologies_once(fake_kube, monkeypatch):
     fake_kube.put(topology("n1", 8))
-    fake_kube.put(isvc(resources={"gpusPerReplica": 16}))
+    fake_kube.put(isvc(resources={"gpusPerReplica": 16}, parallelism={"tensor": 16}))
     calls = []
     real = fake_kube.topologies
     monkeypatch.setattr(fake_kube, "topologies", lambda: calls.append(1) or real())

@@ -37,6 +37,21 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def default_executor(config: EngineConfig, model_config, max_model_len: int) -> Executor:
+    """One worker in this process; under tensor parallelism, this process's worker is rank 0 and
+    the executor starts the others, unless a launcher started every rank already (a
+    torch.distributed world is up: then each rank runs its own engine, one worker each)."""
+    import torch.distributed as dist
+
+    if config.tensor_parallel_size > 1 and not dist.is_initialized():
+        from pagoda_daemon.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, model_config, max_model_len)
+    from pagoda_daemon.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config, model_config, max_model_len)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model_config=None, executor: Executor | None = None) -> None:
         self.config = config
@@ -47,11 +62,7 @@ class EngineCore:
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({self.max_model_len})"
             )
-        if executor is None:
-            from pagoda_daemon.executor.uniproc import UniProcExecutor
-
-            executor = UniProcExecutor(config, self.model_config, self.max_model_len)
-        self.executor = executor
+        self.executor = executor or default_executor(config, self.model_config, self.max_model_len)
         num_blocks = self._num_kv_blocks()
         self.executor.initialize_cache(num_blocks)
         self.worker_info = self.executor.info()
@@ -209,6 +220,9 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def make_stats(self) -> EngineStats:
         """The gauges now, and the counters (steps, preemptions, prefix-cache tokens) since the

@@ -2,8 +2,8 @@
 
 The core schedules; an Executor carries each step to every worker and hands back one
 launched step whose ``result()`` gives the sampled tokens. One in-process worker today
-(``UniProcExecutor``); one worker process per GPU for tensor and expert parallelism, behind
-this same interface. vLLM's ``v1/executor/abstract.py`` is the model.
+(``UniProcExecutor``), or one per tensor-parallel rank with ranks 1..N-1 in processes of their
+own (``MultiprocExecutor``). vLLM's ``v1/executor/abstract.py`` is the model.
 """
 
 from __future__ import annotations
@@ -37,3 +37,10 @@ class Executor(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait until every worker's device is idle."""
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        """Every rank's worker, rank 0 first (the pod's GPUs and NUMA nodes, for READY)."""
+        return [self.info()]
+
+    def shutdown(self) -> None:  # noqa: B027 - nothing to release for an in-process worker
+        """Release the workers (processes of their own, where there are any)."""

@@ -97,6 +97,7 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
     outputs.setsockopt(zmq.LINGER, 2000)
     outputs.connect(output_addr)
     publisher = None
+    core = None
     try:
         try:
             from pagoda_daemon.engine.engine_core import EngineCore
@@ -108,14 +109,15 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
             outputs.send(wire.encode(EngineFailed(f"engine failed to start: {e}")))
             sys.exit(1)
         info = core.worker_info
+        ranks = core.executor.worker_infos()
         outputs.send(wire.encode(EngineReady(
             max_model_len=core.max_model_len,
             num_kv_blocks=core.kv_cache.num_blocks,
             block_size=config.block_size,
             device=info.device,
             dtype=info.dtype,
-            gpus=[] if info.gpu is None else [info.gpu],
-            numa_nodes=[] if info.numa_node is None else [info.numa_node],
+            gpus=[r.gpu for r in ranks if r.gpu is not None],
+            numa_nodes=sorted({r.numa_node for r in ranks if r.numa_node is not None}),
         )))
         outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))  # gauges start from the truth
         if kv_events_endpoint:
@@ -134,6 +136,9 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
         outputs.setsockopt(zmq.LINGER, 0)  # nobody will read what is queued
         raise
     finally:
+        if core is not None:
+            with contextlib.suppress(Exception):  # tensor-parallel workers also exit with this process
+                core.shutdown()
         if publisher is not None:
             publisher.close()
         inputs.close(0)

@@ -1,0 +1,111 @@
+"""A step's SchedulerOutput as remote workers receive it: each request's prompt and sampling
+parameters once, then per step only what changed (tokens accepted since the rank last heard
+of the request, new blocks), as vLLM's NewRequestData / CachedRequestData do.
+
+``PlanWriter`` (rank 0, beside the scheduler) turns a SchedulerOutput into a ``StepPlan``;
+``RequestMirrors`` (every other rank) turns it back into a SchedulerOutput over mirror
+``Request`` objects that the ModelRunner reads exactly as rank 0's runner reads the real ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from pagoda_daemon.engine.request import Request
+from pagoda_daemon.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagoda_daemon.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]
+
+
+class ScheduledDelta(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    appended_token_ids: list[int]  # output tokens accepted since this rank last saw the request
+    num_new_tokens: int
+    new_block_ids: list[int]
+    is_new: bool
+    start: int
+    samples: bool
+
+
+class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
+    new_requests: list[NewRequest]
+    scheduled: list[ScheduledDelta]
+    finished_request_ids: list[str]
+    num_scheduled_tokens: int
+
+
+class InitCache(msgspec.Struct, tag="init_cache", array_like=True, gc=False):
+    num_blocks: int
+
+
+class Stop(msgspec.Struct, tag="stop", array_like=True, gc=False):
+    pass
+
+
+ToWorker = StepPlan | InitCache | Stop
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ToWorker)
+
+
+def encode(message: ToWorker) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(frame: bytes) -> ToWorker:
+    return _decoder.decode(frame)
+
+
+class PlanWriter:
+    """Rank 0's record of what the other ranks know: how many of each request's tokens."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, int] = {}
+
+    def plan(self, sched: SchedulerOutput) -> StepPlan:
+        new_requests, scheduled = [], []
+        for rid in sched.finished_request_ids:
+            self._sent.pop(rid, None)
+        for s in sched.scheduled:
+            req = s.request
+            rid = req.request_id
+            if rid not in self._sent:
+                new_requests.append(NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params)))
+                self._sent[rid] = req.num_prompt_tokens
+            appended = req.all_token_ids[self._sent[rid]:]
+            self._sent[rid] = req.num_tokens
+            scheduled.append(ScheduledDelta(rid, appended, s.num_new_tokens, s.new_block_ids, s.is_new, s.start,
+                                            s.samples))
+        return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens)
+
+
+class RequestMirrors:
+    """A worker rank's copies of the requests in flight, kept in step by the plans."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.requests: dict[str, Request] = {}
+
+    def apply(self, plan: StepPlan) -> SchedulerOutput:
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in plan.new_requests:
+            # no prefix-cache hashing here: only rank 0 schedules
+            req = Request(new.request_id, new.prompt_token_ids, SamplingParams(**new.sampling_params), None,
+                          self.block_size)
+            req.block_hashes.clear()
+            self.requests[new.request_id] = req
+        scheduled = []
+        for d in plan.scheduled:
+            req = self.requests[d.request_id]
+            req.output_token_ids.extend(d.appended_token_ids)
+            req.all_token_ids.extend(d.appended_token_ids)
+            scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples))
+        return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens)
