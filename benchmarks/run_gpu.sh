@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/run_gpu.sh [all|parity|parity-triton|kernels|kernels-attention|tests|graphs|serve|
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
-#                                               vllm-stash|vllm] ...
+#                                               multi-gpu|vllm-stash|vllm] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -141,6 +141,16 @@ if has topology; then
   if [ -f daemon/pagoda_daemon/topology/bench_pinning.py ]; then
     python3 -m pagoda_daemon.topology.bench_pinning --gpu 0 --sizes-mib 1,16,64,256 --repeats 30 | tee "$OUT/pinning.json" || status=1
   fi
+fi
+if has multi-gpu; then
+  step "two GPUs: tensor and expert parallelism (NCCL), float32 parity, then throughput against one GPU"
+  nvidia-smi topo -m | head -5 | tee "$OUT/topo.txt"
+  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py 2>&1 | tail -15 | tee "$OUT/multi-gpu-pytest.txt" \
+    || status=1
+  e2e $CFG/llama3-8b
+  e2e $CFG/llama3-8b --tensor-parallel-size 2
+  e2e $CFG/qwen3-30b-a3b --tensor-parallel-size 2
+  e2e $CFG/qwen3-30b-a3b --expert-parallel-size 2
 fi
 echo; echo "run_gpu.sh finished with status $status"
 exit $status

@@ -49,6 +49,7 @@ def build_core(args):
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=0,
         async_scheduling=args.async_scheduling,
         gpu_memory_utilization=0.9, tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel_size=args.expert_parallel_size,
     )
     core = EngineCore(config)
     core.warm_up()
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks 1..N-1 start in processes of their own")
+    ap.add_argument("--expert-parallel-size", type=int, default=1, help="MoE experts spread over this many ranks")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--num-seqs", type=int, default=256)
@@ -357,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = throughput(args)
     result.update(model=os.path.basename(os.path.normpath(args.model)), dtype=args.dtype,
+                  tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     print("RESULT " + json.dumps(result), flush=True)

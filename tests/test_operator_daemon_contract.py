@@ -44,7 +44,7 @@ def test_daemon_accepts_the_operators_rendering(tmp_path):
 # Every option the operator can render, each set to a non-default value.
 FULL_SPEC = {
     "resources": {"gpusPerReplica": 8},
-    "parallelism": {"tensor": 2, "expert": 4, "data": 1},
+    "parallelism": {"tensor": 2, "expert": 4, "data": 1, "eplb": {"redundantExperts": 4, "stepInterval": 100}},
     "engine": {
         "maxModelLen": 4096, "blockSize": 32, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "dtype": "bfloat16",
         "kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.8, "enablePrefixCaching": False, "enforceEager": True,

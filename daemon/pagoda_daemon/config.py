@@ -47,12 +47,22 @@ class EngineConfig:
     enable_kv_events: bool = option(False, "collect KV-cache events for a publisher to drain", cli=False)
     numa_policy: str = option("auto", "CPU pinning of the engine worker: auto (cores of the GPU's NUMA "
                               "node) | none | cpus=<list>")
-    # Declared so that the operator can render them and both sides refuse them by name
-    # until the distributed engine and KV offload land (capabilities.py).
-    tensor_parallel_size: int = option(1, "GPUs one model is sharded over", minimum=1, maximum=64,
-                                       needs="tensor_parallel")
-    expert_parallel_size: int = option(1, "GPUs the MoE experts are spread over", minimum=1,
-                                       needs="expert_parallel")
+    # One rank per GPU, tensor × expert of them (docs/parallelism.md). Options this build cannot
+    # do yet are declared so that the operator can render them and both sides refuse them by
+    # name (capabilities.py).
+    tensor_parallel_size: int = option(
+        1, "ranks each MoE expert is sliced over; attention and dense layers are sliced over tensor × expert ranks",
+        minimum=1, maximum=64, needs="tensor_parallel")
+    expert_parallel_size: int = option(
+        1, "groups of ranks the MoE experts are spread over (a MoE model only); the engine runs tensor × expert "
+        "ranks, one per GPU", minimum=1, maximum=64, needs="expert_parallel")
+    enable_eplb: bool = option(
+        False, "balance the MoE experts' load over the expert-parallel ranks while serving (EPLB)")
+    num_redundant_experts: int = option(
+        0, "with EPLB: extra expert slots, for copies of the busiest experts", minimum=0, maximum=4096)
+    eplb_step_interval: int = option(
+        3000, "with EPLB: engine steps between rebalances (the load is counted over them)", minimum=1,
+        maximum=10**9)
     data_parallel_size: int = option(1, "engine replicas inside one daemon", minimum=1, needs="data_parallel")
     kv_cache_dtype: str = option("auto", "KV cache element type", choices=("auto", "fp8"), needs="kv_cache_fp8")
     kv_offload_cpu_gib: float = option(0.0, "host memory for offloaded KV blocks, GiB", minimum=0.0,
@@ -61,10 +71,17 @@ class EngineConfig:
     kv_offload_disk_gib: float = option(0.0, "disk space for offloaded KV blocks, GiB", minimum=0.0,
                                         needs="kv_offload")
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine, one per GPU: tensor × expert parallel size."""
+        return self.tensor_parallel_size * self.expert_parallel_size
+
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must name a model directory")
         check_bounds(self)
+        if self.world_size > 64:
+            raise ValueError(f"tensor_parallel_size × expert_parallel_size = {self.world_size} ranks; at most 64")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):

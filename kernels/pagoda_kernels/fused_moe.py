@@ -23,6 +23,7 @@ import triton.language as tl
 from pagoda_kernels._device import cast_to, dot
 from pagoda_kernels._utils import cdiv, next_pow2
 from pagoda_kernels.activation import silu_and_mul
+from pagoda_kernels.reference import local_expert_ids
 
 # ---- routing ------------------------------------------------------------------------------
 
@@ -72,8 +73,10 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 # ---- alignment ----------------------------------------------------------------------------
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, skip_negative: bool = False):
     """Sort (token, slot) rows by expert and pad each expert's run to a multiple of block_m.
+    With skip_negative, rows whose id is -1 (an expert another expert-parallel rank holds) are
+    left out: no tile computes them.
 
     Returns sorted_ids [max_rows] int32 (row r = token * k + slot, padding = T * k),
     expert_ids [max_rows // block_m] int32 (the expert of each tile; tiles past the end hold
@@ -84,18 +87,30 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     flat = topk_ids.flatten().long()
     n = flat.numel()
     device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    # Skipped rows go to a bucket of their own past the last expert, and their places to one
+    # slot past the end that is cut off.
+    buckets = num_experts + 1 if skip_negative else num_experts
+    if skip_negative:
+        flat = torch.where(flat < 0, num_experts, flat)
+    counts = torch.zeros(buckets, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
+    max_tiles = cdiv(n, block_m) + min(num_experts, n)
+    if skip_negative:
+        padded[num_experts] = 0
     ends = padded.cumsum(0)
     starts = ends - padded
     order = torch.sort(flat, stable=True).indices
     sorted_experts = flat[order]
     first_of_expert = counts.cumsum(0) - counts
     rank = torch.arange(n, device=device) - first_of_expert[sorted_experts]
-    max_tiles = cdiv(n, block_m) + min(num_experts, n)
-    sorted_ids = torch.full((max_tiles * block_m,), n, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, starts[sorted_experts] + rank, order.to(torch.int32))
+    places = starts[sorted_experts] + rank
+    if skip_negative:
+        places = torch.where(sorted_experts == num_experts, max_tiles * block_m, places)
+        ends = ends[:num_experts]
+    sorted_ids = torch.full((max_tiles * block_m + int(skip_negative),), n, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, places, order.to(torch.int32))
+    sorted_ids = sorted_ids[: max_tiles * block_m]
     tile_starts = torch.arange(max_tiles, device=device) * block_m
     expert_ids = torch.searchsorted(ends, tile_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
@@ -178,8 +193,9 @@ def grouped_gemm(a, b, out, sorted_ids, expert_ids, num_rows_padded, top_k: int,
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights/ids [T, k] -> [T, H] in x's dtype."""
+              topk_ids: torch.Tensor, config: dict | None = None, skip_negative: bool = False) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights/ids [T, k] -> [T, H] in x's dtype.
+    With skip_negative, an id of -1 (an expert another rank holds) adds nothing."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -188,18 +204,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.empty_like(x)
     cfg = config or _gemm_config(rows, two_inter, hidden)
     block_m = cfg["BLOCK_M"]
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, block_m)
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, block_m, skip_negative)
     gate_up = torch.empty((rows, two_inter), dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, gate_up, sorted_ids, expert_ids, num_padded, top_k, block_m, config=cfg)
     h = silu_and_mul(gate_up)
-    down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    # skipped rows are never written: they must read as zero in the sum over the k slots
+    down = (torch.zeros if skip_negative else torch.empty)((rows, hidden), dtype=x.dtype, device=x.device)
     grouped_gemm(h, w2, down, sorted_ids, expert_ids, num_padded, 1, block_m,
                  topk_weights=topk_weights.flatten().float(), config=cfg)
     return down.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        renormalize: bool, config: dict | None = None) -> torch.Tensor:
-    """Route and run: the drop-in for `SparseMoE.forward` after the gate matmul."""
+        renormalize: bool, first_expert: int = 0, config: dict | None = None) -> torch.Tensor:
+    """Route and run: the drop-in for `SparseMoE.forward` after the gate matmul. Under expert
+    parallelism w13/w2 hold experts first_expert.. only; the tokens routed elsewhere add nothing."""
     weights, ids = route_topk(router_logits, top_k, renormalize)
-    return fused_moe(x, w13, w2, weights, ids, config)
+    if w13.shape[0] == router_logits.shape[1]:
+        return fused_moe(x, w13, w2, weights, ids, config)
+    return fused_moe(x, w13, w2, weights, local_expert_ids(ids, first_expert, w13.shape[0]), config,
+                     skip_negative=True)

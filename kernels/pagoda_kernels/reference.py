@@ -170,13 +170,23 @@ def route_topk_ref(router_logits, top_k: int, renormalize: bool):
     return weights, ids
 
 
+def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Global expert ids -> this rank's (expert parallelism: it holds experts first..first+count-1);
+    -1 for an expert another rank holds."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
+
+
 def moe_ref(x, w13, w2, weights, ids) -> torch.Tensor:
     """Expert by expert: x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
-    weights/ids [T, k]. Sums the k expert outputs of each token."""
+    weights/ids [T, k]. Sums the k expert outputs of each token; an id of -1 (an expert another
+    expert-parallel rank holds) adds nothing."""
     out = torch.zeros_like(x)
     weights = weights.to(x.dtype)
     inter = w2.shape[2]
     for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
         token_idx, slot = torch.where(ids == e)
         gate_up = F.linear(x[token_idx], w13[e])
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

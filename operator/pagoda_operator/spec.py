@@ -69,6 +69,8 @@ class Parallelism:
     data: int = 1
     min_expert: int | None = None
     max_expert: int | None = None
+    eplb_redundant_experts: int | None = None  # set: EPLB on
+    eplb_step_interval: int = 3000
 
     @property
     def elastic(self) -> bool:
@@ -193,12 +195,15 @@ def parse(
     r = _get(spec, "resources", {})
     p = _get(spec, "parallelism", {})
     el = _get(p, "elastic", None)
+    eplb = _get(p, "eplb", None)
     parallelism = Parallelism(
         tensor=int(_get(p, "tensor", 1)),
         expert=int(_get(p, "expert", 1)),
         data=int(_get(p, "data", 1)),
         min_expert=int(el["minExpert"]) if el else None,
         max_expert=int(el["maxExpert"]) if el else None,
+        eplb_redundant_experts=int(_get(eplb, "redundantExperts", 0)) if eplb is not None else None,
+        eplb_step_interval=int(_get(eplb, "stepInterval", 3000)),
     )
     e = _get(spec, "engine", {})
     engine = Engine(
@@ -306,6 +311,9 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         "kv_offload_disk_path": kv.disk_path,
         "kv_offload_disk_gib": kv.disk_gib if kv.disk_path else None,
     }
+    if p.eplb_redundant_experts is not None:
+        optional.update(enable_eplb=True, num_redundant_experts=p.eplb_redundant_experts,
+                        eplb_step_interval=p.eplb_step_interval)
     cfg.update({k: v for k, v in optional.items() if v is not None})
     return cfg
 
@@ -360,6 +368,8 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
             f"parallelism.tensor ({par.tensor}) × expert ({par.expert}) × data ({par.data}) = {ranks} "
             f"must equal resources.gpusPerReplica ({s.gpus}): the engine runs one rank per GPU"
         )
+    if par.eplb_redundant_experts is not None and par.expert < 2:
+        errors.append("parallelism.eplb needs parallelism.expert of 2 or more (it balances experts between ranks)")
     if par.elastic and s.gpus > 0:
         assert par.min_expert is not None and par.max_expert is not None
         if not par.min_expert <= par.expert <= par.max_expert:

@@ -30,14 +30,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_cases(size: int, path: str, seed: int, cases: list[str]) -> dict:
+def _run_cases(size: int, path: str, seed: int, cases: list[str], expert: int = 1, device: str = "cpu",
+               extra: dict | None = None) -> dict:
+    """The engine at tensor size `size // expert` and expert size `expert` (and `extra` engine
+    options), on each case."""
     from pagoda_daemon import LLM, SamplingParams
 
     results = {}
     for case in cases:
         engine_kwargs, shared_prefix = CONFIGS[case]
-        llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=size,
-                  **{"num_kv_blocks": 256, "max_model_len": 512, **engine_kwargs})
+        llm = LLM(path, dtype="float32", device=device, tensor_parallel_size=size // expert,
+                  expert_parallel_size=expert,
+                  **{"num_kv_blocks": 256, "max_model_len": 512, **engine_kwargs, **(extra or {})})
         vocab = llm.engine.model_config.vocab_size
         prompts = random_prompts(vocab, [max(n, shared_prefix + 1) for n in LENGTHS], seed=seed,
                                  shared_prefix=shared_prefix)
@@ -52,11 +56,16 @@ def _run_cases(size: int, path: str, seed: int, cases: list[str]) -> dict:
             "preemptions": stats.num_preemptions,
             "free": llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks,
         }
+        balancer = llm.engine.core.executor.worker.balancer
+        if balancer is not None:
+            results[case]["rebalances"] = balancer.rebalances
+            results[case]["placements"] = [layer.placement for layer in balancer.layers]
         llm.engine.core.shutdown()
     return results
 
 
-def _rank_main(rank: int, size: int, port: int, path: str, seed: int, out_dir: str) -> None:
+def _rank_main(rank: int, size: int, port: int, path: str, seed: int, out_dir: str, expert: int,
+               extra: dict | None = None) -> None:
     """One rank of a world a launcher started: every rank runs the engine on the same requests."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -64,19 +73,22 @@ def _rank_main(rank: int, size: int, port: int, path: str, seed: int, out_dir: s
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_run_cases(size, path, seed, CASES)))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_run_cases(size, path, seed, CASES, expert,
+                                                                            extra=extra)))
     finally:
         dist.destroy_process_group()
 
 
-def _executor_main(_: int, size: int, path: str, seed: int, out_dir: str) -> None:
+def _executor_main(_: int, size: int, path: str, seed: int, out_dir: str, expert: int,
+                   extra: dict | None = None) -> None:
     """No launcher: the engine's executor starts ranks 1..size-1 itself (`pagoda serve`'s way)."""
     torch.set_num_threads(1)
-    Path(out_dir, "rank0.json").write_text(json.dumps(_run_cases(size, path, seed, EXECUTOR_CASES)))
+    Path(out_dir, "rank0.json").write_text(json.dumps(_run_cases(size, path, seed, EXECUTOR_CASES, expert,
+                                                                 extra=extra)))
 
 
-def run_ranks(size: int, path: str, seed: int, out_dir: Path) -> list[dict]:
-    mp.start_processes(_rank_main, args=(size, _free_port(), path, seed, str(out_dir)), nprocs=size,
+def run_ranks(size: int, path: str, seed: int, out_dir: Path, expert: int = 1, extra: dict | None = None) -> list[dict]:
+    mp.start_processes(_rank_main, args=(size, _free_port(), path, seed, str(out_dir), expert, extra), nprocs=size,
                        start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(size)]
 
@@ -134,13 +146,53 @@ def test_tensor_parallel_matches_transformers(tiny_models, tmp_path, arch, size)
     check_against_transformers(path, ranks[0], seed)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_ranks_started_by_the_executor_match_transformers(tiny_models, tmp_path, arch):
-    """`LLM(tensor_parallel_size=2)` with no launcher: rank 1 in a process the executor starts,
-    fed each step's plan; chunked prefill, prefix-cache hits, async scheduling and preemption."""
+@pytest.mark.parametrize(("tensor", "expert"), [(1, 2), (1, 4), (2, 2)])
+def test_expert_parallel_matches_transformers(tiny_models, tmp_path, tensor, expert):
+    """Qwen3-MoE's 8 experts spread over `expert` groups of ranks (whole, or sliced over
+    `tensor` ranks in a group), attention over all tensor × expert ranks."""
+    path = tiny_models["qwen3_moe"]
+    seed = int(torch.randint(0, 2**31, ()).item())
+    ranks = run_ranks(tensor * expert, path, seed, tmp_path, expert)
+    for case in CASES:
+        for other in ranks[1:]:
+            assert other[case]["tokens"] == ranks[0][case]["tokens"], (case, "ranks disagree")
+    check_against_transformers(path, ranks[0], seed)
+
+
+EPLB = {"enable_eplb": True, "num_redundant_experts": 2, "eplb_step_interval": 3}
+
+
+@pytest.mark.parametrize(("tensor", "expert"), [(1, 2), (2, 2)])
+def test_eplb_moves_experts_while_serving_and_the_output_stays_right(tiny_models, tmp_path, tensor, expert):
+    """EPLB every 3 steps with 2 redundant slots: experts move between ranks during the run
+    (each rank's copies filled by sends from the others), and greedy output and prompt logprobs
+    still equal transformers'."""
+    from pagoda_daemon.distributed.eplb import initial_placement
+
+    path = tiny_models["qwen3_moe"]
+    seed = int(torch.randint(0, 2**31, ()).item())
+    ranks = run_ranks(tensor * expert, path, seed, tmp_path, expert, EPLB)
+    start = initial_placement(8, expert, (8 + 2) // expert)
+    for case in CASES:
+        got = ranks[0][case]
+        assert got["rebalances"] >= 3, (case, got["rebalances"])
+        assert any(p != start for p in got["placements"]), "no expert moved"
+        for other in ranks[1:]:
+            assert other[case]["tokens"] == got["tokens"] and other[case]["placements"] == got["placements"]
+    check_against_transformers(path, ranks[0], seed)
+
+
+@pytest.mark.parametrize(("arch", "tensor", "expert", "extra"), [
+    ("llama", 2, 1, None), ("qwen3_moe", 2, 1, None), ("qwen3_moe", 1, 2, None), ("qwen3_moe", 1, 2, EPLB),
+])
+def test_ranks_started_by_the_executor_match_transformers(tiny_models, tmp_path, arch, tensor, expert, extra):
+    """`LLM(tensor_parallel_size=..., expert_parallel_size=...)` with no launcher: rank 1 in a
+    process the executor starts, fed each step's plan; chunked prefill, prefix-cache hits,
+    async scheduling and preemption."""
     path = tiny_models[arch]
     seed = int(torch.randint(0, 2**31, ()).item())
-    mp.start_processes(_executor_main, args=(2, path, seed, str(tmp_path)), nprocs=1, start_method="spawn")
+    mp.start_processes(_executor_main, args=(tensor * expert, path, seed, str(tmp_path), expert, extra), nprocs=1,
+                       start_method="spawn")
     check_against_transformers(path, json.loads((tmp_path / "rank0.json").read_text()), seed)
 
 
@@ -155,17 +207,18 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_models):
                   TensorParallel(0, 3))
 
 
-def test_pagoda_serve_with_tensor_parallel_ranks_in_processes(tiny_models, tmp_path):
-    """`pagoda serve --tensor-parallel-size 2` on CPU: the engine core's worker is rank 0, the
-    executor starts rank 1 in a process of its own (gloo), and the answers are the one-process
-    engine's; stopping the server stops the rank."""
+@pytest.mark.parametrize("layout", ["--tensor-parallel-size", "--expert-parallel-size"])
+def test_pagoda_serve_with_ranks_in_processes(tiny_models, tmp_path, layout):
+    """`pagoda serve --tensor-parallel-size 2` (or expert) on CPU: the engine core's worker is
+    rank 0, the executor starts rank 1 in a process of its own (gloo), and the answers are the
+    one-process engine's; stopping the server stops the rank."""
     import httpx
 
     from pagoda_daemon import LLM, SamplingParams
     from tests.server.conftest import ServerProcess
 
     path = tiny_models["qwen3_moe"]
-    srv = ServerProcess(path, "--max-model-len", "256", "--tensor-parallel-size", "2", "--dtype", "float32",
+    srv = ServerProcess(path, "--max-model-len", "256", layout, "2", "--dtype", "float32",
                         "--max-num-batched-tokens", "32", log_dir=tmp_path, served_name="tiny")
     try:
         srv.wait_ready(timeout=180)
@@ -177,6 +230,8 @@ def test_pagoda_serve_with_tensor_parallel_ranks_in_processes(tiny_models, tmp_p
         want = one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
         for g, w, p in zip(got, want, prompts):
             assert g["text"] == w.outputs[0].text, (len(p), g, w.outputs[0].text)
+        expert_size = 2 if layout == "--expert-parallel-size" else 1
+        assert f'pagoda:expert_parallel_size{{model_name="tiny"}} {expert_size}.0' in httpx.get(srv.url + "/metrics").text
         ranks = Path(f"/proc/{srv.engine_pid()}/task/{srv.engine_pid()}/children").read_text().split()
         assert len(ranks) == 1
         for pid in [str(srv.engine_pid()), *ranks]:  # the rendezvous and gloo sockets: loopback only

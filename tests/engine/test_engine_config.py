@@ -26,7 +26,8 @@ from pagoda_daemon.options import declared
     ("numa_policy", "nearest", "numa_policy must be"),
     ("tensor_parallel_size", 0, "at least 1"),
     ("tensor_parallel_size", 65, "at most 64"),
-    ("expert_parallel_size", 4, "--expert-parallel-size=4: expert parallelism"),
+    ("expert_parallel_size", 65, "at most 64"),
+    ("data_parallel_size", 2, "--data-parallel-size=2: data parallelism"),
     ("kv_cache_dtype", "fp8", "--kv-cache-dtype=fp8: an fp8 KV cache"),
     ("kv_offload_disk_path", "/kv", "--kv-offload-disk-path=/kv: KV cache offload"),
 ])
@@ -40,3 +41,8 @@ def test_defaults_are_valid_and_every_option_is_declared():
     names = {d.name for d in declared(EngineConfig)}
     assert names == set(vars(config))
     assert all(d.info.help for d in declared(EngineConfig))
+
+
+def test_more_than_64_ranks_in_all_are_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size × expert_parallel_size = 128 ranks; at most 64"):
+        EngineConfig(model="/m", tensor_parallel_size=16, expert_parallel_size=8)

@@ -288,6 +288,26 @@ def test_fused_moe_qwen3_30b_shapes(tokens, dtype):
     check(out, moe_ref(x.double(), w13.double(), w2.double(), rw.double(), rids), dtype)
 
 
+@pytest.mark.parametrize("tokens", [1, 300])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_fused_moe_expert_parallel_shards_qwen3_30b_shapes(tokens, dtype):
+    """Two expert-parallel ranks' outputs (64 experts each; tokens routed to the other rank
+    add nothing) sum to the whole MoE."""
+    from pagoda_kernels.fused_moe import moe
+
+    g = torch.Generator().manual_seed(tokens + 7)
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    x = torch.randn((tokens, hidden), generator=g).to(dtype).to(DEV)
+    w13 = (torch.randn((experts, 2 * inter, hidden), generator=g) * hidden**-0.5).to(dtype).to(DEV)
+    w2 = (torch.randn((experts, hidden, inter), generator=g) * inter**-0.5).to(dtype).to(DEV)
+    logits = torch.randn((tokens, experts), generator=g).to(DEV)
+    rw, rids = route_topk_ref(logits, top_k, True)
+    half = experts // 2
+    out = sum(moe(x, logits, w13[r * half:(r + 1) * half].contiguous(), w2[r * half:(r + 1) * half].contiguous(),
+                  top_k, True, first_expert=r * half).float() for r in range(2))
+    check(out.to(dtype), moe_ref(x.double(), w13.double(), w2.double(), rw.double(), rids), dtype)
+
+
 # ---- the attention backend ---------------------------------------------------------------------
 
 

@@ -81,3 +81,46 @@ def test_fused_moe_matches_twin(gen, dtype, experts, top_k, hidden, inter):
     # the default (decode-sized) config too
     out = fused_moe(x, w13, w2, w, ids)
     assert_close(out, moe_ref(x, w13, w2, w, ids), 1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize(("dtype", "groups"), [(torch.float32, 2), (torch.float16, 4)])
+def test_expert_parallel_shards_sum_to_the_whole_moe(gen, dtype, groups):
+    """Each expert-parallel rank runs only its experts (tokens routed elsewhere add nothing);
+    the ranks' outputs summed (the all-reduce) are the whole MoE, kernel and twin alike."""
+    from pagoda_kernels.reference import local_expert_ids
+
+    experts, top_k, hidden, inter = 8, 2, 64, 48
+    tokens = randint(gen, 1, 24, 1)[0]
+    x = randn(gen, tokens, hidden, dtype=dtype)
+    w13 = randn(gen, experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+    w2 = randn(gen, experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+    logits = randn(gen, tokens, experts)
+    w, ids = route_topk_ref(logits, top_k, True)
+    whole = moe_ref(x, w13, w2, w, ids)
+    per = experts // groups
+    kernel_sum = torch.zeros_like(whole)
+    twin_sum = torch.zeros_like(whole)
+    for g in range(groups):
+        mine = slice(g * per, (g + 1) * per)
+        kernel_sum += moe(x, logits, w13[mine].contiguous(), w2[mine].contiguous(), top_k, True,
+                          first_expert=g * per, config=SMALL)
+        twin_sum += moe_ref(x, w13[mine], w2[mine], w, local_expert_ids(ids, g * per, per))
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert_close(kernel_sum, whole, tol)
+    assert_close(twin_sum, whole, tol)
+
+
+def test_moe_align_leaves_out_the_experts_of_other_ranks(gen):
+    tokens, experts, top_k, block_m = 13, 4, 2, 4
+    ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(tokens)]) - 1  # -1: elsewhere
+    ids[ids >= experts] = -1
+    sorted_ids, expert_ids, num_padded = moe_align(ids, experts, block_m, skip_negative=True)
+    n = tokens * top_k
+    real = sorted_ids[: int(num_padded)]
+    flat = ids.flatten()
+    assert sorted(real[real < n].tolist()) == [r for r in range(n) if flat[r] >= 0]
+    assert (sorted_ids[int(num_padded):] == n).all()
+    for tile in range(int(num_padded) // block_m):
+        rows = real[tile * block_m:(tile + 1) * block_m]
+        rows = rows[rows < n].long()
+        assert rows.numel() > 0 and (flat[rows] == expert_ids[tile]).all()

@@ -196,3 +196,39 @@ def test_each_tensor_parallel_rank_reads_only_its_shard(tiny_models, arch, monke
     assert torch.equal(torch.cat([p["model.layers.0.self_attn.o_proj.weight"] for p in params], dim=1),
                        whole.model.layers[0].self_attn.o_proj.weight)
     assert torch.equal(torch.cat([p["model.embed_tokens.weight"] for p in params]), whole.model.embed_tokens.weight)
+
+
+def test_each_expert_parallel_rank_reads_only_its_experts(tiny_models, monkeypatch):
+    """Expert size 2 over 2 ranks: rank r holds experts 4r..4r+3 whole and opens no other
+    expert's tensor; the two ranks' experts together are the checkpoint's."""
+    from pagoda_daemon.distributed.parallel_state import TensorParallel
+
+    path = tiny_models["qwen3_moe"]
+    config = loader.load_config(path)
+    opened: list[str] = []
+    original = loader.iterate_weights
+
+    def recording(p):
+        for name, tensor in original(p):
+            original_read = tensor.read
+
+            def read(*args, _name=name, _read=original_read, **kwargs):
+                opened.append(_name)
+                return _read(*args, **kwargs)
+
+            tensor.read = read  # type: ignore[method-assign]
+            yield name, tensor
+
+    monkeypatch.setattr(loader, "iterate_weights", recording)
+    whole = load(path).model.layers[0].mlp
+    monkeypatch.setattr(loader, "iterate_weights", recording)
+    for rank in range(2):
+        opened.clear()
+        model = loader.load_model(path, config, torch.float32, torch.device("cpu"), TorchPagedAttention, 128,
+                                  tp=TensorParallel(rank, 2, expert_groups=2))
+        moe = model.model.layers[0].mlp
+        assert moe.first_expert == 4 * rank and moe.w13.shape[0] == 4
+        experts_read = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in opened if ".mlp.experts." in n}
+        assert experts_read == set(range(4 * rank, 4 * rank + 4))
+        assert torch.equal(moe.w13, whole.w13[4 * rank: 4 * rank + 4])
+        assert torch.equal(moe.w2, whole.w2[4 * rank: 4 * rank + 4])

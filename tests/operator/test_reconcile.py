@@ -410,11 +410,11 @@ def test_foreign_network_policy_is_not_overwritten(fake_kube):
 
 
 def test_an_unsupported_capability_is_a_degraded_condition_not_a_crash_loop(fake_kube):
-    fake_kube.put(isvc(resources={"gpusPerReplica": 2}, parallelism={"expert": 2}))
+    fake_kube.put(isvc(resources={"gpusPerReplica": 2}, parallelism={"data": 2}))
     ctx = make(fake_kube)
     ctx.supports = supported  # the daemon's own capability list
     r = reconcile(ctx, "default", "llama", "create")
     assert r.wrote == ["status"] and children_writes(fake_kube) == []
     deg = condition(status(fake_kube), "Degraded")
     assert (deg["status"], deg["reason"]) == ("True", "InvalidSpec")
-    assert "spec.parallelism.expert: expert parallelism" in deg["message"]
+    assert "spec.parallelism.data: data parallelism" in deg["message"]

@@ -198,7 +198,6 @@ def test_desired_replicas(replicas, autoscaling, autoscaled, expected):
 @pytest.mark.parametrize(
     "extra, field",
     [
-        ({"resources": {"gpusPerReplica": 4}, "parallelism": {"expert": 4}}, "spec.parallelism.expert"),
         ({"resources": {"gpusPerReplica": 2}, "parallelism": {"data": 2}}, "spec.parallelism.data"),
         (
             {"resources": {"gpusPerReplica": 4}, "parallelism": {"elastic": {"minExpert": 1, "maxExpert": 4}}},
@@ -216,11 +215,22 @@ def test_what_the_daemon_cannot_do_is_refused_naming_the_field(extra, field):
     parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)  # valid otherwise
 
 
-def test_tensor_parallelism_is_accepted_by_this_build():
-    spec = parse("svc", "ns", {"model": MODEL, "resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 4}})
-    assert daemon_config(spec)["tensor_parallel_size"] == 4
+def test_tensor_and_expert_parallelism_are_accepted_by_this_build():
+    spec = parse("svc", "ns", {"model": MODEL, "resources": {"gpusPerReplica": 4},
+                               "parallelism": {"tensor": 2, "expert": 2}})
+    assert daemon_config(spec)["tensor_parallel_size"] == 2 and daemon_config(spec)["expert_parallel_size"] == 2
 
 
 def test_a_model_uri_is_refused_until_the_daemon_fetches_models():
     with pytest.raises(InvalidSpec, match=r"spec\.model\.uri: fetching the model from a URI"):
         parse("svc", "ns", {"model": {"name": "m", "uri": "hf://Qwen/Qwen3-0.6B"}})
+
+
+def test_eplb_renders_the_daemons_eplb_options():
+    spec = parse("svc", "ns", {"model": MODEL, "resources": {"gpusPerReplica": 4},
+                               "parallelism": {"expert": 4, "eplb": {"redundantExperts": 4, "stepInterval": 500}}})
+    cfg = daemon_config(spec)
+    assert (cfg["enable_eplb"], cfg["num_redundant_experts"], cfg["eplb_step_interval"]) == (True, 4, 500)
+    assert "enable_eplb" not in daemon_config(parse("svc", "ns", {"model": MODEL}))
+    with pytest.raises(InvalidSpec, match=r"parallelism\.eplb needs parallelism\.expert of 2 or more"):
+        parse("svc", "ns", {"model": MODEL, "parallelism": {"eplb": {}}})

@@ -1,9 +1,17 @@
-"""Where this process sits in a tensor-parallel group, and the two collectives the model uses.
+"""Where this process sits among a replica's ranks, and the two collectives the model uses.
 
 One ``TensorParallel`` per worker, handed to the model at construction (no process-global
-state): rank, size and the torch.distributed process group. torch.distributed is the engine
-of every collective (NCCL on GPUs, gloo on CPU, where CI proves the logic); a group of size
-one is a no-op, so the one-GPU path runs exactly as before.
+state): rank, size, the torch.distributed process group, and how many groups the MoE experts
+are spread over. torch.distributed is the engine of every collective (NCCL on GPUs, gloo on
+CPU, where CI proves the logic); a group of size one is a no-op, so the one-GPU path runs
+exactly as before.
+
+Layout of ``tensor × expert`` ranks: attention, dense MLPs, embedding and LM head are sharded
+over all of them; a MoE layer's experts are spread over ``expert`` groups of consecutive ranks
+(each rank holds its group's experts whole when ``tensor`` is 1, or a ``1/tensor`` slice of
+each). Every rank sees every token (the attention's all-reduce gives each the whole hidden
+state), so a rank runs its experts on the tokens routed to them and one all-reduce combines
+the ranks' outputs: the all-gather + reduce form of dispatch and combine.
 """
 
 from __future__ import annotations
@@ -20,10 +28,37 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None for size 1
+    expert_groups: int = 1  # expert-parallel size: the MoE experts are spread over this many groups
+    eplb: bool = False  # experts placed by the load balancer (eplb.py) rather than in order
+    redundant_experts: int = 0  # with eplb: extra expert slots, for copies of the busiest experts
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside a group of {self.size}")
+        if self.expert_groups < 1 or self.size % self.expert_groups:
+            raise ValueError(f"expert-parallel size {self.expert_groups} does not divide the {self.size} ranks")
+
+    @property
+    def expert_group(self) -> int:
+        """Which group of experts this rank holds."""
+        return self.rank // (self.size // self.expert_groups)
+
+    @property
+    def expert_slicing(self) -> tuple[int, int]:
+        """(this rank's slice, slices) of each of its experts' intermediate dimension."""
+        per_group = self.size // self.expert_groups
+        return self.rank % per_group, per_group
+
+    def local_experts(self, num_experts: int) -> tuple[int, int]:
+        """(first, count) of the expert slots this rank holds: an even split or an error. Without
+        EPLB slot i holds expert i; with it, the balancer's placement says which expert."""
+        slots = num_experts + self.redundant_experts
+        if slots % self.expert_groups:
+            raise ValueError(f"the number of experts ({num_experts}) plus redundant experts "
+                             f"({self.redundant_experts}) is not divisible by the expert-parallel size "
+                             f"{self.expert_groups}")
+        count = slots // self.expert_groups
+        return self.expert_group * count, count
 
     @property
     def enabled(self) -> bool:
@@ -65,8 +100,9 @@ def kv_heads_per_rank(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     return 1, tp.rank // (tp.size // num_kv_heads)
 
 
-def tensor_parallel_group(size: int) -> TensorParallel:
-    """The group an engine of tensor-parallel `size` runs in. Size 1: none. Larger: this process
+def tensor_parallel_group(size: int, expert_groups: int = 1) -> TensorParallel:
+    """The group an engine of `size` ranks (tensor × expert) runs in, its MoE experts spread over
+    `expert_groups` of them. Size 1: none. Larger: this process
     must already be one rank of a torch.distributed world of exactly that size (one process per
     rank, started by a launcher such as torchrun, as vLLM's external launcher mode expects); every
     rank then runs the same engine on the same requests, and the model's collectives keep the
@@ -74,12 +110,12 @@ def tensor_parallel_group(size: int) -> TensorParallel:
     if size == 1:
         return SINGLE
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"tensor_parallel_size {size} needs one process per rank in an initialised "
+        raise ValueError(f"{size} ranks (tensor × expert parallel size) need one process each in an initialised "
                          "torch.distributed world (start the ranks with a launcher such as torchrun)")
     if dist.get_world_size() != size:
-        raise ValueError(f"tensor_parallel_size {size} does not match the torch.distributed world of "
+        raise ValueError(f"{size} ranks (tensor × expert parallel size) do not match the torch.distributed world of "
                          f"{dist.get_world_size()} processes")
-    return TensorParallel(dist.get_rank(), size, dist.group.WORLD)
+    return TensorParallel(dist.get_rank(), size, dist.group.WORLD, expert_groups)
 
 
 def min_over_ranks(value: int, tp: TensorParallel) -> int:
@@ -91,3 +127,43 @@ def min_over_ranks(value: int, tp: TensorParallel) -> int:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
     return int(t.item())
+
+
+def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, redundant: int = 0) -> None:
+    """Refuse, in one line, a layout the model cannot be split into (before any rank starts;
+    the layers check again as they are built)."""
+    ranks = tensor * expert
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0
+    is_moe = experts > 0 and (getattr(model_config, "num_experts_per_tok", 0) or 0) > 0
+    problems = []
+    if heads % ranks:
+        problems.append(f"the number of attention heads ({heads}) is not divisible by tensor × expert = {ranks}")
+    elif (ranks % kv_heads) if ranks > kv_heads else (kv_heads % ranks):
+        problems.append(f"tensor × expert = {ranks} is neither a divisor nor a multiple of the number of KV "
+                        f"heads ({kv_heads})")
+    if expert > 1 and not is_moe:
+        problems.append(f"expert_parallel_size {expert} needs a mixture-of-experts model; this one has no experts")
+    if is_moe and (experts + redundant) % expert:
+        problems.append(f"the number of experts ({experts})" + (f" plus num_redundant_experts ({redundant})"
+                                                                 if redundant else "")
+                        + f" is not divisible by expert_parallel_size {expert}")
+    if eplb and (expert < 2 or not is_moe):
+        problems.append("enable_eplb needs a mixture-of-experts model and expert_parallel_size of 2 or more")
+    if redundant and not eplb:
+        problems.append("num_redundant_experts needs enable_eplb")
+    if eplb and is_moe and redundant > experts * (expert - 1):
+        problems.append(f"num_redundant_experts ({redundant}) is more than experts × (expert_parallel_size - 1) "
+                        f"= {experts * (expert - 1)}: a rank would hold two copies of one expert")
+    moe_inter = getattr(model_config, "moe_intermediate_size", None)
+    if is_moe and moe_inter and moe_inter % tensor:
+        problems.append(f"the experts' intermediate size ({moe_inter}) is not divisible by tensor_parallel_size "
+                        f"{tensor}")
+    inter = getattr(model_config, "intermediate_size", None)
+    dense_layers = not is_moe or getattr(model_config, "mlp_only_layers", None) or (
+        getattr(model_config, "decoder_sparse_step", 1) or 1) > 1
+    if inter and dense_layers and inter % ranks:
+        problems.append(f"the intermediate size ({inter}) is not divisible by tensor × expert = {ranks}")
+    if problems:
+        raise ValueError("; ".join(problems))

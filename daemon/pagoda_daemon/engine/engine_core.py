@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.distributed.parallel_state import check_layout
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.messages import EngineCoreOutput, EngineStats
 from pagoda_daemon.engine.request import Request, RequestStatus
@@ -43,7 +44,7 @@ def default_executor(config: EngineConfig, model_config, max_model_len: int) -> 
     torch.distributed world is up: then each rank runs its own engine, one worker each)."""
     import torch.distributed as dist
 
-    if config.tensor_parallel_size > 1 and not dist.is_initialized():
+    if config.world_size > 1 and not dist.is_initialized():
         from pagoda_daemon.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, model_config, max_model_len)
@@ -62,6 +63,8 @@ class EngineCore:
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({self.max_model_len})"
             )
+        check_layout(self.model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
+                     config.num_redundant_experts)
         self.executor = executor or default_executor(config, self.model_config, self.max_model_len)
         num_blocks = self._num_kv_blocks()
         self.executor.initialize_cache(num_blocks)

@@ -98,11 +98,11 @@ def worker_main(rank: int, size: int, rendezvous: str, config: EngineConfig, mod
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config, max_model_len: int) -> None:
-        size = config.tensor_parallel_size
+        size = config.world_size
         device_type = "cuda" if config.device.startswith("cuda") or (
             config.device == "auto" and torch.cuda.is_available()) else "cpu"
         if device_type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; this process sees "
+            raise ValueError(f"{size} ranks (tensor × expert parallel size) need {size} GPUs; this process sees "
                              f"{torch.cuda.device_count()}")
         self._private = tempfile.mkdtemp(prefix="pagoda-tp-")  # mode 0700: the daemon's user only
         rendezvous = os.path.join(self._private, "rendezvous")

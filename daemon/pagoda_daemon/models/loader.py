@@ -132,7 +132,10 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, Checkpoint
             continue  # tied checkpoints may still carry a copy of the embedding
         if "rotary_emb.inv_freq" in name:
             continue
-        target, piece, dest, (dim, start, size, full) = _locate(model, params, name, stacked, expert_param)
+        located = _locate(model, params, name, stacked, expert_param)
+        if located is None:
+            continue
+        target, piece, dest, (dim, start, size, full) = located
         expected = list(dest.shape)
         if dim is not None:
             expected[dim] = full
@@ -195,16 +198,21 @@ def _locate(model, params, name, stacked, expert_param):
     """Map a checkpoint tensor name to (parameter name, piece key, destination view, slice)."""
     if expert_param is not None and (hit := expert_param(name)) is not None:
         target, expert, proj = hit
-        if target not in params or expert >= params[target].shape[0]:
+        if target not in params:
             raise WeightLoadError(f"checkpoint tensor {name!r} does not match any model parameter")
         p = params[target]
         moe = model.get_submodule(target.rsplit(".", 1)[0])
-        start, inter = getattr(moe, "checkpoint_inter", (0, p.shape[-1] if proj == "down_proj" else p.shape[1] // 2))
-        full = inter * moe.tp.size if hasattr(moe, "tp") else inter
+        if not 0 <= expert < getattr(moe, "num_experts", p.shape[0]):
+            raise WeightLoadError(f"checkpoint tensor {name!r} does not match any model parameter")
+        slots = moe.local_slots(expert)
+        if not slots:
+            return None  # another expert-parallel rank's expert: not read
+        (local,) = slots  # check_layout keeps two copies of one expert off one rank
+        start, inter, full = moe.checkpoint_inter
         if proj == "down_proj":
-            return target, (expert, proj), p.data[expert], (1, start, inter, full)
+            return target, (local, proj), p.data[local], (1, start, inter, full)
         rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-        return target, (expert, proj), p.data[expert, rows], (0, start, inter, full)
+        return target, (local, proj), p.data[local, rows], (0, start, inter, full)
     for merged, shard in stacked:
         if f".{shard}." in name:
             target = name.replace(f".{shard}.", f".{merged}.")

@@ -10,14 +10,26 @@ from pagoda_daemon.models.layers import Linear
 from pagoda_daemon.models.llama import MLP, DecoderLayer, Qwen3ForCausalLM
 
 # One implementation of routing and the expert loop: the kernels' pure-torch twins.
+from pagoda_kernels.reference import local_expert_ids
 from pagoda_kernels.reference import moe_ref as moe_reference
 from pagoda_kernels.reference import route_topk_ref as route_topk
 
 
 class SparseMoE(nn.Module):
-    """Under tensor parallelism every rank holds every expert's slice of the intermediate
-    dimension (gate/up rows, down columns) and the ranks' outputs are summed; the router is
-    replicated."""
+    """A rank holds the experts of its expert group (all of them without expert parallelism),
+    each whole or, with several ranks per group, its slice of the intermediate dimension
+    (gate/up rows, down columns). The router is replicated: every rank routes every token, runs
+    its experts on the tokens routed to them, and the ranks' outputs are summed
+    (parallel_state.py).
+
+    With EPLB (``tp.eplb``) the rank's slots hold whichever experts the balancer placed there
+    (``placement``: the expert of every physical slot of the replica), an expert may have
+    copies on several ranks, each taking the tokens whose index falls to it, and the layer
+    counts the tokens routed to each expert (``expert_load``) for the next rebalance."""
+
+    expert_load: torch.Tensor  # buffers, with EPLB only
+    replica_slots: torch.Tensor
+    replica_counts: torch.Tensor
 
     def __init__(self, config, kernels: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -26,25 +38,75 @@ class SparseMoE(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.tp = tp
         hidden = config.hidden_size
-        inter = tp.split(config.moe_intermediate_size, "the experts' intermediate size")
+        self.first_expert, local = tp.local_experts(self.num_experts)  # the first slot, with EPLB
+        slice_rank, slices = tp.expert_slicing
+        full_inter = config.moe_intermediate_size
+        if full_inter % slices:
+            raise ValueError(f"the experts' intermediate size ({full_inter}) is not divisible by the "
+                             f"tensor-parallel size {slices}")
+        inter = full_inter // slices
         self.gate = Linear(hidden, self.num_experts)
-        # Experts stacked for grouped GEMMs; the loader fills them from per-expert tensors,
-        # reading this rank's rows of gate/up and columns of down (checkpoint_inter).
-        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
-        self.checkpoint_inter = (tp.rank * inter, inter)
-        self._kernel = None
-        if kernels:  # the fused Triton MoE: no host sync, so decode steps can be graph-captured
-            from pagoda_kernels.fused_moe import moe
+        # This rank's experts stacked for grouped GEMMs; the loader fills them from per-expert
+        # tensors, reading only these experts, and of each this rank's rows of gate/up and
+        # columns of down (checkpoint_inter: start, size, the checkpoint's size).
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
+        self.checkpoint_inter = (slice_rank * inter, inter, full_inter)
+        self.eplb = tp.eplb
+        if self.eplb:
+            from pagoda_daemon.distributed.eplb import initial_placement
 
-            self._kernel = moe
+            self.slots_per_rank = local
+            self.max_copies = 1 + tp.redundant_experts
+            self.register_buffer("expert_load", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
+            self.register_buffer("replica_slots", torch.zeros(self.num_experts, self.max_copies, dtype=torch.int64),
+                                 persistent=False)
+            self.register_buffer("replica_counts", torch.ones(self.num_experts, dtype=torch.int64), persistent=False)
+            self.set_placement(initial_placement(self.num_experts, tp.expert_groups, local))
+        self._route = route_topk
+        self._fused = None
+        if kernels:  # the fused Triton MoE: no host sync, so decode steps can be graph-captured
+            from pagoda_kernels.fused_moe import fused_moe
+            from pagoda_kernels.fused_moe import route_topk as route_topk_kernel
+
+            self._route, self._fused = route_topk_kernel, fused_moe
+
+    def set_placement(self, placement: list[int]) -> None:
+        """The expert of each physical slot; the copy tables follow, updated in place (CUDA
+        graphs captured over them stay valid)."""
+        from pagoda_daemon.distributed.eplb import replica_table
+
+        self.placement = list(placement)
+        slots, counts = replica_table(self.placement, self.num_experts, self.max_copies)
+        self.replica_slots.copy_(slots)
+        self.replica_counts.copy_(counts)
+
+    def local_slots(self, expert: int) -> list[int]:
+        """Where this rank keeps `expert` (its index in w13/w2), if anywhere (the loader asks)."""
+        count = self.w13.shape[0]
+        if not self.eplb:
+            local = expert - self.first_expert
+            return [local] if 0 <= local < count else []
+        return [s for s in range(count) if self.placement[self.first_expert + s] == expert]
+
+    def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's slots (-1: another rank computes it)."""
+        if not self.eplb:
+            return local_expert_ids(ids, self.first_expert, self.w13.shape[0])
+        ids = ids.long()
+        self.expert_load.scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        token = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        copy = token % self.replica_counts[ids]  # the tokens of an expert split over its copies
+        return local_expert_ids(self.replica_slots[ids, copy], self.first_expert, self.w13.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is not None:
-            out = self._kernel(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+        weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
+        every_expert_here = self.w13.shape[0] == self.num_experts and not self.eplb
+        if self._fused is not None:
+            out = (self._fused(x, self.w13, self.w2, weights, ids) if every_expert_here else
+                   self._fused(x, self.w13, self.w2, weights, self._local_ids(ids), skip_negative=True))
         else:
-            weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
-            out = moe_reference(x, self.w13, self.w2, weights, ids)
+            out = moe_reference(x, self.w13, self.w2, weights, ids if every_expert_here else self._local_ids(ids))
         return self.tp.all_reduce(out)
 
 
@@ -57,6 +119,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             config.hidden_size, config.intermediate_size, kernels, self.tp
         )
         return DecoderLayer(config, backend, rotary, self.qk_norm, mlp, self.tp)
+
+    def has_experts(self) -> bool:
+        return any(isinstance(m, SparseMoE) for m in self.modules())
 
     @staticmethod
     def expert_param(name: str) -> tuple[str, int, str] | None:

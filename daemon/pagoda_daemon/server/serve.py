@@ -102,9 +102,12 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         options = resolve_options(args, explicit)
         config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]),
                               **values_from_args(options, EngineConfig))
+        from pagoda_daemon.distributed.parallel_state import check_layout
         from pagoda_daemon.models.loader import load_config
 
         model_config = load_config(config.model)  # a bad path or architecture fails here, before any process
+        check_layout(model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
+                     config.num_redundant_experts)
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2

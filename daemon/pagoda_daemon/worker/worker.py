@@ -10,6 +10,7 @@ vLLM's ``v1/worker/gpu_worker.py`` is the model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -72,7 +73,9 @@ class Worker:
         from pagoda_daemon.attention import get_attention_backend
 
         self.config = config
-        self.tp = tensor_parallel_group(config.tensor_parallel_size)
+        self.tp = tensor_parallel_group(config.world_size, config.expert_parallel_size)
+        if config.enable_eplb:
+            self.tp = dataclasses.replace(self.tp, eplb=True, redundant_experts=config.num_redundant_experts)
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and self.tp.enabled:  # one GPU per rank, in launch order on the node
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.tp.rank)))
@@ -87,6 +90,13 @@ class Worker:
             self.tp,
         )
         self.kv_cache_spec = model.kv_cache_spec()
+        self.balancer = None
+        if config.enable_eplb:
+            from pagoda_daemon.distributed.eplb import EplbConfig, ExpertBalancer
+
+            layers = [m for m in model.modules() if getattr(m, "eplb", False)]
+            self.balancer = ExpertBalancer(layers, EplbConfig(config.num_redundant_experts, config.eplb_step_interval),
+                                           self.tp)
         self.runner = ModelRunner(model, model_config, config, self.device, self.dtype, max_model_len)
         self.uses_cuda_graphs = (self.device.type == "cuda" and self.backend.uses_kernels
                                  and not config.enforce_eager)
@@ -140,11 +150,16 @@ class Worker:
             self.runner.capture_cuda_graphs()
         elif self.device.type == "cuda" and not self.config.enforce_eager:
             log.info("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
+        if self.balancer is not None:
+            self.balancer.reset()  # profiling and capture ran the model on made-up tokens
 
     # ---- steps ------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
-        return self.runner.execute(scheduler_output)
+        launched = self.runner.execute(scheduler_output)
+        if self.balancer is not None and not scheduler_output.is_empty:
+            self.balancer.step()  # every rank runs the same steps: they rebalance together
+        return launched
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

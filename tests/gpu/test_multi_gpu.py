@@ -1,0 +1,59 @@
+"""On two or more GPUs: tensor and expert parallelism over NCCL, with the executor starting
+rank 1 (CUDA graphs and async scheduling on, as `pagoda serve` runs), against transformers in
+float32; and `pagoda serve --tensor-parallel-size 2` reporting both GPUs.
+
+Skipped where fewer than two GPUs are visible (CI; a one-GPU machine); run on the GPU machine
+by `benchmarks/run_gpu.sh multi-gpu`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.distributed.test_tensor_parallel import CASES, _run_cases, check_against_transformers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+
+
+def _main(_: int, path: str, tensor: int, expert: int, seed: int, out: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result = _run_cases(tensor * expert, path, seed, CASES, expert, device="cuda")
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.parametrize(("arch", "tensor", "expert"), [
+    ("llama", 2, 1), ("qwen3", 2, 1), ("qwen3_moe", 2, 1), ("qwen3_moe", 1, 2),
+])
+def test_float32_on_two_gpus_matches_transformers(tiny_models, tmp_path, arch, tensor, expert):
+    path = tiny_models[arch]
+    seed = int(torch.randint(0, 2**31, ()).item())
+    out = tmp_path / "result.json"
+    mp.start_processes(_main, args=(path, tensor, expert, seed, str(out)), nprocs=1, start_method="spawn")
+    check_against_transformers(path, json.loads(out.read_text()), seed)
+
+
+def test_pagoda_serve_on_two_gpus_reports_both(tiny_models, tmp_path):
+    import httpx
+
+    from tests.server.conftest import ServerProcess
+
+    srv = ServerProcess(tiny_models["qwen3_moe"], "--max-model-len", "256", "--tensor-parallel-size", "2",
+                        log_dir=tmp_path, served_name="tiny")
+    try:
+        srv.wait_ready(timeout=300)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 8},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        placement = [line for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                     if line.startswith("pagoda:placement_info{")]
+        assert len(placement) == 1 and 'gpus="0,1"' in placement[0], placement
+    finally:
+        assert srv.stop() == 0
