@@ -289,3 +289,33 @@ def test_a_dead_rank_fails_the_engine_and_the_daemon_exits(tiny_models, tmp_path
         assert not _running(str(engine))
     finally:
         srv.stop()
+
+
+def test_a_rank_that_dies_during_start_up_fails_the_start_at_once(tiny_models, tmp_path):
+    """Rank 0 waits in start-up collectives for rank 1; rank 1 killed there must not leave it
+    waiting out the 120 s collective timeout: the daemon exits 1 within seconds, saying why."""
+    import signal
+    import time
+
+    from tests.server.conftest import ServerProcess
+
+    srv = ServerProcess(tiny_models["qwen3"], "--max-model-len", "256", "--tensor-parallel-size", "2",
+                        "--dtype", "float32", log_dir=tmp_path, served_name="tiny")
+    try:
+        deadline = time.monotonic() + 60
+        rank1 = None
+        while rank1 is None and time.monotonic() < deadline:
+            try:
+                engine = srv.engine_pid()
+                rank1 = (Path(f"/proc/{engine}/task/{engine}/children").read_text().split() or [None])[0]
+            except (OSError, AssertionError):  # not started yet
+                pass
+            time.sleep(0.02)
+        assert rank1 is not None, "rank 1 never started"
+        os.kill(int(rank1), signal.SIGKILL)
+        killed = time.monotonic()
+        assert srv.proc.wait(30) == 1
+        assert time.monotonic() - killed < 15
+        assert "rank 1 exited (exit code -9)" in srv.log_path.read_text()
+    finally:
+        srv.stop()

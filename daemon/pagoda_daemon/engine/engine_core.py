@@ -38,23 +38,27 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def default_executor(config: EngineConfig, model_config, max_model_len: int) -> Executor:
-    """One worker in this process; under tensor parallelism, this process's worker is rank 0 and
-    the executor starts the others, unless a launcher started every rank already (a
-    torch.distributed world is up: then each rank runs its own engine, one worker each)."""
+def default_executor(config: EngineConfig, model_config, max_model_len: int,
+                     exit_on_worker_death: bool = False) -> Executor:
+    """One worker in this process; under tensor/expert parallelism, this process's worker is
+    rank 0 and the executor starts the others, unless a launcher started every rank already (a
+    torch.distributed world is up: then each rank runs its own engine, one worker each).
+    `exit_on_worker_death`: a process that only runs the engine (`pagoda serve`'s engine core)
+    exits at once when another rank dies, rather than wait in a collective."""
     import torch.distributed as dist
 
     if config.world_size > 1 and not dist.is_initialized():
         from pagoda_daemon.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(config, model_config, max_model_len)
+        return MultiprocExecutor(config, model_config, max_model_len, exit_on_worker_death)
     from pagoda_daemon.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config, model_config, max_model_len)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_config=None, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_config=None, executor: Executor | None = None,
+                 exit_on_worker_death: bool = False) -> None:
         self.config = config
         self.model_config = model_config or loader.load_config(config.model)
         self.max_model_len = self._max_model_len()
@@ -65,7 +69,8 @@ class EngineCore:
             )
         check_layout(self.model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts)
-        self.executor = executor or default_executor(config, self.model_config, self.max_model_len)
+        self.executor = executor or default_executor(config, self.model_config, self.max_model_len,
+                                                     exit_on_worker_death)
         num_blocks = self._num_kv_blocks()
         self.executor.initialize_cache(num_blocks)
         self.worker_info = self.executor.info()

@@ -97,7 +97,8 @@ def worker_main(rank: int, size: int, rendezvous: str, config: EngineConfig, mod
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_config, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config, max_model_len: int,
+                 exit_on_worker_death: bool = False) -> None:
         size = config.world_size
         device_type = "cuda" if config.device.startswith("cuda") or (
             config.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -121,6 +122,9 @@ class MultiprocExecutor(Executor):
                                            device_type)))
             proc.stdin.close()
             self.procs.append(proc)
+        self._stopped = False
+        if exit_on_worker_death:
+            threading.Thread(target=self._exit_when_a_rank_dies, name="rank-watch", daemon=True).start()
         os.environ.setdefault("LOCAL_RANK", "0")
         self.control = _init_world(0, size, rendezvous, device_type)
         self.worker = Worker(config, model_config, max_model_len)
@@ -128,12 +132,24 @@ class MultiprocExecutor(Executor):
         dist.gather_object(self.worker.info(), infos, dst=0, group=self.control)
         self.infos: list[WorkerInfo] = infos
         self.writer = step_plan.PlanWriter()
-        self._stopped = False
         # Whoever built the engine may simply exit (a script, the benchmark): stop the ranks
         # first, or they wait in the next broadcast until its connection breaks.
         atexit.register(self.shutdown)
         log.info("tensor parallel: %d ranks (%s), ranks 1..%d in pids %s", size, dist.get_backend(),
                  size - 1, [p.pid for p in self.procs])
+
+    def _exit_when_a_rank_dies(self) -> None:
+        """Rank 0 may be waiting in a collective for the dead rank (start-up, a model step on
+        NCCL) until COLLECTIVE_TIMEOUT: end this process instead; its parent (the API server)
+        fails the requests and exits so that the pod restarts."""
+        while not self._stopped:
+            for r, p in enumerate(self.procs, 1):
+                if p.poll() is not None and not self._stopped:
+                    log.error("tensor-parallel worker rank %d exited (exit code %s): the engine stops", r,
+                              p.returncode)
+                    logging.shutdown()
+                    os._exit(1)
+            time.sleep(0.2)
 
     def _send(self, message: step_plan.ToWorker) -> None:
         dead = [f"rank {r} (exit code {p.returncode})" for r, p in enumerate(self.procs, 1) if p.poll() is not None]

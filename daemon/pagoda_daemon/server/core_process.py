@@ -102,7 +102,7 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
         try:
             from pagoda_daemon.engine.engine_core import EngineCore
 
-            core = EngineCore(config)
+            core = EngineCore(config, exit_on_worker_death=True)
             core.warm_up()
         except Exception as e:  # startup failures go back to the API server as text, then we exit
             log.exception("engine core failed to start")
