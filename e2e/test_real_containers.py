@@ -320,6 +320,37 @@ def test_bad_model_path_is_degraded_with_the_reason(local_cluster, tmp_path):
         local_cluster.delete_namespace(ns)
 
 
+def test_tensor_parallel_ranks_serve_in_one_unprivileged_pod(local_cluster):
+    """parallelism.tensor 2 on CPU: the daemon's engine core starts rank 1 as a process of its
+    own inside the same read-only, non-root container (rendezvous in /tmp, gloo on loopback,
+    /dev/shm from the pod), and greedy answers equal the one-process engine's on the same
+    weights."""
+    ns = local_cluster.create_namespace("tp")
+    doc = manifest(local_cluster, "tiny-tp")
+    doc["spec"]["parallelism"] = {"tensor": 2}
+    doc["spec"]["pod"]["resources"]["limits"]["memory"] = "6Gi"  # two ranks, each with its KV cache
+    try:
+        local_cluster.apply(doc, namespace=ns)
+        wait_ready(local_cluster, ns, replicas=1, name="tiny-tp", timeout=300)
+        (ip,) = local_cluster.endpoints("tiny-tp", ns)
+        prompts = ["The capital of", "Paged attention keeps", "1 2 3 4"]
+        got = [client(ip).completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text
+               for p in prompts]
+        from pagoda_daemon import LLM, SamplingParams
+
+        one = LLM(str(local_cluster.model_dir), device="cpu", max_model_len=256, num_kv_blocks=64)
+        want = [o.outputs[0].text for o in one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+        assert got == want
+        pod = local_cluster.kubectl_json("get", "pods", "-n", ns)["items"][0]["metadata"]["name"]
+        assert "tp-rank-1 pagoda_daemon.models.loader: loaded Qwen3ForCausalLM" in local_cluster.kubectl(
+            "logs", "-n", ns, pod).stdout
+        ranks = local_cluster.kubectl("exec", "-n", ns, pod, "-c", "daemon", "--", "sh", "-c",
+                                      "grep -l 'pagoda_daemon[.]executor[.]multiproc' /proc/[0-9]*/cmdline").stdout.split()
+        assert len(ranks) == 1, ranks
+    finally:
+        local_cluster.delete_namespace(ns)
+
+
 def test_node_topology_from_the_agent_matches_the_host(local_cluster):
     """The chart's topology agent (a DaemonSet on the real node) writes NodeTopology/<node>; its
     spec is what `pagoda topology --json` reports on this machine, less the process fields."""

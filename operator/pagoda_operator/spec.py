@@ -357,11 +357,10 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
     errors += capability_errors(s, supports)
     par = s.parallelism
     ranks = par.tensor * par.expert * par.data
-    if s.gpus == 0:
-        if ranks != 1 or par.elastic:
+    if s.gpus == 0:  # CPU ranks over gloo share the pod's cores: a layout can be tried without GPUs
+        if par.data != 1 or par.elastic:
             errors.append(
-                "parallelism needs GPUs: with resources.gpusPerReplica 0 (CPU) tensor, expert and data "
-                "must be 1 and elastic unset"
+                "with resources.gpusPerReplica 0 (CPU) parallelism.data must be 1 and elastic unset"
             )
     elif not par.elastic and ranks != s.gpus:  # one engine rank per GPU: none idle, none shared
         errors.append(

@@ -50,6 +50,7 @@ VALID = [
     ({"resources": {"gpusPerReplica": 8}, "parallelism": {"tensor": 1, "expert": 8}}),
     ({"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 4, "data": 1}}),
     ({"resources": {"gpusPerReplica": 0}}),
+    ({"resources": {"gpusPerReplica": 0}, "parallelism": {"tensor": 2, "expert": 2}}),  # CPU ranks over gloo
     (
         {
             "resources": {"gpusPerReplica": 8},
@@ -74,7 +75,7 @@ INVALID = [
         {"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 2, "expert": 4}},
         "= 8 must equal resources.gpusPerReplica (4)",
     ),
-    ({"resources": {"gpusPerReplica": 0}, "parallelism": {"tensor": 2}}, "parallelism needs GPUs"),
+    ({"resources": {"gpusPerReplica": 0}, "parallelism": {"data": 2}}, "(CPU) parallelism.data must be 1"),
     (  # GPUs the engine would leave idle
         {"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 2}},
         "tensor (2) × expert (1) × data (1) = 2 must equal resources.gpusPerReplica (4)",
