@@ -209,18 +209,21 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_models):
                   TensorParallel(0, 3))
 
 
-@pytest.mark.parametrize("layout", ["--tensor-parallel-size", "--expert-parallel-size"])
+@pytest.mark.parametrize("layout", [
+    ["--tensor-parallel-size", "2"], ["--expert-parallel-size", "2"],
+    ["--expert-parallel-size", "2", "--enable-eplb", "--num-redundant-experts", "2", "--eplb-step-interval", "2"],
+], ids=["tensor", "expert", "expert-eplb"])
 def test_pagoda_serve_with_ranks_in_processes(tiny_models, tmp_path, layout):
-    """`pagoda serve --tensor-parallel-size 2` (or expert) on CPU: the engine core's worker is
-    rank 0, the executor starts rank 1 in a process of its own (gloo), and the answers are the
-    one-process engine's; stopping the server stops the rank."""
+    """`pagoda serve --tensor-parallel-size 2` (or expert, with or without EPLB) on CPU: the
+    engine core's worker is rank 0, the executor starts rank 1 in a process of its own (gloo),
+    and the answers are the one-process engine's; stopping the server stops the rank."""
     import httpx
 
     from pagoda_daemon import LLM, SamplingParams
     from tests.server.conftest import ServerProcess
 
     path = tiny_models["qwen3_moe"]
-    srv = ServerProcess(path, "--max-model-len", "256", layout, "2", "--dtype", "float32",
+    srv = ServerProcess(path, "--max-model-len", "256", *layout, "--dtype", "float32",
                         "--max-num-batched-tokens", "32", log_dir=tmp_path, served_name="tiny")
     try:
         srv.wait_ready(timeout=180)
@@ -232,8 +235,16 @@ def test_pagoda_serve_with_ranks_in_processes(tiny_models, tmp_path, layout):
         want = one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
         for g, w, p in zip(got, want, prompts):
             assert g["text"] == w.outputs[0].text, (len(p), g, w.outputs[0].text)
-        expert_size = 2 if layout == "--expert-parallel-size" else 1
-        assert f'pagoda:expert_parallel_size{{model_name="tiny"}} {expert_size}.0' in httpx.get(srv.url + "/metrics").text
+        expert_size = 2 if "--expert-parallel-size" in layout else 1
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert f'pagoda:expert_parallel_size{{model_name="tiny"}} {expert_size}.0' in metrics
+        if "--enable-eplb" in layout:  # 3 prompts x 10 tokens in steps of 32 tokens: rebalanced on the way
+            rebalances = next(float(line.split()[-1]) for line in metrics.splitlines()
+                              if line.startswith("pagoda:eplb_rebalances_total{"))
+            assert rebalances >= 2, metrics
+            after = next(float(line.split()[-1]) for line in metrics.splitlines()
+                         if line.startswith("pagoda:eplb_rank_load_imbalance{") and 'when="after"' in line)
+            assert 1.0 <= after <= 2.0
         ranks = Path(f"/proc/{srv.engine_pid()}/task/{srv.engine_pid()}/children").read_text().split()
         assert len(ranks) == 1
         for pid in [str(srv.engine_pid()), *ranks]:  # the rendezvous and gloo sockets: loopback only

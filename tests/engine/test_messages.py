@@ -109,3 +109,17 @@ def test_the_contract_imports_no_torch():
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_balancer_stats_travel_and_add_up():
+    from pagoda_daemon.engine.messages import BalancerStats, EngineStats
+
+    first = EngineStats(1, 0, 0.5, 10, 5, balancer=BalancerStats(1, 4, 1.8, 1.1))
+    idle = EngineStats(1, 0, 0.5, 10, 5, balancer=BalancerStats())
+    later = EngineStats(2, 0, 0.5, 10, 5, balancer=BalancerStats(2, 3, 1.4, 1.05))
+    frame = wire.encode(EngineCoreOutputs([], later))
+    assert wire.decode_from_core(frame).stats.balancer == later.balancer
+    total = first.add_counters(idle)
+    assert total.balancer == BalancerStats(1, 4, 1.8, 1.1)  # no rebalance since: the last one's imbalance stays
+    assert total.add_counters(later).balancer == BalancerStats(3, 7, 1.4, 1.05)
+    assert EngineStats(0, 0, 0.0, 1, 1).add_counters(EngineStats(0, 0, 0.0, 1, 1)).balancer is None

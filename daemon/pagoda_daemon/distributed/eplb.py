@@ -168,6 +168,9 @@ class ExpertBalancer:
         self.tp = tp
         self.steps = 0
         self.rebalances = 0
+        self.slots_moved = 0
+        self.imbalance = (0.0, 0.0)  # the busiest rank's load / the mean, before and after the last rebalance
+        self._reported = (0, 0)
 
     def _peer(self, expert_group: int) -> int:
         slice_rank, slices = self.tp.expert_slicing
@@ -184,15 +187,28 @@ class ExpertBalancer:
         if self.steps % self.config.step_interval == 0:
             self.rebalance()
 
+    def take_stats(self) -> tuple[int, int, float, float]:
+        """(rebalances, slots moved) since the previous call, and the last rebalance's imbalance."""
+        rebalances, moved = self.rebalances - self._reported[0], self.slots_moved - self._reported[1]
+        self._reported = (self.rebalances, self.slots_moved)
+        return rebalances, moved, *self.imbalance
+
     @torch.no_grad()
     def rebalance(self) -> None:
         moved = 0
+        before = [0.0] * self.tp.expert_groups
+        after = [0.0] * self.tp.expert_groups
         for layer in self.layers:
             load = layer.expert_load.clone()
             if self.tp.enabled:  # every rank counted the same tokens; the sum makes them agree exactly
                 dist.all_reduce(load, group=self.tp.group)
             old = layer.placement
-            new = rebalance([float(x) for x in load.tolist()], old, self.tp.expert_groups, layer.slots_per_rank)
+            loads = [float(x) for x in load.tolist()]
+            new = rebalance(loads, old, self.tp.expert_groups, layer.slots_per_rank)
+            for r, (b, a) in enumerate(zip(rank_loads(old, loads, self.tp.expert_groups, layer.slots_per_rank),
+                                           rank_loads(new, loads, self.tp.expert_groups, layer.slots_per_rank))):
+                before[r] += b
+                after[r] += a
             plan = move_plan(old, new, layer.slots_per_rank)
             if plan:
                 move_weights([layer.w13.data, layer.w2.data], plan, self.tp.expert_group, layer.slots_per_rank,
@@ -201,5 +217,9 @@ class ExpertBalancer:
                 moved += len(plan)
             layer.expert_load.zero_()
         self.rebalances += 1
+        self.slots_moved += moved
+        mean = sum(before) / len(before)
+        if mean > 0:
+            self.imbalance = (max(before) / mean, max(after) / mean)
         log.info("EPLB: rebalance %d after %d steps moved %d expert slots over %d layers", self.rebalances,
                  self.steps, moved, len(self.layers))

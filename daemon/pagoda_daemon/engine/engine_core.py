@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.distributed.parallel_state import check_layout
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
-from pagoda_daemon.engine.messages import EngineCoreOutput, EngineStats
+from pagoda_daemon.engine.messages import BalancerStats, EngineCoreOutput, EngineStats
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler import Scheduler
 from pagoda_daemon.engine.scheduler_output import SchedulerOutput
@@ -236,6 +236,7 @@ class EngineCore:
         """The gauges now, and the counters (steps, preemptions, prefix-cache tokens) since the
         previous call: each consumer adds them to its own totals."""
         s = self.scheduler.make_stats()
+        balancer = self.executor.balancer()
         return EngineStats(
             num_steps=s.num_steps,
             num_preemptions=s.num_preemptions,
@@ -246,4 +247,5 @@ class EngineCore:
             num_free_kv_blocks=self.kv_cache.num_free_blocks,
             prefix_cache=self.kv_cache.make_stats(),
             step_tokens=s.step_tokens,
+            balancer=None if balancer is None else BalancerStats(*balancer.take_stats()),
         )

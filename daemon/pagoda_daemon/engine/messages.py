@@ -75,6 +75,24 @@ class PrefixCacheStats(msgspec.Struct, array_like=True, gc=False):
         return self.hits / self.queries if self.queries else 0.0
 
 
+class BalancerStats(msgspec.Struct, array_like=True, gc=False):
+    """EPLB since the previous stats: rebalances, expert slots moved, and the busiest rank's
+    load over the mean at the last rebalance, before and after it (1.0: even; 0: none yet)."""
+
+    rebalances: int = 0
+    slots_moved: int = 0
+    imbalance_before: float = 0.0
+    imbalance_after: float = 0.0
+
+    def add(self, later: BalancerStats | None) -> BalancerStats:
+        """Counters summed; the imbalance of the latest rebalance."""
+        if later is None:
+            return self
+        last = later if later.rebalances else self
+        return BalancerStats(self.rebalances + later.rebalances, self.slots_moved + later.slots_moved,
+                             last.imbalance_before, last.imbalance_after)
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     """Gauges (running, waiting, KV usage, blocks) and counters (steps, preemptions, prefix-cache
     tokens). From ``EngineCore.make_stats()`` the counters are those since the previous call;
@@ -89,6 +107,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int = 0
     prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     step_tokens: list[int] = msgspec.field(default_factory=list)  # tokens of each step since the previous stats
+    balancer: BalancerStats | None = None  # with EPLB only
 
     def add_counters(self, later: EngineStats) -> EngineStats:
         """These counters plus a later snapshot's, with the later gauges (and the later
@@ -99,6 +118,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
             PrefixCacheStats(self.prefix_cache.queries + later.prefix_cache.queries,
                              self.prefix_cache.hits + later.prefix_cache.hits),
             later.step_tokens,
+            later.balancer if self.balancer is None else self.balancer.add(later.balancer),
         )
 
 

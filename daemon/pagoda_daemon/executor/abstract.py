@@ -38,6 +38,10 @@ class Executor(ABC):
     def synchronize(self) -> None:
         """Wait until every worker's device is idle."""
 
+    def balancer(self):
+        """Rank 0's expert balancer (EPLB), or None (every rank's is the same)."""
+        return getattr(getattr(self, "worker", None), "balancer", None)
+
     def worker_infos(self) -> list[WorkerInfo]:
         """Every rank's worker, rank 0 first (the pod's GPUs and NUMA nodes, for READY)."""
         return [self.info()]

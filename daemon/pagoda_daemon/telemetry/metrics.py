@@ -220,6 +220,19 @@ class EngineMetrics:
             "pagoda:placement_info", "Where this replica's engine runs (value 1; the labels carry the facts).",
             ["model_name", "gpus", "numa_nodes"], registry=r,
         )
+        self._eplb_rebalances = Counter(
+            "pagoda:eplb_rebalances", "Expert-load rebalances (EPLB) since start.", labels, registry=r
+        ).labels(model_name)
+        self._eplb_moved = Counter(
+            "pagoda:eplb_expert_slots_moved", "Expert slots whose weights EPLB moved between ranks.", labels,
+            registry=r,
+        ).labels(model_name)
+        self._eplb_imbalance = Gauge(
+            "pagoda:eplb_rank_load_imbalance",
+            "At the last rebalance: the busiest expert-parallel rank's tokens over the mean, with the old "
+            "placement (when=before) and the new one (when=after); 1.0 is even.",
+            [*labels, "when"], registry=r,
+        )
         self._expert_parallel = Gauge(
             "pagoda:expert_parallel_size", "Current expert-parallel size of this replica.", labels, registry=r
         ).labels(model_name)
@@ -251,6 +264,12 @@ class EngineMetrics:
             self._preemptions.inc(stats.num_preemptions)
         for n in stats.step_tokens:
             self._iteration_tokens.observe(n)
+        b = stats.balancer
+        if b is not None and b.rebalances:
+            self._eplb_rebalances.inc(b.rebalances)
+            self._eplb_moved.inc(b.slots_moved)
+            self._eplb_imbalance.labels(self.model_name, "before").set(b.imbalance_before)
+            self._eplb_imbalance.labels(self.model_name, "after").set(b.imbalance_after)
 
     def add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         """Deltas: prompt tokens computed (prefill) and tokens generated since the last call."""
