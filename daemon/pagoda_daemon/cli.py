@@ -9,6 +9,9 @@ import os
 import sys
 from pathlib import Path
 
+from pagoda_daemon.logs import FORMATS
+from pagoda_daemon.logs import configure as configure_logging
+
 DEFAULT_PROMPTS = ["The capital of France is", "Paged attention means"]
 
 
@@ -71,7 +74,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda: LLM serving on Kubernetes.")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None,
+                        help="DEBUG, INFO, WARNING, ... (default: INFO for serve, WARNING otherwise)")
+    parser.add_argument("--log-format", choices=FORMATS, default=None,
+                        help="text (default), or json: one object per line (also $PAGODA_LOG_FORMAT)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline generation with the engine (no server)")
@@ -113,12 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         if name in argv:
             i = argv.index(name)
             head = parser.parse_args(argv[: i + 1])
-            logging.basicConfig(level=head.log_level.upper())
+            logging.basicConfig(level=(head.log_level or "WARNING").upper())
             import importlib
 
             return importlib.import_module(head.delegate).main(argv[i + 1 :])
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Serving says what it does (start-up phases, a line per request) as vLLM does at INFO.
+    args.log_level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()
+    try:
+        configure_logging(args.log_level, "api" if args.command == "serve" else "", args.log_format)
+    except ValueError as e:  # a bad level or $PAGODA_LOG_FORMAT
+        print(f"pagoda: {e}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         from pagoda_daemon.server.serve import run_serve
 

@@ -34,6 +34,8 @@ from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.scheduler_output import SchedulerOutput
 from pagoda_daemon.executor import step_plan
 from pagoda_daemon.executor.abstract import Executor
+from pagoda_daemon.logs import LEVEL_ENV
+from pagoda_daemon.logs import configure as configure_logging
 from pagoda_daemon.worker.model_runner import LaunchedStep
 from pagoda_daemon.worker.worker import Worker, WorkerInfo
 
@@ -73,7 +75,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def worker_main(rank: int, size: int, rendezvous: str, config: EngineConfig, model_config, max_model_len: int,
                 parent_pid: int, device_type: str) -> None:
     """A rank other than 0: set up as rank 0 does, then run each step it is sent."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
+    configure_logging(os.environ.get(LEVEL_ENV, "INFO"), f"tp-rank-{rank}")
     _exit_when_orphaned(parent_pid)
     os.environ["LOCAL_RANK"] = str(rank)
     control = _init_world(rank, size, rendezvous, device_type)

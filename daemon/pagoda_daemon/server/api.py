@@ -307,7 +307,7 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     builder = (ChatBuilder if chat else CompletionBuilder)(options, client.tokenizer, prompts)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(streams, builder, include_usage, span),
+        return StreamingResponse(_stream(streams, builder, include_usage, span, raw.state),
                                  media_type="text/event-stream")
     return await _collect(raw, streams, builder, span)
 
@@ -387,13 +387,14 @@ async def _collect(raw: Request, streams, builder: CompletionBuilder, span) -> J
             span.end(None, 0, 0, error=str(e))
         raise e.api_error() from e
     body = builder.full(finals)
+    u = body["usage"]
+    raw.state.usage = (u["prompt_tokens"], u["completion_tokens"])  # the access line
     if span is not None:
-        u = body["usage"]
         span.end(builder.finish_reasons(finals), u["prompt_tokens"], u["completion_tokens"])
     return JSONResponse(body)
 
 
-async def _stream(streams, builder: CompletionBuilder, include_usage: bool, span) -> AsyncIterator[str]:
+async def _stream(streams, builder: CompletionBuilder, include_usage: bool, span, state) -> AsyncIterator[str]:
     """Stream DELTA outputs: each carries only the text, tokens and logprobs new since the last."""
     reasons = []
     try:
@@ -410,6 +411,7 @@ async def _stream(streams, builder: CompletionBuilder, include_usage: bool, span
                 if span is not None and index == 0:
                     _span_events(span, out)
         final = builder.usage_chunk()
+        state.usage = (final["usage"]["prompt_tokens"], final["usage"]["completion_tokens"])  # the access line
         if include_usage:
             yield _sse(final)
         if span is not None:

@@ -31,6 +31,7 @@ from pagoda_daemon.engine.messages import (
     FinishRequest,
     Shutdown,
 )
+from pagoda_daemon.logs import configure as configure_logging
 from pagoda_daemon.server import wire
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class ParentGone(BaseException):
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
                     log_level: str = "INFO", kv_events_endpoint: str | None = None) -> None:
     """Process entry point (multiprocessing spawn target)."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
+    configure_logging(log_level, "engine-core")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when we stop
     try:
         _exit_with_parent(parent_pid)
@@ -102,8 +103,13 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
         try:
             from pagoda_daemon.engine.engine_core import EngineCore
 
+            started = time.monotonic()
             core = EngineCore(config, exit_on_worker_death=True)
+            built = time.monotonic()
             core.warm_up()
+            log.info("start-up: warm-up in %.1f s; engine ready in %.1f s (%s, %s, max_model_len %d)",
+                     time.monotonic() - built, time.monotonic() - started, core.worker_info.device,
+                     core.worker_info.dtype, core.max_model_len)
         except Exception as e:  # startup failures go back to the API server as text, then we exit
             log.exception("engine core failed to start")
             outputs.send(wire.encode(EngineFailed(f"engine failed to start: {e}")))

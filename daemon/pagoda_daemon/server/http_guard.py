@@ -18,11 +18,17 @@ The body is then read here, bounded, and handed to the application as one messag
 Every response, refusals included, carries ``X-Request-Id``: the client's own when it sent a
 usable one (printable ASCII, at most 256 characters), else a fresh one. The handlers name the
 request by it (response ids, engine request ids, logs, traces), found in ``scope["state"]``.
+
+When the response has gone out, one access line (logger ``pagoda.access``, INFO): request id,
+method, path, status, prompt and completion tokens (where the handler left ``usage`` in the
+scope state) and the time from the request's arrival to its last byte.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable
 
@@ -31,6 +37,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.errors import APIError
 from pagoda_daemon.server.limits import RequestLimits
+
+access_log = logging.getLogger("pagoda.access")
+QUIET_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics", "/version"})
 
 
 class BodyTooLarge(Exception):
@@ -119,7 +128,7 @@ class RequestGuard:
             return
         request_id = request_id_of(scope["headers"])
         scope.setdefault("state", {})["request_id"] = request_id
-        send = _with_request_id(send, request_id)
+        send = _observed(send, scope, request_id)
         refusal = header_refusal(scope, self.limits, self.keys, self.draining())
         if refusal is not None:
             await _refuse(refusal, scope, receive, send)
@@ -133,13 +142,24 @@ class RequestGuard:
             await self.app(scope, _replay(body, receive), send)
 
 
-def _with_request_id(send: Send, request_id: str) -> Send:
+def _observed(send: Send, scope: Scope, request_id: str) -> Send:
+    """`send` that adds X-Request-Id to the response and logs the access line after its last byte."""
     header = (REQUEST_ID_HEADER, request_id.encode("ascii"))
+    arrived = time.monotonic()
+    status = [0]
 
     async def sending(message: Message) -> None:
         if message["type"] == "http.response.start":
+            status[0] = message["status"]
             message = {**message, "headers": [*message.get("headers", []), header]}
         await send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            prompt, completion = scope["state"].get("usage") or ("-", "-")
+            # probes and scrapes come every few seconds: DEBUG, so that INFO shows the traffic
+            level = logging.DEBUG if scope["path"] in QUIET_PATHS and status[0] == 200 else logging.INFO
+            access_log.log(level, "%s %s %s %d prompt_tokens=%s completion_tokens=%s %.1f ms", request_id,
+                           scope["method"], scope["path"], status[0], prompt, completion,
+                           (time.monotonic() - arrived) * 1000, extra={"request_id": request_id})
 
     return sending
 

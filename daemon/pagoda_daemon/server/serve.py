@@ -143,7 +143,8 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
         app, host=options["host"], port=options["port"], log_level=log_level.lower(),
         http=functools.partial(GuardedH11Protocol, limits=limits),  # type: ignore[arg-type]
         ws="none", server_header=False,  # no WebSocket routes to upgrade to; no version banner
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False,  # the RequestGuard logs each request
+        log_config=None,  # uvicorn's lines go through this process's handler (text or json)
     ))
     serving = asyncio.create_task(server.serve())
     stop = asyncio.create_task(server.stop_requested.wait())

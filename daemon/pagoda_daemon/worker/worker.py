@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -85,10 +86,16 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         torch.manual_seed(config.seed)
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        started = time.monotonic()
         model = loader.load_model(
             config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.load_format,
             self.tp,
         )
+        seconds = time.monotonic() - started
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info("start-up: weights %.2f GiB (%s%s) loaded in %.1f s, %.2f GB/s", weight_bytes / 2**30,
+                 config.load_format, f", rank {self.tp.rank} of {self.tp.size}" if self.tp.enabled else "",
+                 seconds, weight_bytes / max(seconds, 1e-9) / 1e9)
         self.kv_cache_spec = model.kv_cache_spec()
         self.balancer = None
         if config.enable_eplb:
@@ -138,16 +145,23 @@ class Worker:
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
         free_after_profile = total - non_torch - peak
         budget = int(free_after_profile * self.config.gpu_memory_utilization)
-        log.info("memory profile: total %.1f GiB, peak torch %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+        log.info("start-up: memory profile: total %.1f GiB, peak torch %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
                  total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
         torch.cuda.empty_cache()
         return max(budget // per_block, 0)
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode CUDA graphs over it."""
+        started = time.monotonic()
         self.runner.allocate_kv_cache(self.kv_cache_spec, num_blocks)
+        block_size = self.config.block_size
+        log.info("start-up: KV cache %d blocks of %d tokens = %d tokens, %.2f GiB, allocated in %.1f s", num_blocks,
+                 block_size, num_blocks * block_size, num_blocks * self.kv_block_bytes() / 2**30,
+                 time.monotonic() - started)
         if self.uses_cuda_graphs:
+            started = time.monotonic()
             self.runner.capture_cuda_graphs()
+            log.info("start-up: CUDA graphs captured in %.1f s", time.monotonic() - started)
         elif self.device.type == "cuda" and not self.config.enforce_eager:
             log.info("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
         if self.balancer is not None:

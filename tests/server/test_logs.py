@@ -1,0 +1,55 @@
+"""What `pagoda serve` says at the default level: one line per start-up phase with its
+duration, one access line per request (with the request id), and the same as JSON objects
+with `--log-format json` / PAGODA_LOG_FORMAT."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME, ServerProcess
+
+
+def _run(model: str, tmp_path, env=None) -> str:
+    srv = ServerProcess(model, log_dir=tmp_path, env=env)
+    try:
+        srv.wait_ready()
+        body = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 4}
+        assert httpx.post(srv.url + "/v1/completions", json=body, headers={"X-Request-Id": "req-42"},
+                          timeout=60).status_code == 200
+        assert httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": -1}, timeout=60).status_code == 400
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        assert srv.stop() == 0
+    return srv.log_path.read_text()
+
+
+def test_start_up_phases_and_access_lines(tiny_models, tmp_path):
+    log = _run(tiny_models["qwen3"], tmp_path)
+    for phase in ("start-up: weights", "start-up: KV cache", "start-up: warm-up in", "engine ready in",
+                  "serving " + MODEL_NAME + " on http://127.0.0.1:"):
+        assert phase in log, phase
+    access = [line for line in log.splitlines() if " pagoda.access: " in line]
+    assert any("req-42 POST /v1/completions 200 prompt_tokens=" in line and "completion_tokens=4 " in line
+               for line in access), access
+    assert any(" POST /v1/completions 400 prompt_tokens=- completion_tokens=- " in line for line in access), access
+    assert not any("/health" in line for line in access)  # probes log at DEBUG
+
+
+def test_json_log_format(tiny_models, tmp_path):
+    log = _run(tiny_models["qwen3"], tmp_path, env={"PAGODA_LOG_FORMAT": "json"})
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert len(lines) == len([line for line in log.splitlines() if line.strip()]), log[-2000:]  # every line is JSON
+    assert {entry["process"] for entry in lines} >= {"api", "engine-core"}
+    access = [e for e in lines if e["logger"] == "pagoda.access"]
+    assert any(e["request_id"] == "req-42" and "POST /v1/completions 200" in e["message"] for e in access)
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in lines)
+
+
+def test_a_bad_log_format_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "pagoda_daemon", "--log-format", "xml", "serve", "/m"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "invalid choice: 'xml'" in proc.stderr
