@@ -53,3 +53,28 @@ def test_a_bad_log_format_is_refused():
     proc = subprocess.run([sys.executable, "-m", "pagoda_daemon", "--log-format", "xml", "serve", "/m"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "invalid choice: 'xml'" in proc.stderr
+
+
+def test_engine_stats_lines_while_the_engine_works_and_none_when_idle(tiny_models, tmp_path):
+    import time
+
+    srv = ServerProcess(tiny_models["qwen3"], "--log-stats-interval", "0.5", log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        body = {"model": MODEL_NAME, "prompt": "count", "max_tokens": 64, "ignore_eos": True}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        time.sleep(1.2)
+        lines = [line for line in srv.log_path.read_text().splitlines() if "engine: " in line and "tokens/s" in line]
+        assert lines and "running " in lines[0] and "KV cache " in lines[0] and "prefix-cache hits" in lines[0]
+        time.sleep(1.5)  # idle: no new line
+        assert len([line for line in srv.log_path.read_text().splitlines()
+                    if "engine: " in line and "tokens/s" in line]) == len(lines)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_bad_stats_interval_is_refused(tiny_models):
+    for bad in ("-1", "nan", "1e9"):
+        proc = subprocess.run([sys.executable, "-m", "pagoda_daemon", "serve", tiny_models["qwen3"],
+                               "--log-stats-interval", bad], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "--log-stats-interval must be 0 to 86400 seconds" in proc.stderr, bad

@@ -93,7 +93,7 @@ class PreparedRequest:
 
 class EngineClient:
     def __init__(self, config: EngineConfig, metrics=None, log_level: str = "INFO",
-                 kv_events_endpoint: str | None = None, model_config=None) -> None:
+                 kv_events_endpoint: str | None = None, model_config=None, stats_log_interval: float = 0.0) -> None:
         self.config = config
         self.kv_events_endpoint = kv_events_endpoint
         self.metrics = metrics
@@ -108,6 +108,9 @@ class EngineClient:
         self._dead = asyncio.Event()
         self.requests: dict[str, _Tracked] = {}
         self._stats: EngineStats | None = None  # the core's gauges, and its counters summed
+        self.stats_log_interval = stats_log_interval  # seconds between engine-stats log lines; 0: none
+        self._period: EngineStats | None = None  # the counters since the last engine-stats line
+        self._period_tokens = 0  # tokens the engine's steps computed since then
         self._log_level = log_level
         self._tmp = tempfile.TemporaryDirectory(prefix="pagoda-")
         self._ctx = zmq.asyncio.Context()
@@ -131,6 +134,8 @@ class EngineClient:
         )
         self.process.start()
         self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watchdog())]
+        if self.stats_log_interval > 0:
+            self._tasks.append(asyncio.create_task(self._log_stats()))
 
     async def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -319,6 +324,8 @@ class EngineClient:
     def _record_stats(self, stats: EngineStats) -> None:
         """The core's gauges replace the last ones; its counters (since its previous stats) add up."""
         self._stats = stats if self._stats is None else self._stats.add_counters(stats)
+        self._period = stats if self._period is None else self._period.add_counters(stats)
+        self._period_tokens += sum(stats.step_tokens)
         if self.metrics is not None:
             self.metrics.record_engine_stats(stats)
 
@@ -329,6 +336,20 @@ class EngineClient:
         if self._stats is not None:
             stats["prefix_cache"] = msgspec.structs.asdict(self._stats.prefix_cache)
         return {**stats, "in_flight": self.num_in_flight}
+
+    async def _log_stats(self) -> None:
+        """Every interval with engine steps in it, one line as vLLM's: tokens per second, the
+        queue, KV cache use and prefix-cache hits (an idle engine says nothing)."""
+        while True:
+            await asyncio.sleep(self.stats_log_interval)
+            period, tokens, self._period, self._period_tokens = self._period, self._period_tokens, None, 0
+            if period is None or period.num_steps == 0:
+                continue
+            hits = period.prefix_cache.hits / period.prefix_cache.queries if period.prefix_cache.queries else 0.0
+            log.info("engine: %.1f tokens/s over %d steps, running %d, waiting %d, KV cache %.1f%%, "
+                     "prefix-cache hits %.1f%%, preemptions %d", tokens / self.stats_log_interval,
+                     period.num_steps, period.num_running, period.num_waiting, 100 * period.kv_cache_usage,
+                     100 * hits, period.num_preemptions)
 
     async def _watchdog(self) -> None:
         while self.dead_reason is None:

@@ -39,6 +39,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=4096,
                    help="queued requests beyond the running batch before new ones get 503")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between engine-stats log lines while the engine works (0: none)")
+    p.add_argument("--disable-log-stats", action="store_true", help="no engine-stats log lines (vLLM's flag)")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the engine may take to start")
     p.add_argument("--otlp-traces-endpoint", default=None, help="OTLP/HTTP traces endpoint (or OTEL_* variables)")
     p.add_argument("--kv-events-endpoint", nargs="?", const="", default=None,
@@ -88,6 +91,9 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
     for key in ("max_request_body_bytes", "header_read_timeout", "body_read_timeout", "max_connections"):
         if not options[key] > 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive, not {options[key]}")
+    interval = options["log_stats_interval"]
+    if not (isinstance(interval, (int, float)) and 0 <= interval <= 86400):  # NaN fails both comparisons
+        raise ValueError(f"--log-stats-interval must be 0 to 86400 seconds, not {interval}")
     if options["kv_events_endpoint"] is not None:  # a --config file may give the port as a number
         from pagoda_daemon.telemetry.kv_events import DEFAULT_ENDPOINT
 
@@ -130,6 +136,7 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     metrics = _make_metrics(served_name, max_model_len, config.max_num_batched_tokens)
     tracer = _make_tracer(options.get("otlp_traces_endpoint"))
     client = EngineClient(config, metrics=metrics, log_level=log_level,
+                          stats_log_interval=0.0 if options["disable_log_stats"] else options["log_stats_interval"],
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
     app = build_app(client, ServerSettings(served_name, options["max_waiting_requests"]), tracer, keys=keys,
                     limits=RequestLimits(options["max_request_body_bytes"]), api_docs=options["enable_fastapi_docs"])
