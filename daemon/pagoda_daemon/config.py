@@ -64,12 +64,24 @@ class EngineConfig:
         3000, "with EPLB: engine steps between rebalances (the load is counted over them)", minimum=1,
         maximum=10**9)
     data_parallel_size: int = option(1, "engine replicas inside one daemon", minimum=1, needs="data_parallel")
+    # Ranks over several pods (nodes): node 0 runs the API server and the engine core with its
+    # share of the ranks; nodes 1..nnodes-1 run only theirs (docs/parallelism.md, "Across pods").
+    nnodes: int = option(1, "pods (or hosts) the tensor × expert ranks are spread over, an equal share on each",
+                         minimum=1, maximum=64)
+    node_rank: int = option(0, "this pod's place among them: 0 serves the API, the others run ranks only",
+                            minimum=0, maximum=63)
+    master_addr: str = option("127.0.0.1", "with nnodes > 1: the address of node 0, where the ranks meet")
+    master_port: int = option(29500, "with nnodes > 1: node 0's rendezvous port", minimum=1, maximum=65535)
     kv_cache_dtype: str = option("auto", "KV cache element type", choices=("auto", "fp8"), needs="kv_cache_fp8")
     kv_offload_cpu_gib: float = option(0.0, "host memory for offloaded KV blocks, GiB", minimum=0.0,
                                        needs="kv_offload")
     kv_offload_disk_path: str | None = option(None, "directory for offloaded KV blocks", needs="kv_offload")
     kv_offload_disk_gib: float = option(0.0, "disk space for offloaded KV blocks, GiB", minimum=0.0,
                                         needs="kv_offload")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
     @property
     def world_size(self) -> int:
@@ -82,6 +94,11 @@ class EngineConfig:
         check_bounds(self)
         if self.world_size > 64:
             raise ValueError(f"tensor_parallel_size × expert_parallel_size = {self.world_size} ranks; at most 64")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks (tensor × expert parallel size) cannot be split evenly over "
+                             f"nnodes {self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +43,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between engine-stats log lines while the engine works (0: none)")
     p.add_argument("--disable-log-stats", action="store_true", help="no engine-stats log lines (vLLM's flag)")
+    p.add_argument("--node-rank-from-hostname", action="store_true",
+                   help="--node-rank is 1 + the StatefulSet ordinal that ends the hostname (a worker pod of "
+                        "a group the operator renders)")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the engine may take to start")
     p.add_argument("--otlp-traces-endpoint", default=None, help="OTLP/HTTP traces endpoint (or OTEL_* variables)")
     p.add_argument("--kv-events-endpoint", nargs="?", const="", default=None,
@@ -85,6 +89,8 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
                 value = check_value(engine_options[key], value, f"--config {args.config}")
             if key not in explicit:
                 options[key] = value
+    if options["node_rank_from_hostname"]:
+        options["node_rank"] = node_rank_from_hostname(socket.gethostname())
     refused = refusal_message(options, EngineConfig)
     if refused:
         raise ValueError(refused)
@@ -103,6 +109,14 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
     return options
 
 
+def node_rank_from_hostname(hostname: str) -> int:
+    """``group-0-2`` (the StatefulSet of group 0's workers, ordinal 2) is node 3: node 0 is the leader."""
+    head, _, ordinal = hostname.rpartition("-")
+    if not head or not ordinal.isdigit():
+        raise ValueError(f"--node-rank-from-hostname: hostname {hostname!r} does not end in -<ordinal>")
+    return int(ordinal) + 1
+
+
 def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     try:
         options = resolve_options(args, explicit)
@@ -119,6 +133,10 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         return 2
     name = options["served_model_name"] or Path(options["model"]).resolve().name
     max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 32768
+    if config.node_rank > 0:  # a worker pod of a group: its ranks only, no API server
+        from pagoda_daemon.executor.multiproc import run_node
+
+        return run_node(config, model_config, max_len)
     return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len))
 
 
