@@ -351,6 +351,59 @@ def test_tensor_parallel_ranks_serve_in_one_unprivileged_pod(local_cluster):
         local_cluster.delete_namespace(ns)
 
 
+def test_a_replica_spanning_two_pods_serves_and_restarts_as_a_unit(local_cluster):
+    """resources.podsPerReplica 2 with parallelism.tensor 2 on CPU: one group of a leader pod (the
+    API and rank 0) and a worker pod (rank 1) from two StatefulSets; the ranks meet at the leader's
+    pod IP over the node's bridge (gloo), and greedy answers equal the one-process engine's. The
+    worker's container killed: Degraded names it, the leader leaves the broken world too, both
+    restart, and the group serves again."""
+    ns = local_cluster.create_namespace("group")
+    name = "tiny-group"
+    doc = manifest(local_cluster, name)
+    doc["spec"]["parallelism"] = {"tensor": 2}
+    doc["spec"]["resources"]["podsPerReplica"] = 2
+    prompts = ["The capital of", "Paged attention keeps", "1 2 3 4"]
+
+    def answers(ip: str) -> list[str]:
+        return [client(ip).completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text
+                for p in prompts]
+
+    try:
+        local_cluster.apply(doc, namespace=ns)
+        wait_ready(local_cluster, ns, replicas=1, name=name, timeout=300)
+        pods = {p["metadata"]["name"]: p for p in local_cluster.kubectl_json("get", "pods", "-n", ns)["items"]}
+        assert set(pods) == {f"{name}-0", f"{name}-0-0"}
+        (ip,) = local_cluster.endpoints(name, ns)
+        assert ip == pods[f"{name}-0"]["status"]["podIP"]  # the Service reaches the leader only
+        from pagoda_daemon import LLM, SamplingParams
+
+        one = LLM(str(local_cluster.model_dir), device="cpu", max_model_len=256, num_kv_blocks=64)
+        want = [o.outputs[0].text for o in one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+        assert answers(ip) == want
+        assert "2 ranks over 2 node(s)" in local_cluster.kubectl("logs", "-n", ns, f"{name}-0").stdout
+        worker_log = local_cluster.kubectl("logs", "-n", ns, f"{name}-0-0").stdout
+        assert "node 1 of 2: ranks 1..1" in worker_log
+        assert "tp-rank-1 pagoda_daemon.models.loader: loaded Qwen3ForCausalLM" in worker_log
+
+        local_cluster.docker("kill", _daemon_container(local_cluster, ns, f"{name}-0-0"))
+
+        def degraded() -> dict[str, Any] | None:
+            c = cond(isvc(local_cluster, ns, name), "Degraded")
+            return c if c.get("status") == "True" and c.get("reason") == "GroupMemberFailed" else None
+
+        c = local_cluster.wait_for(degraded, timeout=120, interval=0.5, what="Degraded: GroupMemberFailed")
+        assert f"pod {name}-0-0 exited" in c["message"], c
+        wait_ready(local_cluster, ns, replicas=1, name=name, timeout=300)
+        pods = {p["metadata"]["name"]: p for p in local_cluster.kubectl_json("get", "pods", "-n", ns)["items"]}
+        for pod in pods.values():  # both restarted: the group re-formed as one unit
+            assert pod["status"]["containerStatuses"][0]["restartCount"] >= 1, pod["metadata"]["name"]
+        (ip,) = local_cluster.endpoints(name, ns)
+        assert answers(ip) == want
+        assert cond(isvc(local_cluster, ns, name), "Degraded")["status"] == "False"
+    finally:
+        local_cluster.delete_namespace(ns)
+
+
 def test_node_topology_from_the_agent_matches_the_host(local_cluster):
     """The chart's topology agent (a DaemonSet on the real node) writes NodeTopology/<node>; its
     spec is what `pagoda topology --json` reports on this machine, less the process fields."""

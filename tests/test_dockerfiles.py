@@ -514,7 +514,7 @@ def test_entrypoint_is_pagoda_serve_as_the_operator_runs_it(dockerfile):
     resource["metadata"]["uid"] = "uid-1"
     svc = spec.parse(resource["metadata"]["name"], "default", resource["spec"])
     kids = builders.children(svc, resource, 1, builders.Settings(daemon_image="img:1"))
-    (container,) = kids.deployment["spec"]["template"]["spec"]["containers"]
+    (container,) = kids.workload["spec"]["template"]["spec"]["containers"]
     assert container["command"] + container["args"][:1] == exec_form(entrypoint)
     # The chart's topology agent runs another subcommand, so it must replace the entrypoint.
     agent = (ROOT / "charts" / "pagoda" / "templates" / "topology-agent.yaml").read_text()

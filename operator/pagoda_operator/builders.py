@@ -26,6 +26,10 @@ from pagoda_operator.spec import ServiceSpec, daemon_config
 HASH_ANNOTATION = "pagoda.dev/spec-hash"
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
 INSTANCE_LABEL = "pagoda.dev/inferenceservice"
+# podsPerReplica > 1 (pod_groups.py): a pod's role in its group, and the group of a worker.
+ROLE_LABEL = "pagoda.dev/role"
+GROUP_LABEL = "pagoda.dev/group"
+LEADER, WORKER = "leader", "worker"
 MANAGED_BY = "pagoda-operator"
 CONFIG_FILE = "engine.yaml"
 CONFIG_DIR = "/etc/pagoda"
@@ -62,12 +66,16 @@ class Settings:
 class Children:
     config_map: dict[str, Any]
     service: dict[str, Any]
-    deployment: dict[str, Any]
+    workload: dict[str, Any]  # the replicas: a Deployment, or the leaders' StatefulSet (pod_groups.py)
     network_policy: dict[str, Any] | None = None
+    group_service: dict[str, Any] | None = None  # podsPerReplica > 1: the groups' headless Service
+    workers: tuple[dict[str, Any], ...] = ()  # podsPerReplica > 1: a StatefulSet per group
 
     def all(self) -> list[dict[str, Any]]:
         """Every child to write, in the order they are applied."""
-        kids = [self.config_map, self.service, self.deployment]
+        kids = [self.config_map, self.service]
+        kids += [self.group_service] if self.group_service else []
+        kids += [self.workload, *self.workers]
         return kids + ([self.network_policy] if self.network_policy else [])
 
 
@@ -142,7 +150,7 @@ def daemon_args(spec: ServiceSpec) -> list[str]:
     ]
 
 
-def _metadata(spec: ServiceSpec, owner: Mapping[str, Any], name: str) -> dict[str, Any]:
+def metadata(spec: ServiceSpec, owner: Mapping[str, Any], name: str) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": spec.namespace,
@@ -151,7 +159,7 @@ def _metadata(spec: ServiceSpec, owner: Mapping[str, Any], name: str) -> dict[st
     }
 
 
-def _stamp(obj: dict[str, Any]) -> dict[str, Any]:
+def stamp(obj: dict[str, Any]) -> dict[str, Any]:
     """Add the spec-hash annotation: digest of the object without replicas or the annotation."""
     body = json.loads(json.dumps(obj))
     body.get("spec", {}).pop("replicas", None)
@@ -161,25 +169,29 @@ def _stamp(obj: dict[str, Any]) -> dict[str, Any]:
 
 def config_map(spec: ServiceSpec, owner: Mapping[str, Any]) -> dict[str, Any]:
     text = yaml.safe_dump(daemon_config(spec), sort_keys=True)
-    return _stamp(
+    return stamp(
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
-            "metadata": _metadata(spec, owner, config_map_name(spec)),
+            "metadata": metadata(spec, owner, config_map_name(spec)),
             "data": {CONFIG_FILE: text},
         }
     )
 
 
 def service(spec: ServiceSpec, owner: Mapping[str, Any]) -> dict[str, Any]:
-    return _stamp(
+    """The API: every pod, or with podsPerReplica > 1 the leader of each group."""
+    selector = selector_labels(spec.name)
+    if spec.pods_per_replica > 1:
+        selector[ROLE_LABEL] = LEADER
+    return stamp(
         {
             "apiVersion": "v1",
             "kind": "Service",
-            "metadata": _metadata(spec, owner, spec.name),
+            "metadata": metadata(spec, owner, spec.name),
             "spec": {
                 "type": "ClusterIP",
-                "selector": selector_labels(spec.name),
+                "selector": selector,
                 "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
             },
         }
@@ -241,7 +253,7 @@ def _resources(spec: ServiceSpec) -> dict[str, Any]:
     }
     if spec.gpus > 0:
         for k in ("requests", "limits"):
-            out.setdefault(k, {})[spec.gpu_resource] = spec.gpus
+            out.setdefault(k, {})[spec.gpu_resource] = spec.gpus_per_pod
     return out
 
 
@@ -309,15 +321,10 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def deployment(
-    spec: ServiceSpec,
-    owner: Mapping[str, Any],
-    replicas: int,
-    settings: Settings,
-    config_hash: str,
-) -> dict[str, Any]:
-    volumes, mounts = _volumes(spec)
-    container: dict[str, Any] = {
+def container(spec: ServiceSpec, settings: Settings) -> dict[str, Any]:
+    """The daemon container of a replica's (leader) pod: API port, probes, drain on stop."""
+    _, mounts = _volumes(spec)
+    return {
         "name": "daemon",
         "image": spec.image or settings.daemon_image,
         "imagePullPolicy": spec.image_pull_policy or settings.image_pull_policy,
@@ -339,8 +346,17 @@ def deployment(
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_DELAY_S)]}}},
         "securityContext": container_security_context(),
     }
+
+
+def pod_template(
+    spec: ServiceSpec, settings: Settings, config_hash: str, daemon: dict[str, Any],
+    extra_labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A pod of this InferenceService around its ``daemon`` container: volumes, least privilege,
+    placement, the user's pod overrides."""
+    volumes, _ = _volumes(spec)
     pod_spec: dict[str, Any] = {
-        "containers": [container],
+        "containers": [daemon],
         "volumes": volumes,
         "securityContext": pod_security_context(),
         # The daemon calls no Kubernetes API: the topology agent publishes NodeTopology (the
@@ -361,7 +377,7 @@ def deployment(
         pod_spec["serviceAccountName"] = spec.pod.service_account_name
     if spec.pod.priority_class_name:
         pod_spec["priorityClassName"] = spec.pod.priority_class_name
-    pod_labels = {**spec.pod.labels, **labels(spec)}
+    pod_labels = {**spec.pod.labels, **labels(spec), **(extra_labels or {})}
     pod_annotations = {
         **spec.pod.annotations,
         CONFIG_HASH_ANNOTATION: config_hash,
@@ -369,20 +385,27 @@ def deployment(
         "prometheus.io/port": str(spec.port),
         "prometheus.io/path": "/metrics",
     }
-    return _stamp(
+    return {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec}
+
+
+def deployment(
+    spec: ServiceSpec,
+    owner: Mapping[str, Any],
+    replicas: int,
+    settings: Settings,
+    config_hash: str,
+) -> dict[str, Any]:
+    return stamp(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": _metadata(spec, owner, spec.name),
+            "metadata": metadata(spec, owner, spec.name),
             "spec": {
                 "replicas": replicas,
                 "selector": {"matchLabels": selector_labels(spec.name)},
                 "progressDeadlineSeconds": settings.progress_deadline_s,
                 "revisionHistoryLimit": 5,
-                "template": {
-                    "metadata": {"labels": pod_labels, "annotations": pod_annotations},
-                    "spec": pod_spec,
-                },
+                "template": pod_template(spec, settings, config_hash, container(spec, settings)),
             },
         }
     )
@@ -390,21 +413,23 @@ def deployment(
 
 def network_policy(spec: ServiceSpec, owner: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
     """Ingress to the daemon pods: the HTTP port (API, probes, /metrics) from ``settings.http_from``;
-    every other port (KV events, anything a custom image opens) from nowhere. Egress is not limited."""
-    return _stamp(
+    with podsPerReplica > 1 every port from the InferenceService's own pods (the ranks' store and
+    gloo/NCCL sockets); every other port (KV events, anything a custom image opens) from nowhere.
+    Egress is not limited."""
+    ingress: list[dict[str, Any]] = [
+        {"ports": [{"protocol": "TCP", "port": spec.port}], "from": [dict(peer) for peer in settings.http_from]}
+    ]
+    if spec.pods_per_replica > 1:
+        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(spec.name)}}]})
+    return stamp(
         {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
-            "metadata": _metadata(spec, owner, spec.name),
+            "metadata": metadata(spec, owner, spec.name),
             "spec": {
                 "podSelector": {"matchLabels": selector_labels(spec.name)},
                 "policyTypes": ["Ingress"],
-                "ingress": [
-                    {
-                        "ports": [{"protocol": "TCP", "port": spec.port}],
-                        "from": [dict(peer) for peer in settings.http_from],
-                    }
-                ],
+                "ingress": ingress,
             },
         }
     )
@@ -416,7 +441,7 @@ def children(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, setting
     return Children(
         config_map=cm,
         service=service(spec, owner),
-        deployment=deployment(spec, owner, replicas, settings, config_hash=digest(cm["data"])),
+        workload=deployment(spec, owner, replicas, settings, config_hash=digest(cm["data"])),
         network_policy=network_policy(spec, owner, settings) if settings.network_policy else None,
     )
 

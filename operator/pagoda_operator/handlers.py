@@ -200,6 +200,10 @@ def build_registry(
     def on_deployment(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
         _child_event(ctx, namespace, labels[INSTANCE_LABEL], "deployment")
 
+    @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED, registry=registry, id="statefulset")
+    def on_stateful_set(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+        _child_event(ctx, namespace, labels[INSTANCE_LABEL], "statefulset")
+
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="pod")
     def on_pod(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
         _child_event(ctx, namespace, labels[INSTANCE_LABEL], "pod")

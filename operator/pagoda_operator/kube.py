@@ -27,6 +27,7 @@ RESOURCES = {
     "Node": ("/api/v1", "nodes", False),
     "Event": ("/api/v1", "events", True),
     "Deployment": ("/apis/apps/v1", "deployments", True),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases", True),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL, True),

@@ -84,25 +84,27 @@ def node_labels(obj: Mapping[str, Any]) -> dict[str, str]:
 
 
 def capacity_error(spec: ServiceSpec, topologies: Iterable[Mapping[str, Any]]) -> str | None:
-    """InvalidSpec message when no NodeTopology offers gpusPerReplica GPUs (None: fine or unknown)."""
+    """InvalidSpec message when no NodeTopology offers the GPUs of one pod (gpusPerReplica /
+    podsPerReplica; None: fine or unknown)."""
     tops = list(topologies)
     if spec.gpus == 0 or not tops:
         return None
     most = max(len(gpu_indices(t)) for t in tops)
-    if spec.gpus > most:
+    if spec.gpus_per_pod > most:
+        per_pod = f" / podsPerReplica ({spec.pods_per_replica})" if spec.pods_per_replica > 1 else ""
         return (
-            f"resources.gpusPerReplica ({spec.gpus}) is larger than any node offers: the largest "
+            f"resources.gpusPerReplica ({spec.gpus}){per_pod} is larger than any node offers: the largest "
             f"NodeTopology shows {most} GPUs"
         )
     return None
 
 
 def eligible_nodes(spec: ServiceSpec, topologies: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Nodes that can hold one replica: enough GPUs, and with requireNVLink an NVLink clique that big."""
+    """Nodes that can hold one pod of a replica: enough GPUs, and with requireNVLink an NVLink clique that big."""
     out = []
     for t in topologies:
         enough = nvlink_clique(t) if spec.placement.require_nvlink else len(gpu_indices(t))
-        if enough >= spec.gpus:
+        if enough >= spec.gpus_per_pod:
             out.append(node_name(t))
     return sorted(out)
 
@@ -111,7 +113,7 @@ def affinity(spec: ServiceSpec) -> dict[str, Any] | None:
     """Pod affinity that enforces requireNVLink through :data:`NVLINK_LABEL`."""
     if not spec.placement.require_nvlink or spec.gpus == 0:
         return None
-    term = {"matchExpressions": [{"key": NVLINK_LABEL, "operator": "Gt", "values": [str(spec.gpus - 1)]}]}
+    term = {"matchExpressions": [{"key": NVLINK_LABEL, "operator": "Gt", "values": [str(spec.gpus_per_pod - 1)]}]}
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda_daemon.capabilities import supported
-from pagoda_operator import autoscaler, builders, placement
+from pagoda_operator import autoscaler, builders, placement, pod_groups
 from pagoda_operator import metrics_scrape as scrape_mod
 from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
@@ -105,6 +105,24 @@ class Observed:
     children: dict[str, dict[str, Any] | None]  # ConfigMap, Service (and NetworkPolicy) as they are
     signals: dict[str, dict[str, Any]] | None  # per pod, scraped from /metrics; None: not this pass
     pod_events: list[dict[str, Any]]  # Warning Events, read only when a pod is stuck before starting
+    # podsPerReplica > 1 (pod_groups.py): the leaders' and the workers' StatefulSets, the headless Service
+    stateful_sets: list[dict[str, Any]] = field(default_factory=list)
+    group_service: dict[str, Any] | None = None
+
+    @property
+    def leaders(self) -> dict[str, Any] | None:
+        name = self.body["metadata"]["name"]
+        return next((s for s in self.stateful_sets if s["metadata"]["name"] == name), None)
+
+    def live(self, kind: str, obj_name: str) -> dict[str, Any] | None:
+        """The live child of this kind and name, as this pass read it."""
+        if kind == "Deployment":
+            return self.deployment
+        if kind == "StatefulSet":
+            return next((s for s in self.stateful_sets if s["metadata"]["name"] == obj_name), None)
+        if kind == "Service" and obj_name != self.body["metadata"]["name"]:
+            return self.group_service
+        return self.children.get(kind)
 
 
 @dataclass
@@ -144,6 +162,9 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         spec_error = str(e)  # decide() reports it; nothing more to read for this spec
     topologies = ctx.topologies.get(kube.topologies)
     deployment = kube.get("Deployment", namespace, name)
+    # Read in either layout, so that a change of podsPerReplica removes the other one's objects.
+    stateful_sets = list(kube.list("StatefulSet", namespace, builders.selector_string(name)))
+    group_service = kube.get("Service", namespace, pod_groups.group_service_name(name))
     pods = list(kube.list("Pod", namespace, builders.selector_string(name)))
     children: dict[str, dict[str, Any] | None] = {}
     signals = None
@@ -153,7 +174,8 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         if ctx.settings.network_policy:
             children["NetworkPolicy"] = kube.get("NetworkPolicy", namespace, name)
         if autoscale:
-            signals = scrape_mod.scrape(pods, spec.port, spec.model.name, ctx.scrape_timeout, ctx.fetcher)
+            serving = [p for p in pods if pod_groups.role(p) != builders.WORKER]  # workers have no /metrics
+            signals = scrape_mod.scrape(serving, spec.port, spec.model.name, ctx.scrape_timeout, ctx.fetcher)
     pod_events: list[dict[str, Any]] = []
     if status_mod.needs_pod_events(pods):
         # A pod stuck before its containers start (a hostPath that is not there, a PVC that
@@ -162,7 +184,8 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
             pod_events = list(kube.pod_warnings(namespace))
         except ApiError as e:
             log.debug("cannot read Events in %s: %s", namespace, e)
-    return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events)
+    return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events,
+                    stateful_sets, group_service)
 
 
 def decide(observed: Observed, settings: builders.Settings, now: float) -> Decision:
@@ -179,12 +202,12 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
             blocker = status_mod.Problem("InvalidSpec", msg)
         elif (
             spec.placement.require_nvlink
-            and spec.gpus > 1
+            and spec.gpus_per_pod > 1
             and not placement.eligible_nodes(spec, observed.topologies)
         ):
             blocker = status_mod.Problem(
                 "NoEligibleNodes",
-                f"requireNVLink: no NodeTopology shows {spec.gpus} GPUs connected all-to-all by NVLink/xGMI",
+                f"requireNVLink: no NodeTopology shows {spec.gpus_per_pod} GPUs connected all-to-all by NVLink/xGMI",
             )
 
     # What the daemons report: reused from the last status between scrapes.
@@ -211,9 +234,14 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
 
     if spec is not None and blocker is None:
         replicas = desired_replicas(spec, autoscaled)
-        kids = builders.children(spec, body, replicas, settings)
+        if spec.pods_per_replica > 1:
+            ips = pod_groups.leader_ips(observed.pods, spec.name)
+            kids = pod_groups.children(spec, body, replicas, settings, ips)
+        else:
+            kids = builders.children(spec, body, replicas, settings)
     else:
-        replicas = int(((observed.deployment or {}).get("spec") or {}).get("replicas") or 0)
+        live = observed.deployment or observed.leaders
+        replicas = int(((live or {}).get("spec") or {}).get("replicas") or 0)
         kids = None
     if spec is not None and spec.autoscaling and autoscaled is None:
         auto_status["desiredReplicas"] = replicas
@@ -235,14 +263,14 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         if line:
             events.append(("Normal", "Autoscaled", line))
 
-    deployment = observed.deployment
-    desired_hash = None
+    lives = {(kind, n): observed.live(kind, n) for kind, n in
+             [("Deployment", name), *(("StatefulSet", st["metadata"]["name"]) for st in observed.stateful_sets)]}
+    desired_hashes: dict[str, str] | None = None
     if decision.children is not None:
-        actual = {**observed.children, "Deployment": deployment}
         for child in decision.children.all():
-            kind = child["kind"]
+            kind, child_name = child["kind"], child["metadata"]["name"]
             try:
-                live, changed = _apply(kube, child, actual.get(kind), body["metadata"]["uid"])
+                live, changed = _apply(kube, child, observed.live(kind, child_name), body["metadata"]["uid"])
             except _Conflict as e:
                 blocker = status_mod.Problem("ChildConflict", str(e))
                 break
@@ -256,23 +284,35 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
                 break
             if changed:
                 wrote.append(kind)
-            if kind == "Deployment":
-                deployment = live
-        desired_hash = decision.children.deployment["metadata"]["annotations"][builders.HASH_ANNOTATION]
+            lives[(kind, child_name)] = live
+        else:
+            wrote += _remove_stale(kube, observed, decision.children, decision.replicas)
+        desired_hashes = {c["metadata"]["name"]: c["metadata"]["annotations"][builders.HASH_ANNOTATION]
+                          for c in decision.children.all() if c["kind"] in ("Deployment", "StatefulSet")}
         DESIRED.labels(namespace, name).set(decision.replicas)
+    grouped = spec.pods_per_replica > 1 if spec is not None else observed.leaders is not None
+    if grouped:
+        workers = {g: st for (kind, n), st in lives.items() if kind == "StatefulSet" and st is not None
+                   and pod_groups.role(st) == builders.WORKER and (g := pod_groups.group_of(st, name)) is not None}
+        workload = status_mod.Workload.of_groups(
+            name, lives.get(("StatefulSet", name)), workers, observed.pods, decision.replicas, desired_hashes,
+            spec.pods_per_replica if spec is not None else 1 + max((int(st["spec"]["replicas"]) for st in
+                                                                     workers.values()), default=0))
+    else:
+        workload = status_mod.Workload.of_deployment(
+            lives.get(("Deployment", name)), decision.replicas, (desired_hashes or {}).get(name))
 
     topo_by_node = {placement.node_name(t): t for t in observed.topologies}
     new = status_mod.compute(
         generation=int(body["metadata"].get("generation") or 1),
         desired=decision.replicas,
-        desired_hash=desired_hash,
-        deployment=deployment,
+        workload=workload,
         pods=observed.pods,
         previous=previous,
         now=autoscaler.to_iso(now),
         blocker=blocker,
         pod_events=observed.pod_events,
-        selector=builders.selector_string(name),
+        selector=builders.selector_string(name) + (f",{builders.ROLE_LABEL}={builders.LEADER}" if grouped else ""),
         endpoint=builders.endpoint(spec) if spec is not None else None,
         expert_parallel=int(decision.expert_parallel) if decision.expert_parallel is not None else None,
         placement=placement.replica_placement(observed.pods, topo_by_node, decision.reported),
@@ -365,6 +405,32 @@ class _Conflict(Exception):
     pass
 
 
+def _remove_stale(kube: Kube, observed: Observed, children: builders.Children, replicas: int) -> list[str]:
+    """Delete what this InferenceService controls and no longer wants: the other layout's objects
+    after podsPerReplica changed, the workers of groups scaled away. A group whose leader has no IP
+    this pass keeps its workers (its leader pod is being replaced). Returns ``-Kind`` per deletion."""
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in children.all()}
+    name, uid = observed.body["metadata"]["name"], observed.body["metadata"]["uid"]
+    grouped = children.group_service is not None
+    candidates = [("Deployment", observed.deployment), ("Service", observed.group_service),
+                  *(("StatefulSet", st) for st in observed.stateful_sets)]
+    gone = []
+    for kind, obj in candidates:
+        if obj is None or (kind, obj["metadata"]["name"]) in wanted or not _controlled_by(obj, uid):
+            continue
+        group = pod_groups.group_of(obj, name) if kind == "StatefulSet" else None
+        if grouped and pod_groups.role(obj) == builders.WORKER and group is not None and group < replicas:
+            continue
+        kube.delete(kind, observed.body["metadata"].get("namespace", ""), obj["metadata"]["name"])
+        gone.append(f"-{kind}")
+    return gone
+
+
+def _controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(r.get("uid") == uid and r.get("controller")
+               for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
 def _apply(
     kube: Kube, desired: dict[str, Any], actual: dict[str, Any] | None, owner_uid: str
 ) -> tuple[dict[str, Any], bool]:
@@ -379,12 +445,7 @@ def _apply(
             actual = kube.get(kind, meta["namespace"], meta["name"])
             if actual is None:
                 raise Retry(f"{kind} {meta['name']} vanished during create") from e
-    owners = [
-        r.get("uid")
-        for r in (actual.get("metadata") or {}).get("ownerReferences") or []
-        if r.get("controller")
-    ]
-    if owner_uid not in owners:
+    if not _controlled_by(actual, owner_uid):
         raise _Conflict(
             f"{kind} {meta['name']} already exists and is not controlled by this InferenceService; "
             "rename one of them or delete the stray object"

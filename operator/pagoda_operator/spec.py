@@ -139,6 +139,9 @@ class ServiceSpec:
     model: Model
     replicas: int = 1
     gpus: int = 1
+    # A replica spread over this many pods (a group: one leader with the API, workers with
+    # ranks only; pod_groups.py), for models that need more GPUs than one node has.
+    pods_per_replica: int = 1
     gpu_resource: str = "nvidia.com/gpu"
     parallelism: Parallelism = field(default_factory=Parallelism)
     engine: Engine = field(default_factory=Engine)
@@ -156,6 +159,10 @@ class ServiceSpec:
     @property
     def device(self) -> str:
         return "cuda" if self.gpus > 0 else "cpu"
+
+    @property
+    def gpus_per_pod(self) -> int:
+        return self.gpus // self.pods_per_replica
 
 
 def _get(d: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
@@ -269,6 +276,7 @@ def parse(
         model=model,
         replicas=int(_get(spec, "replicas", 1)),
         gpus=int(_get(r, "gpusPerReplica", 1)),
+        pods_per_replica=int(_get(r, "podsPerReplica", 1)),
         gpu_resource=_get(r, "gpuResourceName", "nvidia.com/gpu"),
         parallelism=parallelism,
         engine=engine,
@@ -284,6 +292,13 @@ def parse(
     )
     validate(parsed, supports)
     return parsed
+
+# StatefulSet names end up in their pods' controller-revision-hash label (at most 63 characters,
+# 11 of them the hash): a grouped InferenceService's name leaves room for "-<group>".
+MAX_GROUPED_NAME = 40
+# Where the ranks of a group of pods meet: the leader's TCP store (docs/parallelism.md).
+RENDEZVOUS_PORT = 29500
+
 
 def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
     """The daemon's options (its CLI flag names in snake_case) for ``pagoda serve --config``;
@@ -302,6 +317,8 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         "data_parallel_size": p.data,
         "numa_policy": spec.placement.numa_policy,
     }
+    if spec.pods_per_replica > 1:  # the address and each pod's place are arguments (pod_groups.py)
+        cfg.update(nnodes=spec.pods_per_replica, master_port=RENDEZVOUS_PORT)
     optional = {
         "max_model_len": e.max_model_len,
         "max_num_seqs": e.max_num_seqs,
@@ -367,6 +384,23 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
             f"parallelism.tensor ({par.tensor}) × expert ({par.expert}) × data ({par.data}) = {ranks} "
             f"must equal resources.gpusPerReplica ({s.gpus}): the engine runs one rank per GPU"
         )
+    pods = s.pods_per_replica
+    if not 1 <= pods <= 64:
+        errors.append(f"resources.podsPerReplica ({pods}) must be 1 to 64")
+    elif pods > 1:
+        if len(s.name) > MAX_GROUPED_NAME:
+            errors.append(
+                f"metadata.name may have at most {MAX_GROUPED_NAME} characters with resources.podsPerReplica "
+                "above 1: it names StatefulSets whose pods carry it in a 63-character label"
+            )
+        if par.data != 1 or par.elastic:
+            errors.append("resources.podsPerReplica above 1 needs parallelism.data 1 and elastic unset")
+        if (par.tensor * par.expert) % pods or (s.gpus and s.gpus % pods):
+            errors.append(
+                f"resources.podsPerReplica ({pods}) must divide parallelism.tensor × expert "
+                f"({par.tensor * par.expert}) and resources.gpusPerReplica ({s.gpus}): every pod runs "
+                "an equal share of the ranks"
+            )
     if par.eplb_redundant_experts is not None and par.expert < 2:
         errors.append("parallelism.eplb needs parallelism.expert of 2 or more (it balances experts between ranks)")
     if par.elastic and s.gpus > 0:

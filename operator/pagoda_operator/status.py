@@ -1,7 +1,9 @@
-"""Pure: observed Deployment and pods -> the conditions and counts of an InferenceService status.
+"""Pure: observed workload and pods -> the conditions and counts of an InferenceService status.
 
-Ready is True only when the Deployment carries the pod template of the current generation and
-its ready, updated and total replicas all equal the desired count. Progressing is True while a
+The workload is the replicas' controller (a Deployment, or with podsPerReplica > 1 the
+StatefulSets of groups of pods) reduced to one :class:`Workload`. Ready is True only when it
+carries the pod template of the current generation and its ready, updated and total replicas
+all equal the desired count; a group is one replica, ready when every member is. Progressing is True while a
 rollout or a scale is under way. Degraded says, with a reason, why things are not converging:
 an invalid spec, no eligible node, pods that cannot be scheduled, pods whose volumes cannot be
 mounted, crash loops (with the last lines the container wrote before it died), image pulls,
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda_operator.builders import HASH_ANNOTATION
+from pagoda_operator.builders import GROUP_LABEL, HASH_ANNOTATION, LEADER, ROLE_LABEL, WORKER
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 CRASH_REASONS = {
@@ -46,24 +48,111 @@ class Problem:
     message: str
 
 
-def _counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
-    st = (deployment or {}).get("status") or {}
-    return {
-        k: int(st.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas", "availableReplicas")
-    }
-
-
-def rolled_out(deployment: Mapping[str, Any] | None, desired: int, desired_hash: str | None) -> bool:
-    """The Deployment carries our current template and replica count, and its controller saw it."""
-    if not deployment:
+def rolled_out(workload: Mapping[str, Any] | None, desired: int, desired_hash: str | None) -> bool:
+    """The Deployment (or StatefulSet) carries our current template and replica count, and its
+    controller saw it."""
+    if not workload:
         return False
-    meta = deployment.get("metadata") or {}
+    meta = workload.get("metadata") or {}
     if desired_hash is not None and (meta.get("annotations") or {}).get(HASH_ANNOTATION) != desired_hash:
         return False
-    if (deployment.get("spec") or {}).get("replicas") != desired:
+    if (workload.get("spec") or {}).get("replicas") != desired:
         return False
-    observed = ((deployment.get("status") or {}).get("observedGeneration")) or 0
+    observed = ((workload.get("status") or {}).get("observedGeneration")) or 0
     return observed >= (meta.get("generation") or 0)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The replicas as their controllers report them."""
+
+    exists: bool
+    current: bool  # carries this generation's template and replica count (rolled_out)
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    problems: tuple[Problem, ...] = ()
+
+    @classmethod
+    def of_deployment(cls, deployment: Mapping[str, Any] | None, desired: int,
+                      desired_hash: str | None) -> Workload:
+        st = (deployment or {}).get("status") or {}
+        return cls(
+            exists=deployment is not None,
+            current=rolled_out(deployment, desired, desired_hash),
+            replicas=int(st.get("replicas") or 0),
+            ready=int(st.get("readyReplicas") or 0),
+            updated=int(st.get("updatedReplicas") or 0),
+            problems=tuple(deployment_problems(deployment)),
+        )
+
+    @classmethod
+    def of_groups(cls, name: str, leaders: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]],
+                  pods: Sequence[Mapping[str, Any]], desired: int, desired_hashes: Mapping[str, str] | None,
+                  pods_per_replica: int) -> Workload:
+        """Groups of pods: the leaders' StatefulSet ``<name>`` (pod ``<name>-<g>`` leads group g)
+        and one workers' StatefulSet per group (by group). A group is ready when its leader and
+        all its workers are, all of the current revision; ``desired_hashes``: the spec hash of
+        each StatefulSet by name, None when this pass does not know them (a blocked spec)."""
+        alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        leader_rev = ((leaders or {}).get("status") or {}).get("updateRevision")
+        ready = updated = 0
+        problems: list[Problem] = []
+        for g in range(desired):
+            leader = next((p for p in alive if p["metadata"]["name"] == f"{name}-{g}"
+                           and _labels(p).get(ROLE_LABEL) == LEADER), None)
+            sts = workers.get(g)
+            members = [p for p in alive if _labels(p).get(ROLE_LABEL) == WORKER
+                       and _labels(p).get(GROUP_LABEL) == str(g)]
+            worker_rev = ((sts or {}).get("status") or {}).get("updateRevision")
+            fresh = (
+                leader is not None and _labels(leader).get("controller-revision-hash") == leader_rev
+                and sts is not None and rolled_out(sts, pods_per_replica - 1, (desired_hashes or {}).get(
+                    (sts.get("metadata") or {}).get("name", "")))
+                and len(members) == pods_per_replica - 1
+                and all(_labels(p).get("controller-revision-hash") == worker_rev for p in members)
+            )
+            every = [leader, *members] if leader is not None else members
+            all_ready = leader is not None and len(members) == pods_per_replica - 1 and all(map(pod_ready, every))
+            updated += fresh
+            ready += fresh and all_ready
+            failed = [p for p in every if not pod_ready(p) and _restarts(p)]
+            if failed:
+                problems.append(Problem("GroupMemberFailed", f"replica {g}: " + "; ".join(
+                    _failure(p) for p in failed) + "; its pods restart together"))
+        lst = (leaders or {}).get("status") or {}
+        return cls(
+            exists=leaders is not None,
+            current=rolled_out(leaders, desired, (desired_hashes or {}).get(name) if desired_hashes else None),
+            replicas=int(lst.get("replicas") or 0),
+            ready=ready,
+            updated=updated,
+            problems=tuple(problems),
+        )
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _restarts(pod: Mapping[str, Any]) -> int:
+    return sum(int(cs.get("restartCount") or 0) for cs in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def _failure(pod: Mapping[str, Any]) -> str:
+    """``pod X exited (code 1, restarted 2 times): <its last line>``."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        last = ((cs.get("lastState") or {}).get("terminated")) or {}
+        if last or cs.get("restartCount"):
+            line = _last_line(last.get("message"))
+            return (f"pod {pod['metadata']['name']} exited (code {last.get('exitCode')}, restarted "
+                    f"{cs.get('restartCount', 0)} times)" + (f": {line}" if line else ""))
+    return f"pod {pod['metadata']['name']} is not ready"
 
 
 def _last_line(text: str | None) -> str:
@@ -206,8 +295,7 @@ def compute(
     *,
     generation: int,
     desired: int,
-    desired_hash: str | None,
-    deployment: Mapping[str, Any] | None,
+    workload: Workload,
     pods: Sequence[Mapping[str, Any]],
     previous: Mapping[str, Any] | None,
     now: str,
@@ -230,11 +318,9 @@ def compute(
     """
     previous = previous or {}
     prev_conds = previous.get("conditions") or []
-    counts = _counts(deployment)
-    problems = (
-        ([blocker] if blocker else []) + deployment_problems(deployment) + pod_problems(pods, pod_events)
-    )
-    current = blocker is None and rolled_out(deployment, desired, desired_hash)
+    counts = {"replicas": workload.replicas, "readyReplicas": workload.ready, "updatedReplicas": workload.updated}
+    problems = ([blocker] if blocker else []) + list(workload.problems) + pod_problems(pods, pod_events)
+    current = blocker is None and workload.current
     ready = (
         current
         and desired > 0
@@ -256,7 +342,7 @@ def compute(
             prog_c = (False, "Complete", f"generation {generation} is rolled out (0 replicas)")
         else:
             ready_c = (False, "ReplicasNotReady", progress)
-            if deployment is None:
+            if not workload.exists:
                 why = "Creating"
             elif not current or counts["updatedReplicas"] < min(desired, counts["replicas"] or desired):
                 why = "RollingOut"

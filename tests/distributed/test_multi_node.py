@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,11 +25,11 @@ from tests.server.conftest import ServerProcess, free_port
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
 
 
-def _node(model: str, port: int, log: Path, rank: int = 1) -> subprocess.Popen:
+def _node(model: str, port: int, log: Path, rank: int = 1, ready_port: int = 0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pagoda_daemon", "--log-level", "INFO", "serve", model, "--device", "cpu",
            "--numa-policy", "none", "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes",
            str(64 << 20), "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(rank),
-           "--master-addr", "127.0.0.1", "--master-port", str(port)]
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-ready-port", str(ready_port)]
     env = {**os.environ, **LOOPBACK, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -44,10 +45,20 @@ def test_two_nodes_answer_as_one_process_and_stop_together(tiny_models, tmp_path
 
     path = tiny_models["qwen3"]
     port = free_port()
-    node = _node(path, port, tmp_path / "node1.log")
+    ready_port = free_port()
+    node = _node(path, port, tmp_path / "node1.log", ready_port=ready_port)
+    deadline = time.monotonic() + 60
+    while "node 1 of 2" not in (tmp_path / "node1.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with pytest.raises(ConnectionRefusedError):  # not ready: the leader is not there yet
+        socket.create_connection(("127.0.0.1", ready_port), timeout=5)
     srv = _leader(path, port, tmp_path)
     try:
         srv.wait_ready(timeout=180)
+        deadline = time.monotonic() + 30
+        while "ready on port" not in (tmp_path / "node1.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        socket.create_connection(("127.0.0.1", ready_port), timeout=5).close()
         prompts = random_prompts(512, [4, 40], seed=int(torch.randint(0, 2**31, ()).item()))
         got = [httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 10,
                                                              "temperature": 0, "ignore_eos": True},
@@ -113,3 +124,24 @@ def test_node_rank_from_a_stateful_set_hostname():
 def test_bad_node_layouts_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="/m", **fields)
+
+
+def test_a_node_that_comes_back_restarts_the_group_at_once(tiny_models, tmp_path):
+    """A member's pod restarted fast (before its silence would show): its new process sets a new
+    heartbeat incarnation, and the leader leaves the old world instead of waiting for the silence."""
+    port = free_port()
+    node = _node(tiny_models["qwen3"], port, tmp_path / "node1.log")
+    srv = _leader(tiny_models["qwen3"], port, tmp_path)
+    again = None
+    try:
+        srv.wait_ready(timeout=180)
+        os.killpg(node.pid, signal.SIGKILL)
+        again = _node(tiny_models["qwen3"], port, tmp_path / "node1-again.log")
+        assert srv.proc.wait(60) == 1
+        assert "rank 1 restarted" in srv.log_path.read_text()
+        assert again.wait(60) == 1  # the leader it joined went away: it exits too, and its pod restarts
+    finally:
+        srv.stop()
+        for proc in (node, again):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)

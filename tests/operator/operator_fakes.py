@@ -153,6 +153,11 @@ class FakeKube:
         return copy.deepcopy(live)
 
 
+    def delete(self, kind: str, namespace: str | None, name: str) -> None:
+        if self.objects.pop(self._key(kind, namespace, name), None) is not None:
+            self.writes.append(("delete", kind, name))
+
+
 def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
     for k, v in patch.items():
         if v is None:

@@ -20,7 +20,7 @@ def build(replicas: int = 1, name: str = "llama", **spec):
 
 
 def container(kids):
-    return kids.deployment["spec"]["template"]["spec"]["containers"][0]
+    return kids.workload["spec"]["template"]["spec"]["containers"][0]
 
 
 def env_of(kids):
@@ -29,7 +29,7 @@ def env_of(kids):
 
 def test_every_child_is_owned_labelled_and_stamped():
     _, kids = build()
-    for child in (kids.config_map, kids.service, kids.deployment):
+    for child in (kids.config_map, kids.service, kids.workload):
         meta = child["metadata"]
         assert meta["namespace"] == "default"
         (ref,) = meta["ownerReferences"]
@@ -49,7 +49,7 @@ def test_every_child_is_owned_labelled_and_stamped():
 def test_deployment_runs_the_daemon_command_line():
     _, kids = build(3, port=9000)
     c = container(kids)
-    assert kids.deployment["spec"]["replicas"] == 3
+    assert kids.workload["spec"]["replicas"] == 3
     assert c["image"] == "img:1" and c["command"] == ["pagoda"]
     assert c["args"] == [
         "serve",
@@ -70,8 +70,8 @@ def test_deployment_runs_the_daemon_command_line():
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
     assert env_of(kids)["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    tmpl = kids.deployment["spec"]["template"]
-    assert kids.deployment["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
+    tmpl = kids.workload["spec"]["template"]
+    assert kids.workload["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
     assert tmpl["metadata"]["annotations"]["prometheus.io/port"] == "9000"
 
 
@@ -146,7 +146,7 @@ def test_engine_config_in_the_config_map():
     assert env["OTEL_TRACES_SAMPLER_ARG"]["value"] == "0.25"
     mounts = {m["mountPath"]: m["name"] for m in container(kids)["volumeMounts"]}
     assert mounts["/kv"] == "kv-offload" and mounts["/etc/pagoda"] == "config"
-    vols = {v["name"]: v for v in kids.deployment["spec"]["template"]["spec"]["volumes"]}
+    vols = {v["name"]: v for v in kids.workload["spec"]["template"]["spec"]["volumes"]}
     assert vols["kv-offload"]["emptyDir"] == {"sizeLimit": "204800Mi"}
 
 
@@ -184,7 +184,7 @@ def test_optional_engine_fields_are_left_to_the_daemon():
 def test_model_sources(model, arg, volume):
     _, kids = build(model=model)
     assert container(kids)["args"][1] == arg
-    vols = {v.pop("name"): v for v in kids.deployment["spec"]["template"]["spec"]["volumes"]}
+    vols = {v.pop("name"): v for v in kids.workload["spec"]["template"]["spec"]["volumes"]}
     assert vols.get("model") == volume
     assert vols["cache"] == {"emptyDir": {}}
 
@@ -196,7 +196,7 @@ def test_placement_reaches_the_pod():
         parallelism={"tensor": 4},
         placement={"nodeSelector": {"pool": "h100"}, "tolerations": tol, "requireNVLink": True},
     )
-    pod = kids.deployment["spec"]["template"]["spec"]
+    pod = kids.workload["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "h100"} and pod["tolerations"] == tol
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
@@ -217,14 +217,14 @@ def test_user_env_overrides_ours_and_annotations_labels_merge():
     )
     env = [e for e in container(kids)["env"] if e["name"] in ("HF_HOME", "NODE_NAME")]
     assert env == [{"name": "HF_HOME", "value": "/x"}, {"name": "NODE_NAME", "value": "forced"}]
-    tmpl = kids.deployment["spec"]["template"]["metadata"]
+    tmpl = kids.workload["spec"]["template"]["metadata"]
     assert tmpl["annotations"]["a"] == "1"
     assert tmpl["labels"]["team"] == "ml" and tmpl["labels"]["app.kubernetes.io/name"] == "pagoda"
 
 
 def test_service_and_scale_selector():
     s, kids = build()
-    assert kids.service["spec"]["selector"] == kids.deployment["spec"]["selector"]["matchLabels"]
+    assert kids.service["spec"]["selector"] == kids.workload["spec"]["selector"]["matchLabels"]
     assert kids.service["spec"]["ports"][0]["targetPort"] == "http"
     assert builders.selector_string("llama") == (
         "app.kubernetes.io/instance=llama,app.kubernetes.io/name=pagoda,pagoda.dev/inferenceservice=llama"
@@ -239,13 +239,13 @@ def test_building_twice_is_identical():
 def test_replicas_do_not_change_the_digest_but_the_template_does():
     _, one = build(1)
     _, three = build(3)
-    h = lambda k: k.deployment["metadata"]["annotations"][HASH_ANNOTATION]  # noqa: E731
+    h = lambda k: k.workload["metadata"]["annotations"][HASH_ANNOTATION]  # noqa: E731
     assert h(one) == h(three)
     _, other = build(1, engine={"blockSize": 32})
     assert h(other) != h(one)
     # an engine change reaches the pod template through the config digest, so pods roll
-    a = one.deployment["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION]
-    b = other.deployment["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION]
+    a = one.workload["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION]
+    b = other.workload["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION]
     assert a != b
 
 
@@ -277,8 +277,8 @@ def test_needs_update(change, expected):
     _, before = build()
     replicas = change.pop("replicas", 1)
     _, after = build(replicas, **change)
-    assert needs_update(after.deployment, live(before.deployment)) is expected
-    assert needs_update(after.deployment, None) is True
+    assert needs_update(after.workload, live(before.workload)) is expected
+    assert needs_update(after.workload, None) is True
 
 
 def test_merge_for_replace_keeps_what_others_own():
@@ -297,12 +297,12 @@ def test_daemon_says_why_it_died_and_leaves_endpoints_before_sigterm():
     c = container(kids)
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(builders.PRE_STOP_DELAY_S)]
-    grace = kids.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    grace = kids.workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > builders.PRE_STOP_DELAY_S
 
 
 def pod_spec(kids):
-    return kids.deployment["spec"]["template"]["spec"]
+    return kids.workload["spec"]["template"]["spec"]
 
 
 def test_daemon_pod_runs_with_least_privilege():
@@ -385,7 +385,7 @@ def test_network_policy_is_a_child_only_when_the_operator_is_told():
     assert [c["kind"] for c in on.all()] == ["ConfigMap", "Service", "Deployment", "NetworkPolicy"]
     assert pol["apiVersion"] == "networking.k8s.io/v1" and pol["metadata"]["name"] == "llama"
     assert pol["metadata"]["ownerReferences"][0]["uid"] == "uid-llama" and HASH_ANNOTATION in pol["metadata"]["annotations"]
-    assert pol["spec"]["podSelector"]["matchLabels"] == on.deployment["spec"]["selector"]["matchLabels"]
+    assert pol["spec"]["podSelector"]["matchLabels"] == on.workload["spec"]["selector"]["matchLabels"]
     assert pol["spec"]["policyTypes"] == ["Ingress"]
     # One rule: the HTTP port, from every namespace by default; every other port is closed.
     assert pol["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9000}], "from": [{"namespaceSelector": {}}]}]

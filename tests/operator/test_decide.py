@@ -33,7 +33,7 @@ def test_a_valid_spec_decides_every_child_and_the_replicas():
     d = decide(observed(isvc(replicas=3)), SETTINGS, NOW)
     assert d.blocker is None and d.replicas == 3
     assert d.children is not None and {c["kind"] for c in d.children.all()} == {"ConfigMap", "Service", "Deployment"}
-    assert d.children.deployment["spec"]["replicas"] == 3 and d.scale is None
+    assert d.children.workload["spec"]["replicas"] == 3 and d.scale is None
 
 
 def test_an_invalid_spec_keeps_the_children_and_the_live_replicas():

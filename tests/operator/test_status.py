@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda_operator.builders import HASH_ANNOTATION
-from pagoda_operator.status import Problem, compute, condition
+from pagoda_operator.status import Problem, Workload, compute, condition
 
 NOW = "2024-05-01T12:00:00Z"
 H = "hash-current"
@@ -37,8 +37,7 @@ def run(deployment, desired=3, pods=(), previous=None, blocker=None, generation=
     return compute(
         generation=generation,
         desired=desired,
-        desired_hash=H,
-        deployment=deployment,
+        workload=Workload.of_deployment(deployment, desired, H),
         pods=list(pods),
         previous=previous,
         now=NOW,
@@ -240,8 +239,7 @@ def test_last_transition_time_moves_only_with_status():
     later = compute(
         generation=5,
         desired=3,
-        desired_hash=H,
-        deployment=dep(ready=2),
+        workload=Workload.of_deployment(dep(ready=2), 3, H),
         pods=[],
         previous=first,
         now="2024-05-01T12:05:00Z",
@@ -250,8 +248,7 @@ def test_last_transition_time_moves_only_with_status():
     ready = compute(
         generation=5,
         desired=3,
-        desired_hash=H,
-        deployment=dep(),
+        workload=Workload.of_deployment(dep(), 3, H),
         pods=[],
         previous=later,
         now="2024-05-01T12:09:00Z",

@@ -29,12 +29,14 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +62,11 @@ STARTUP_TIMEOUT_S = 600.0
 # that would notice).
 HEARTBEAT_S = 2.0
 HEARTBEAT_TIMEOUT_S = 20.0
+# A node other than 0 is ready once its ranks are in the world with their KV caches: its first
+# rank then writes the file this variable names (in the node's private folder), and the node
+# starts answering on its ready port (a pod's tcpSocket readiness probe; a socket, unlike a file
+# in the pod's /tmp volume, does not outlive a restarted container).
+NODE_READY_ENV = "PAGODA_NODE_READY_FILE"
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,10 @@ class Rendezvous:
     port: int = 0
 
 
-def _join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_rank: int) -> tuple[Any, Any]:
-    """Join the world; return the gloo group for control messages and, across pods, the store."""
+def _join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_rank: int,
+                stopped: threading.Event) -> Any:
+    """Join the world; return the gloo group for control messages. Across pods the heartbeats
+    start before the world forms: a peer that dies while the others wait for it ends them too."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
@@ -84,10 +93,19 @@ def _join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_r
     else:
         store = dist.TCPStore(rdv.host, rdv.port, size, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-        store.set(f"pagoda/alive/{rank}", "0")
+        store.set(f"pagoda/alive/{rank}", f"{_incarnation()}:0")
+        threading.Thread(target=_watch_peers, args=(store, rank, size, stopped, _incarnation()), name="peer-watch",
+                         daemon=True).start()
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
-    return control, store
+    return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
+
+
+def _incarnation() -> str:
+    """This process, as its heartbeats name it: a restarted rank is another incarnation."""
+    return f"{os.getpid()}.{_STARTED_NS}"
+
+
+_STARTED_NS = time.time_ns()
 
 
 def _broadcast(frame: bytes | None, group: Any) -> bytes:
@@ -113,24 +131,32 @@ def _all_gather_infos(info: WorkerInfo, size: int, group: Any) -> list[WorkerInf
     return [WorkerInfo(**json.loads(f[: int(n.item())].numpy().tobytes())) for f, n in zip(frames, lengths)]
 
 
-def _watch_peers(store: Any, rank: int, size: int, stopped: threading.Event) -> None:
-    """Across pods: beat, and end this process when a peer stops beating or the store is gone
-    (node 0 died). Rank 0 watches every rank; the others watch rank 0."""
+def _watch_peers(store: Any, rank: int, size: int, stopped: threading.Event, incarnation: str) -> None:
+    """Across pods: beat, and end this process when a peer stops beating, comes back as another
+    process (its pod restarted and it is trying to join again), or the store is gone (node 0
+    died). Rank 0 watches every rank; the others watch rank 0."""
     peers = range(1, size) if rank == 0 else range(0, 1)
     seen: dict[int, tuple[bytes, float]] = {}
+    first: dict[int, bytes] = {}
     beat = 0
     while not stopped.wait(HEARTBEAT_S):
         beat += 1
         try:
-            store.set(f"pagoda/alive/{rank}", str(beat))
+            store.set(f"pagoda/alive/{rank}", f"{incarnation}:{beat}")
             now = time.monotonic()
             for peer in peers:
-                value = store.get(f"pagoda/alive/{peer}")
+                key = f"pagoda/alive/{peer}"
+                if peer not in first and not store.check([key]):
+                    continue  # not started yet: the world waits for it (up to STARTUP_TIMEOUT_S)
+                value = store.get(key)
+                who = value.split(b":")[0]
+                if first.setdefault(peer, who) != who:
+                    raise RuntimeError(f"rank {peer} restarted")
                 if seen.get(peer, (None, 0.0))[0] != value:
                     seen[peer] = (value, now)
-                elif now - seen[peer][1] > HEARTBEAT_TIMEOUT_S and not stopped.is_set():
+                elif now - seen[peer][1] > HEARTBEAT_TIMEOUT_S:
                     raise RuntimeError(f"rank {peer} has not beaten for {HEARTBEAT_TIMEOUT_S:g} s")
-        except Exception as e:  # the store's connection broke, or a peer is silent
+        except Exception as e:  # the store's connection broke, or a peer is gone
             if stopped.is_set():
                 return
             log.error("rank %d: lost the other ranks (%s): exiting so that the group restarts", rank, e)
@@ -154,11 +180,8 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
     _exit_when_orphaned(parent_pid)
     local_rank = rank % config.ranks_per_node
     os.environ["LOCAL_RANK"] = str(local_rank)
-    control, store = _join_world(rank, size, rdv, device_type, local_rank)
     stopped = threading.Event()  # set on Stop: node 0 going away after it is then no failure
-    if store is not None:
-        threading.Thread(target=_watch_peers, args=(store, rank, size, stopped), name="peer-watch",
-                         daemon=True).start()
+    control = _join_world(rank, size, rdv, device_type, local_rank, stopped)
     worker = Worker(config, model_config, max_model_len)
     _all_gather_infos(worker.info(), size, control)
     worker.available_kv_blocks()  # rank 0 takes the smallest over the ranks: a collective
@@ -175,6 +198,9 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
             break
         if isinstance(message, step_plan.InitCache):
             worker.initialize_cache(message.num_blocks)
+            ready = os.environ.get(NODE_READY_ENV)
+            if ready and local_rank == 0:
+                Path(ready).write_text(f"ranks up to {size - 1} in the world\n")
             continue
         worker.execute_model(mirrors.apply(message)).result()
     dist.destroy_process_group()
@@ -186,7 +212,7 @@ def _device_type(config: EngineConfig) -> str:
 
 
 def _spawn_ranks(ranks: range, rdv: Rendezvous, config: EngineConfig, model_config, max_model_len: int,
-                 device_type: str) -> list[subprocess.Popen]:
+                 device_type: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """Plain child processes (``python -m pagoda_daemon.executor.multiproc``, the arguments pickled
     on a local pipe): the engine core is itself a daemonic multiprocessing child, which
     multiprocessing forbids to have children of its own."""
@@ -195,7 +221,8 @@ def _spawn_ranks(ranks: range, rdv: Rendezvous, config: EngineConfig, model_conf
                          f"process sees {torch.cuda.device_count()}")
     procs = []
     for r in ranks:
-        proc = subprocess.Popen([sys.executable, "-m", "pagoda_daemon.executor.multiproc"], stdin=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-m", "pagoda_daemon.executor.multiproc"], stdin=subprocess.PIPE,
+                                env={**os.environ, **(env or {})})
         assert proc.stdin is not None
         proc.stdin.write(pickle.dumps((r, config.world_size, rdv, config, model_config, max_model_len, os.getpid(),
                                        device_type)))
@@ -213,19 +240,48 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
             p.wait()
 
 
-def run_node(config: EngineConfig, model_config, max_model_len: int) -> int:
+def _answer_on(port: int) -> None:
+    """Accept and close connections on ``port`` (every interface), for as long as this process lives."""
+    server = socket.create_server(("", port), reuse_port=False)
+
+    def serve() -> None:
+        while True:
+            conn, _ = server.accept()
+            conn.close()
+
+    threading.Thread(target=serve, name="ready-port", daemon=True).start()
+
+
+def run_node(config: EngineConfig, model_config, max_model_len: int, ready_port: int = 0) -> int:
     """Node ``config.node_rank`` > 0 of a group of pods: run this node's ranks until they end.
-    A rank that fails ends the others and the node (exit 1: the pod restarts and rejoins);
-    SIGTERM ends them too (exit 0)."""
+    Once they are up, accept connections on ``ready_port`` (0: none). A rank that fails ends the
+    others and the node (exit 1: the pod restarts and rejoins); SIGTERM ends them too (exit 0)."""
     k = config.ranks_per_node
     ranks = range(config.node_rank * k, (config.node_rank + 1) * k)
     rdv = Rendezvous(host=config.master_addr, port=config.master_port)
     log.info("node %d of %d: ranks %d..%d, meeting node 0 at %s:%d", config.node_rank, config.nnodes, ranks[0],
              ranks[-1], rdv.host, rdv.port)
-    procs = _spawn_ranks(ranks, rdv, config, model_config, max_model_len, _device_type(config))
+    private = tempfile.mkdtemp(prefix="pagoda-node-")
+    ready = Path(private, "ready")
+    try:
+        procs = _spawn_ranks(ranks, rdv, config, model_config, max_model_len, _device_type(config),
+                             env={NODE_READY_ENV: str(ready)})
+        return _supervise(config.node_rank, ranks, procs, ready, ready_port)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _supervise(node: int, ranks: range, procs: list[subprocess.Popen], ready: Path, ready_port: int) -> int:
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())
+    announced = False
     while not terminated.wait(0.2):
+        if not announced and ready.exists():
+            announced = True
+            if ready_port:
+                _answer_on(ready_port)
+            log.info("node %d: ranks %d..%d are up%s", node, ranks[0], ranks[-1],
+                     f"; ready on port {ready_port}" if ready_port else "")
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
         if failed:
@@ -236,7 +292,7 @@ def run_node(config: EngineConfig, model_config, max_model_len: int) -> int:
             _stop(procs, 10.0)
             return 1
         if all(c == 0 for c in codes):
-            log.info("node %d: every rank stopped", config.node_rank)
+            log.info("node %d: every rank stopped", node)
             return 0
     for p in procs:
         if p.poll() is None:
@@ -266,10 +322,7 @@ class MultiprocExecutor(Executor):
         if exit_on_worker_death:
             threading.Thread(target=self._exit_when_a_rank_dies, name="rank-watch", daemon=True).start()
         os.environ.setdefault("LOCAL_RANK", "0")
-        self.control, store = _join_world(0, size, rdv, device_type, 0)
-        if store is not None:
-            threading.Thread(target=_watch_peers, args=(store, 0, size, self._stopped), name="peer-watch",
-                             daemon=True).start()
+        self.control = _join_world(0, size, rdv, device_type, 0, self._stopped)
         self.worker = Worker(config, model_config, max_model_len)
         self.infos: list[WorkerInfo] = _all_gather_infos(self.worker.info(), size, self.control)
         self.writer = step_plan.PlanWriter()

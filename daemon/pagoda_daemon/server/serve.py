@@ -46,6 +46,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank-from-hostname", action="store_true",
                    help="--node-rank is 1 + the StatefulSet ordinal that ends the hostname (a worker pod of "
                         "a group the operator renders)")
+    p.add_argument("--node-ready-port", type=int, default=0,
+                   help="with --node-rank above 0: accept connections on this port once this node's ranks are "
+                        "up (a tcpSocket readiness probe; 0: none)")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the engine may take to start")
     p.add_argument("--otlp-traces-endpoint", default=None, help="OTLP/HTTP traces endpoint (or OTEL_* variables)")
     p.add_argument("--kv-events-endpoint", nargs="?", const="", default=None,
@@ -97,6 +100,8 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
     for key in ("max_request_body_bytes", "header_read_timeout", "body_read_timeout", "max_connections"):
         if not options[key] > 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive, not {options[key]}")
+    if not 0 <= options["node_ready_port"] <= 65535:
+        raise ValueError(f"--node-ready-port must be 0 to 65535, not {options['node_ready_port']}")
     interval = options["log_stats_interval"]
     if not (isinstance(interval, (int, float)) and 0 <= interval <= 86400):  # NaN fails both comparisons
         raise ValueError(f"--log-stats-interval must be 0 to 86400 seconds, not {interval}")
@@ -136,7 +141,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     if config.node_rank > 0:  # a worker pod of a group: its ranks only, no API server
         from pagoda_daemon.executor.multiproc import run_node
 
-        return run_node(config, model_config, max_len)
+        return run_node(config, model_config, max_len, options["node_ready_port"])
     return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len))
 
 
