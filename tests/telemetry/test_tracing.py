@@ -1,5 +1,6 @@
-"""RequestTracer against a real OTLP/HTTP receiver on loopback: the exported span has the
-incoming traceparent's trace id and parent, the GenAI attributes and the lifecycle events."""
+"""RequestTracer against real OTLP receivers on loopback, over HTTP (protobuf) and gRPC: the
+exported span has the incoming traceparent's trace id and parent, the GenAI attributes and the
+lifecycle events."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from pagoda_daemon.telemetry.tracing import RequestTracer, normalize_traces_endpoint
+from pagoda_daemon.telemetry.tracing import RequestTracer, normalize_traces_endpoint, otlp_protocol
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -86,6 +87,35 @@ class Receiver:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
+
+
+class GrpcReceiver:
+    """An OTLP/gRPC trace receiver: the collector's TraceService on a grpcio server."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        self.requests: list[ExportTraceServiceRequest] = []
+        receiver = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                receiver.requests.append(request)
+                return ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    spans = Receiver.spans
+
+    def close(self) -> None:
+        self.server.stop(grace=None)
 
 
 def value(v):
@@ -231,3 +261,63 @@ def test_importing_telemetry_is_light():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.fixture
+def grpc_receiver():
+    r = GrpcReceiver()
+    yield r
+    r.close()
+
+
+def test_span_exported_over_grpc(clean_env, grpc_receiver):
+    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    tracer = RequestTracer.from_config(grpc_receiver.base_url, service_name="pagoda-grpc")
+    assert tracer is not None
+    headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+    tracer.start_request_span(headers, "cmpl-1", {"gen_ai.request.model": "m"}).end("stop", 3, 4)
+    tracer.shutdown()
+    ((resource, span),) = grpc_receiver.spans()
+    assert resource["service.name"] == "pagoda-grpc" and span.name == "chat m"
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+    assert attrs(span.attributes)["gen_ai.usage.output_tokens"] == 4
+
+
+@pytest.mark.parametrize("env, endpoint, want", [
+    ({}, "http://collector:4317", "grpc"),  # the port everyone serves gRPC on
+    ({}, "collector:4317", "grpc"),
+    ({}, "http://collector:4318", "http/protobuf"),
+    ({}, None, "http/protobuf"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, None, "grpc"),
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, "http://collector:4317", "http/protobuf"),
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "http://collector:4318", "grpc"),
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, None, "grpc"),
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, None, "http/protobuf"),  # warned, then protobuf
+    ({}, "http://collector:notaport", "http/protobuf"),
+])
+def test_protocol_from_the_variables_or_the_port(clean_env, env, endpoint, want):
+    for name, v in env.items():
+        clean_env.setenv(name, v)
+    assert otlp_protocol(endpoint) == want
+
+
+def test_pagoda_serve_exports_over_grpc_to_port_4317_style_endpoints(clean_env, grpc_receiver, tiny_models,
+                                                                      tmp_path):
+    """The daemon's own process, as the example InferenceService configures it (an endpoint and
+    the protocol variable): the request's span reaches the gRPC receiver under the caller's trace."""
+    import httpx
+
+    from tests.server.conftest import MODEL_NAME, ServerProcess
+
+    srv = ServerProcess(tiny_models["qwen3"], "--otlp-traces-endpoint", grpc_receiver.base_url, log_dir=tmp_path,
+                        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"})
+    try:
+        srv.wait_ready()
+        resp = httpx.post(srv.url + "/v1/completions", timeout=60,
+                          headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+                          json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3})
+        assert resp.status_code == 200
+    finally:
+        assert srv.stop() == 0  # flushes the batch of spans
+    spans = [s for _, s in grpc_receiver.spans()]
+    assert [s.trace_id.hex() for s in spans] == [TRACE_ID] and spans[0].parent_span_id.hex() == PARENT_ID

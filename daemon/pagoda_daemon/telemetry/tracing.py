@@ -1,4 +1,5 @@
-"""OpenTelemetry request tracing: one span per request, exported over OTLP/HTTP (protobuf).
+"""OpenTelemetry request tracing: one span per request, exported over OTLP, gRPC or HTTP
+(protobuf), as the standard variables or the endpoint's port say (:func:`otlp_protocol`).
 
 `RequestTracer.from_config` returns None when tracing is off, and the server then skips
 every tracing call (`if tracer is not None`), so a daemon without tracing does no tracer
@@ -25,11 +26,35 @@ from urllib.parse import urlsplit
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRACES_PATH = "/v1/traces"
+GRPC, HTTP_PROTOBUF = "grpc", "http/protobuf"
+# The port every OTLP peer (collectors, Jaeger, Tempo, vLLM's default) serves gRPC on; 4318 is HTTP.
+OTLP_GRPC_PORT = 4317
 _TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 def _env(name: str) -> str:
     return os.environ.get(name, "").strip()
+
+
+def otlp_protocol(endpoint: str | None) -> str:
+    """``grpc`` or ``http/protobuf``: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else
+    OTEL_EXPORTER_OTLP_PROTOCOL, else gRPC for an endpoint on port 4317 (`--otlp-traces-endpoint`
+    or the endpoint variables) and HTTP otherwise. ``http/json`` is exported as protobuf."""
+    protocol = (_env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or _env("OTEL_EXPORTER_OTLP_PROTOCOL")).lower()
+    if protocol in (GRPC, HTTP_PROTOBUF):
+        return protocol
+    if protocol:
+        logger.warning("OTLP protocol %r is not one Pagoda exports; using %s", protocol, HTTP_PROTOBUF)
+        return HTTP_PROTOBUF
+    target = endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if target:
+        try:
+            port = urlsplit(target if "://" in target else "http://" + target).port
+        except ValueError:
+            port = None
+        if port == OTLP_GRPC_PORT:
+            return GRPC
+    return HTTP_PROTOBUF
 
 
 def normalize_traces_endpoint(endpoint: str) -> str:
@@ -137,7 +162,7 @@ def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class RequestTracer:
-    """Starts request spans on a private TracerProvider with an OTLP/HTTP exporter."""
+    """Starts request spans on a private TracerProvider with an OTLP exporter."""
 
     def __init__(self, exporter: Any, service_name: str = "pagoda") -> None:
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -187,15 +212,23 @@ class RequestTracer:
                 return None
             # endpoint stays None: the exporter resolves the OTEL_* variables itself
             # (endpoint, headers, certificates, compression, timeout).
-        protocol = _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
-        if protocol and protocol != "http/protobuf":
-            logger.warning("OTLP protocol %r requested; Pagoda exports with http/protobuf", protocol)
+        protocol = otlp_protocol(otlp_traces_endpoint)
         try:
+            if protocol == GRPC:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                    OTLPSpanExporter as GrpcExporter,
+                )
+
+                # gRPC takes host:port; an http:// endpoint means no TLS, https:// TLS.
+                target = otlp_traces_endpoint.strip() if otlp_traces_endpoint else None
+                if target and "://" not in target:
+                    target = "http://" + target
+                return cls(GrpcExporter(endpoint=target), service_name=service_name)
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError(
-                "tracing is configured but the OpenTelemetry packages are missing: "
-                "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
+                f"tracing over OTLP {protocol} is configured but its OpenTelemetry packages are missing: pip install "
+                "opentelemetry-sdk opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-grpc"
             ) from e
         return cls(OTLPSpanExporter(endpoint=endpoint), service_name=service_name)
 
