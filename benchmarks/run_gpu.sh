@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/run_gpu.sh [all|parity|parity-triton|kernels|kernels-attention|tests|graphs|serve|
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
-#                                               multi-gpu|vllm-stash|vllm] ...
+#                                               multi-gpu|offline-llm|vllm-stash|vllm] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -43,6 +43,13 @@ want() { [ "$#" -eq 0 ] && return 0; }
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
 has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
 
+if has offline-llm; then
+  step "the offline LLM: its first batch against its second, built without and with its warm-up (Qwen3-0.6B shape)"
+  for extra in --skip-llm-warm-up ""; do
+    python3 -m benchmarks.throughput benchmarks/configs/qwen3-0.6b --offline-llm --rounds 2 $extra \
+      | grep '^RESULT' | tee -a "$OUT/offline-llm.jsonl" || status=1
+  done
+fi
 if has parity; then
   step "parity with transformers on CUDA (float32 must be identical; bfloat16 reported)"
   python3 -m benchmarks.parity --device cuda --dtypes float32 bfloat16 | tee "$OUT/parity.jsonl" || status=1

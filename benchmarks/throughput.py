@@ -41,7 +41,7 @@ def sync() -> None:
 
 def build_core(args):
     from pagoda_daemon.config import EngineConfig
-    from pagoda_daemon.engine.engine_core import EngineCore
+    from pagoda_daemon.engine.engine_core import EngineCore, freeze_startup_heap
 
     config = EngineConfig(
         model=args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -53,6 +53,7 @@ def build_core(args):
     )
     core = EngineCore(config)
     core.warm_up()
+    freeze_startup_heap()  # as the server's engine core does
     return core
 
 
@@ -134,6 +135,60 @@ def throughput(args) -> dict:
         "preemptions": core.scheduler.stats.num_preemptions, "kv_blocks": core.kv_cache.num_blocks,
         **({"later_rounds": rounds[1:]} if len(rounds) > 1 else {}),
     }
+
+
+def save_word_level_tokenizer(vocab_size: int, path: str) -> None:
+    """A tokenizer that decodes every id of the model's vocabulary (one word per id): what the
+    offline `LLM` needs beside random weights, which come with no tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1").save_pretrained(path)
+
+
+def offline(args) -> dict:
+    """The workload through the offline `LLM`, as a user runs it: `--rounds` batches on one LLM,
+    each timed (its first batch against its second is what the LLM's warm-up is for). With
+    --skip-llm-warm-up, the LLM is built without it (the behaviour before it warmed up), for a
+    baseline in the same run."""
+    import tempfile
+
+    from pagoda_daemon import LLM
+    from pagoda_daemon.engine.engine_core import EngineCore
+    from pagoda_daemon.models.loader import load_config
+    from pagoda_kernels.jit_watch import watch_compiles
+
+    if args.skip_llm_warm_up:
+        EngineCore.warm_up = lambda self: None  # type: ignore[method-assign]
+    tokenizer = tempfile.mkdtemp(prefix="pagoda-tok-")
+    save_word_level_tokenizer(load_config(args.model).vocab_size, tokenizer)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, tokenizer=tokenizer, load_format="dummy", dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, seed=0)
+    init_s = time.perf_counter() - t0
+    core = llm.engine.core
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature,
+                               core.model_config.vocab_size)
+    rounds = []
+    for _ in range(args.rounds):
+        sync()
+        with watch_compiles() as compiles:
+            t = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            sync()
+            elapsed = time.perf_counter() - t
+        core.kv_cache.reset_prefix_cache()
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rounds.append({"time_s": round(elapsed, 3), "output_tok_per_s": round(generated / elapsed, 1),
+                       "output_tokens_generated": generated, "triton_compiles": compiles.summary()["compiles"]})
+    out = {"bench": "offline-llm", "llm_warm_up": not args.skip_llm_warm_up, "num_seqs": args.num_seqs,
+           "init_s": round(init_s, 1), "rounds": rounds}
+    if len(rounds) > 1:
+        out["first_over_second"] = round(rounds[0]["output_tok_per_s"] / rounds[1]["output_tok_per_s"], 4)
+    return out
 
 
 def excess_by_phase(first: list[float], second: list[float]) -> dict:
@@ -338,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--rounds", type=int, default=1, help="run the workload this many times on one engine")
     ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over each round")
+    ap.add_argument("--offline-llm", action="store_true", help="the workload through the offline LLM, per round")
+    ap.add_argument("--skip-llm-warm-up", action="store_true", help="with --offline-llm: build it without warm-up")
     ap.add_argument("--latency", action="store_true")
     ap.add_argument("--latency-prompt-len", type=int, default=127)
     ap.add_argument("--latency-output-len", type=int, default=146)
@@ -350,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_only:
         ready_only(args)
         return 0
-    if args.latency:
+    if args.offline_llm:
+        result = offline(args)
+    elif args.latency:
         result = latency(args)
     elif args.startup:
         result = startup(args)

@@ -137,7 +137,6 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
         self.kv_cache.take_events()  # the warm-up's blocks were never real
         self.make_stats()  # nor its steps and cache hits
-        freeze_startup_heap()
 
     # ---- requests ---------------------------------------------------------------------
 

@@ -30,6 +30,9 @@ class LLMEngine:
         self.model_config = loader.load_config(config.model)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or config.model)
         self.core = EngineCore(config, self.model_config)
+        # As the server's engine does before it reports ready: every kernel compiled now, not
+        # during the caller's first batch. (The heap is not frozen: it is the caller's process.)
+        self.core.warm_up()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)

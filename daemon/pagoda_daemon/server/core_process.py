@@ -101,12 +101,13 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
     core = None
     try:
         try:
-            from pagoda_daemon.engine.engine_core import EngineCore
+            from pagoda_daemon.engine.engine_core import EngineCore, freeze_startup_heap
 
             started = time.monotonic()
             core = EngineCore(config, exit_on_worker_death=True)
             built = time.monotonic()
             core.warm_up()
+            freeze_startup_heap()  # this process only runs the engine: its start-up heap lives as long
             log.info("start-up: warm-up in %.1f s; engine ready in %.1f s (%s, %s, max_model_len %d)",
                      time.monotonic() - built, time.monotonic() - started, core.worker_info.device,
                      core.worker_info.dtype, core.max_model_len)
