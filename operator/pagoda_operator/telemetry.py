@@ -51,6 +51,12 @@ SIGNAL = Gauge(
     ["namespace", "name", "metric"],
     registry=REGISTRY,
 )
+# What starts a reconcile pass (handlers.py): kopf's reasons, the ticker, the children's events.
+TRIGGERS = ("create", "update", "resume", "timer", "deployment", "statefulset", "pod")
+for _trigger in TRIGGERS:  # every error series exists from the start, at 0: rate() over it is 0, not "no data"
+    ERRORS.labels(_trigger)
+DIRECTIONS = ("up", "down")
+
 LEADER = Gauge("pagoda_operator_leader", "1 while this replica holds the leader lease.", registry=REGISTRY)
 
 
@@ -59,11 +65,21 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
     start_http_server(port, addr=addr, registry=REGISTRY)
 
 
+def autoscaled(namespace: str, name: str) -> None:
+    """An InferenceService the autoscaler looks after: its decision series exist from now on, at 0
+    until a decision, so that a dashboard's increase() over them reads 0 rather than no data."""
+    for direction in DIRECTIONS:
+        DECISIONS.labels(namespace, name, direction)
+
+
 def forget(namespace: str, name: str) -> None:
     """Drop the per-object series of a deleted InferenceService."""
     for gauge in (DESIRED,):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, name)
+    for direction in DIRECTIONS:
+        with contextlib.suppress(KeyError):
+            DECISIONS.remove(namespace, name, direction)
     for metric in ("kvCacheUsage", "requestsWaiting", "requestsRunning"):
         with contextlib.suppress(KeyError):
             SIGNAL.remove(namespace, name, metric)
