@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.server.conftest import MODEL_NAME, ServerProcess
 
@@ -78,3 +79,43 @@ def test_a_bad_stats_interval_is_refused(tiny_models):
         proc = subprocess.run([sys.executable, "-m", "pagoda_daemon", "serve", tiny_models["qwen3"],
                                "--log-stats-interval", bad], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "--log-stats-interval must be 0 to 86400 seconds" in proc.stderr, bad
+
+
+def test_ready_says_where_start_up_is_and_how_long_each_phase_took(tiny_models, tmp_path):
+    """/ready's body names the phase a starting engine is in; once ready, every phase in order
+    with its duration, also as pagoda:startup_phase_seconds (the operator and people watching a
+    slow start see where it is, not a silent probe)."""
+    import time
+
+    from pagoda_daemon.engine.messages import STARTUP_PHASES
+
+    srv = ServerProcess(tiny_models["qwen3"], log_dir=tmp_path)
+    try:
+        seen_starting = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                resp = httpx.get(srv.url + "/ready", timeout=2)
+            except httpx.HTTPError:  # not listening yet
+                time.sleep(0.05)
+                continue
+            if resp.status_code == 200:
+                break
+            assert resp.status_code == 503 and resp.json()["reason"].startswith("the engine is still starting")
+            seen_starting.append(resp.json())
+            time.sleep(0.05)
+        body = resp.json()
+        assert body["status"] == "ready"
+        phases = body["startup"]
+        assert [p["phase"] for p in phases] == list(STARTUP_PHASES)
+        assert all(p["seconds"] >= 0 for p in phases)
+        assert sum(p["seconds"] for p in phases) == pytest.approx(body["startup_seconds"] - phases[0]["started_s"],
+                                                                  abs=0.01)
+        for b in seen_starting:  # phases are only ever entered in order
+            names = [p["phase"] for p in b["startup"]]
+            assert names == list(STARTUP_PHASES[:len(names)])
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        for name in STARTUP_PHASES:
+            assert f'pagoda:startup_phase_seconds{{model_name="{MODEL_NAME}",phase="{name}"}}' in metrics
+    finally:
+        assert srv.stop() == 0

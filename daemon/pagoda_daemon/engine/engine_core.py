@@ -9,12 +9,13 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.distributed.parallel_state import check_layout
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
-from pagoda_daemon.engine.messages import BalancerStats, EngineCoreOutput, EngineStats
+from pagoda_daemon.engine.messages import STARTUP_PHASES, BalancerStats, EngineCoreOutput, EngineStats
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler import Scheduler
 from pagoda_daemon.engine.scheduler_output import SchedulerOutput
@@ -58,7 +59,9 @@ def default_executor(config: EngineConfig, model_config, max_model_len: int,
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model_config=None, executor: Executor | None = None,
-                 exit_on_worker_death: bool = False) -> None:
+                 exit_on_worker_death: bool = False, on_phase: Callable[[str], None] | None = None) -> None:
+        """``on_phase`` hears each start-up phase (messages.STARTUP_PHASES) as it begins."""
+        enter = on_phase or (lambda _name: None)
         self.config = config
         self.model_config = model_config or loader.load_config(config.model)
         self.max_model_len = self._max_model_len()
@@ -69,9 +72,12 @@ class EngineCore:
             )
         check_layout(self.model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts)
+        enter(STARTUP_PHASES[0])
         self.executor = executor or default_executor(config, self.model_config, self.max_model_len,
                                                      exit_on_worker_death)
+        enter(STARTUP_PHASES[1])
         num_blocks = self._num_kv_blocks()
+        enter(STARTUP_PHASES[2])
         self.executor.initialize_cache(num_blocks)
         self.worker_info = self.executor.info()
         # Schedule step N+1 while step N runs (GPU default; on CPU there is nothing to overlap).

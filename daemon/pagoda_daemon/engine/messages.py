@@ -127,6 +127,19 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False
     stats: EngineStats
 
 
+class EngineStarting(msgspec.Struct, tag="starting", array_like=True, gc=False):
+    """Sent as the engine enters each start-up phase (``STARTUP_PHASES``); ``/ready`` shows
+    where a starting engine is, and how long each phase took once it is ready."""
+
+    phase: str
+    seconds: float  # since the engine core began to start
+
+
+# In order; the engine core reports each as it enters it (engine_core.py, core_process.py).
+STARTUP_PHASES = ("loading weights", "profiling memory", "allocating KV cache and capturing CUDA graphs",
+                  "warming up")
+
+
 class EngineReady(msgspec.Struct, tag="ready", array_like=True, gc=False):
     """Sent once, when the engine has warmed up; ``/ready`` shows it."""
 
@@ -138,10 +151,11 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True, gc=False):
     gpus: list[int]
     numa_nodes: list[int]
     expert_parallel_size: int = 1
+    startup_seconds: float = 0.0  # from the engine core's first phase to ready
 
 
 class EngineFailed(msgspec.Struct, tag="failed", array_like=True, gc=False):
     reason: str
 
 
-FromCore = EngineCoreOutputs | EngineReady | EngineFailed
+FromCore = EngineCoreOutputs | EngineStarting | EngineReady | EngineFailed

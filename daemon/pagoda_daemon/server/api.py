@@ -97,8 +97,9 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
     @app.get("/ready")
     async def ready():
         if not client.is_ready:
-            return JSONResponse({"status": "not ready", "reason": client.not_ready_reason}, status_code=503)
-        return {"status": "ready", **msgspec.structs.asdict(client.ready_info)}
+            return JSONResponse({"status": "not ready", "reason": client.not_ready_reason,
+                                 "startup": client.startup_phases()}, status_code=503)
+        return {"status": "ready", **msgspec.structs.asdict(client.ready_info), "startup": client.startup_phases()}
 
     @app.get("/version")
     async def version():

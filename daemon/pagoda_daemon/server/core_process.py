@@ -22,12 +22,14 @@ import zmq
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.messages import (
+    STARTUP_PHASES,
     AbortRequests,
     AddRequest,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineFailed,
     EngineReady,
+    EngineStarting,
     FinishRequest,
     Shutdown,
 )
@@ -104,8 +106,13 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
             from pagoda_daemon.engine.engine_core import EngineCore, freeze_startup_heap
 
             started = time.monotonic()
-            core = EngineCore(config, exit_on_worker_death=True)
+
+            def enter(name: str) -> None:  # where start-up is, for /ready
+                outputs.send(wire.encode(EngineStarting(name, round(time.monotonic() - started, 3))))
+
+            core = EngineCore(config, exit_on_worker_death=True, on_phase=enter)
             built = time.monotonic()
+            enter(STARTUP_PHASES[3])
             core.warm_up()
             freeze_startup_heap()  # this process only runs the engine: its start-up heap lives as long
             log.info("start-up: warm-up in %.1f s; engine ready in %.1f s (%s, %s, max_model_len %d)",
@@ -126,6 +133,7 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
             gpus=[r.gpu for r in ranks if r.gpu is not None],
             numa_nodes=sorted({r.numa_node for r in ranks if r.numa_node is not None}),
             expert_parallel_size=config.expert_parallel_size,
+            startup_seconds=round(time.monotonic() - started, 3),
         )))
         outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))  # gauges start from the truth
         if kv_events_endpoint:

@@ -34,6 +34,7 @@ from pagoda_daemon.engine.messages import (
     EngineCoreOutputs,
     EngineFailed,
     EngineReady,
+    EngineStarting,
     EngineStats,
     FinishRequest,
     Shutdown,
@@ -103,6 +104,7 @@ class EngineClient:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None  # needs max_model_len, known once ready
         self.ready_info: EngineReady | None = None
+        self.startup: list[EngineStarting] = []  # the start-up phases entered so far
         self.dead_reason: str | None = None
         self.draining = False  # set on SIGTERM: no new requests, in-flight ones get until the drain timeout
         self._dead = asyncio.Event()
@@ -157,7 +159,20 @@ class EngineClient:
             return self.dead_reason
         if self.draining:
             return "the server is shutting down"
-        return None if self.ready_info is not None else "the engine is still starting"
+        if self.ready_info is not None:
+            return None
+        if self.startup:
+            return f"the engine is still starting: {self.startup[-1].phase}"
+        return "the engine is still starting"
+
+    def startup_phases(self) -> list[dict[str, object]]:
+        """Each phase entered, when (seconds from the engine's start) and, once over, how long it took."""
+        ends = [p.seconds for p in self.startup[1:]]
+        if self.ready_info is not None:
+            ends.append(self.ready_info.startup_seconds)
+        return [{"phase": p.phase, "started_s": p.seconds,
+                 **({"seconds": round(end - p.seconds, 3)} if end is not None else {})}
+                for p, end in zip(self.startup, ends + [None] * (len(self.startup) - len(ends)))]
 
     @property
     def is_alive(self) -> bool:
@@ -269,6 +284,8 @@ class EngineClient:
             if isinstance(message, EngineCoreOutputs):
                 self._route(message.outputs)
                 self._record_stats(message.stats)
+            elif isinstance(message, EngineStarting):
+                self.startup.append(message)
             elif isinstance(message, EngineReady):
                 self.ready_info = message
                 self.input_processor = InputProcessor(
@@ -278,6 +295,8 @@ class EngineClient:
                     self.metrics.set_placement(message.gpus, message.numa_nodes, message.expert_parallel_size)
                     self.metrics.set_cache_config(message.block_size, message.num_kv_blocks,
                                                   self.config.enable_prefix_caching)
+                    self.metrics.set_startup({p["phase"]: p["seconds"] for p in self.startup_phases()
+                                              if "seconds" in p})
             elif isinstance(message, EngineFailed):
                 self._fail_all(message.reason)
 

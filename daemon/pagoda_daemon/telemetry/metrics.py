@@ -236,11 +236,20 @@ class EngineMetrics:
         self._expert_parallel = Gauge(
             "pagoda:expert_parallel_size", "Current expert-parallel size of this replica.", labels, registry=r
         ).labels(model_name)
+        self._startup = Gauge(
+            "pagoda:startup_phase_seconds", "How long each start-up phase of the engine took.",
+            ["model_name", "phase"], registry=r,
+        )
 
     def set_cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """Once the engine is up (llm-d's prefix-aware routing reads the block size here)."""
         self._cache_config.clear()
         self._cache_config.labels(str(block_size), str(num_blocks), str(enable_prefix_caching)).set(1)
+
+    def set_startup(self, phases: dict[str, float]) -> None:
+        """Once the engine is up: the seconds each start-up phase took (loading weights, ...)."""
+        for phase, seconds in phases.items():
+            self._startup.labels(self.model_name, phase).set(seconds)
 
     def set_placement(self, gpus: list[int], numa_nodes: list[int], expert_parallel_size: int = 1) -> None:
         """Once the engine is up: its GPUs and NUMA nodes (comma-separated labels) and EP size."""
