@@ -1,13 +1,17 @@
-"""Read the daemons' Prometheus ``/metrics`` (vLLM metric names) into autoscaling signals.
+"""Read the daemons' Prometheus ``/metrics`` (vLLM metric names) into autoscaling signals, and
+a starting daemon's ``/ready`` into its start-up phase.
 
 ``parse`` is pure (text in, numbers out); ``scrape`` fetches ready pods concurrently with a short
-timeout, and a pod that does not answer is simply absent from the result.
+timeout, and a pod that does not answer is simply absent from the result; ``starting_phases``
+does the same for pods that run but are not ready yet.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -132,3 +136,44 @@ def signals_summary(per_pod: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         if xs:
             out[key] = round(sum(xs) / len(xs), 6)
     return out
+
+
+def fetch_ready(url: str, timeout: float, limit: int = MAX_SCRAPE_BYTES) -> str:
+    """GET a daemon's ``/ready``: its body whether it answers 200 or 503 (a starting engine)."""
+    try:
+        return fetch(url, timeout, limit)
+    except urllib.error.HTTPError as e:
+        if e.code != 503:
+            raise
+        return e.read(limit).decode("utf-8", "replace")
+
+
+def _starting(pod: Mapping[str, Any]) -> bool:
+    st = pod.get("status") or {}
+    return (not pod["metadata"].get("deletionTimestamp") and st.get("phase") == "Running"
+            and not pod_ready(pod) and bool(st.get("podIP")))
+
+
+def starting_phases(pods: Iterable[Mapping[str, Any]], port: int, timeout: float = 2.0,
+                    fetcher=fetch_ready) -> dict[str, str]:
+    """Pod name -> the start-up phase its engine is in (``/ready``'s last ``startup`` entry),
+    for pods that run and are not ready; a pod that does not answer is left out."""
+    targets = [(p["metadata"]["name"], str(pod_url(p, port)).removesuffix("/metrics") + "/ready")
+               for p in pods if _starting(p)]
+    if not targets:
+        return {}
+
+    def one(item: tuple[str, str]) -> tuple[str, str | None]:
+        name, url = item
+        try:
+            body = json.loads(fetcher(url, timeout))
+            phases = body.get("startup") if isinstance(body, dict) and body.get("status") != "ready" else None
+            phase = phases[-1].get("phase") if isinstance(phases, list) and phases else None
+            return name, phase if isinstance(phase, str) else None
+        except Exception as exc:  # not listening yet, not a daemon, not JSON: no phase to show
+            log.debug("start-up phase of %s: %s", url, exc)
+            return name, None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+        results = list(pool.map(one, targets))
+    return {name: phase[:100] for name, phase in results if phase is not None}

@@ -135,8 +135,10 @@ def replica_placement(
     pods: Iterable[Mapping[str, Any]],
     topologies: Mapping[str, Mapping[str, Any]],
     reported: Mapping[str, Mapping[str, Any]] | None = None,
+    starting: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Status entries, one per scheduled pod: node, readiness, GPUs and NUMA nodes.
+    """Status entries, one per scheduled pod: node, readiness, GPUs and NUMA nodes, and for a
+    pod not ready yet the start-up phase its engine reported (``starting``).
 
     GPUs and NUMA nodes come from what the daemon reports (``reported[pod]`` with ``gpus`` and
     ``numaNodes``, read from its ``pagoda:placement_info`` metric); NUMA nodes fall back to the
@@ -150,6 +152,8 @@ def replica_placement(
         if not node or (pod["metadata"].get("deletionTimestamp")):
             continue
         entry: dict[str, Any] = {"pod": name, "node": node, "ready": pod_ready(pod)}
+        if not entry["ready"] and (starting or {}).get(name):
+            entry["startupPhase"] = (starting or {})[name]
         info = reported.get(name) or {}
         gpus = [str(g) for g in info.get("gpus") or []]
         if gpus:

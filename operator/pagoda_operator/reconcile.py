@@ -49,6 +49,7 @@ class Context:
     clock: Callable[[], float] = time.time
     scrape_timeout: float = 2.0
     fetcher: Callable[[str, float], str] = scrape_mod.fetch
+    ready_fetcher: Callable[[str, float], str] = scrape_mod.fetch_ready
     # the daemon capabilities a spec may ask for (pagoda_daemon.capabilities; tests widen it)
     supports: Supports = supported
     topologies: TopologyCache = field(default_factory=TopologyCache)
@@ -108,6 +109,7 @@ class Observed:
     # podsPerReplica > 1 (pod_groups.py): the leaders' and the workers' StatefulSets, the headless Service
     stateful_sets: list[dict[str, Any]] = field(default_factory=list)
     group_service: dict[str, Any] | None = None
+    starting: dict[str, str] = field(default_factory=dict)  # pod -> start-up phase, from its /ready
 
     @property
     def leaders(self) -> dict[str, Any] | None:
@@ -176,6 +178,10 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         if autoscale:
             serving = [p for p in pods if pod_groups.role(p) != builders.WORKER]  # workers have no /metrics
             signals = scrape_mod.scrape(serving, spec.port, spec.model.name, ctx.scrape_timeout, ctx.fetcher)
+    starting: dict[str, str] = {}
+    if spec is not None:  # a starting engine says which phase it is in: shown in status.placement
+        serving = [p for p in pods if pod_groups.role(p) != builders.WORKER]
+        starting = scrape_mod.starting_phases(serving, spec.port, ctx.scrape_timeout, ctx.ready_fetcher)
     pod_events: list[dict[str, Any]] = []
     if status_mod.needs_pod_events(pods):
         # A pod stuck before its containers start (a hostPath that is not there, a PVC that
@@ -185,7 +191,7 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         except ApiError as e:
             log.debug("cannot read Events in %s: %s", namespace, e)
     return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events,
-                    stateful_sets, group_service)
+                    stateful_sets, group_service, starting)
 
 
 def decide(observed: Observed, settings: builders.Settings, now: float) -> Decision:
@@ -315,7 +321,7 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         selector=builders.selector_string(name) + (f",{builders.ROLE_LABEL}={builders.LEADER}" if grouped else ""),
         endpoint=builders.endpoint(spec) if spec is not None else None,
         expert_parallel=int(decision.expert_parallel) if decision.expert_parallel is not None else None,
-        placement=placement.replica_placement(observed.pods, topo_by_node, decision.reported),
+        placement=placement.replica_placement(observed.pods, topo_by_node, decision.reported, observed.starting),
         autoscaling=decision.autoscaling,
     )
     warning = status_mod.degraded_event(previous, new)

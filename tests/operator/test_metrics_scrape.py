@@ -175,3 +175,37 @@ def test_scrape_leaves_out_the_pod_that_answers_too_much(metrics_server):
         return fetch(url.replace("/metrics", "/huge"), timeout)
 
     assert scrape(pods, port, "llama", 5.0, huge_instead) == {}
+
+
+def test_a_starting_daemon_reports_its_phase(tiny_models, tmp_path):
+    """Against a real `pagoda serve` as it starts: every phase read from /ready is one of the
+    engine's, in order, and the pod counts as starting only until it is ready."""
+    import httpx
+
+    from pagoda_daemon.engine.messages import STARTUP_PHASES
+    from pagoda_operator.metrics_scrape import starting_phases
+    from tests.server.conftest import ServerProcess
+
+    srv = ServerProcess(tiny_models["qwen3"], log_dir=tmp_path)
+    pod = {"metadata": {"name": "p0"}, "status": {"phase": "Running", "podIP": "127.0.0.1",
+                                                   "conditions": [{"type": "Ready", "status": "False"}]}}
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            phase = starting_phases([pod], srv.port, timeout=2).get("p0")
+            if phase and phase not in seen:
+                seen.append(phase)
+            try:
+                if httpx.get(srv.url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        assert seen, "no start-up phase seen before ready"
+        assert seen == [p for p in STARTUP_PHASES if p in seen]  # in the engine's order
+        assert starting_phases([pod], srv.port, timeout=2) == {}  # ready: no phase to show
+        ready = {**pod, "status": {**pod["status"], "conditions": [{"type": "Ready", "status": "True"}]}}
+        assert starting_phases([ready], srv.port, timeout=2) == {}  # a Ready pod is not asked
+    finally:
+        assert srv.stop() == 0

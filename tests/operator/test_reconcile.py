@@ -418,3 +418,30 @@ def test_an_unsupported_capability_is_a_degraded_condition_not_a_crash_loop(fake
     deg = condition(status(fake_kube), "Degraded")
     assert (deg["status"], deg["reason"]) == ("True", "InvalidSpec")
     assert "spec.parallelism.data: data parallelism" in deg["message"]
+
+
+def test_a_starting_pod_shows_its_start_up_phase_in_status(fake_kube):
+    import json
+
+    kube = FakeKube()
+    kube.put(isvc(resources={"gpusPerReplica": 0}))
+    asked: list[str] = []
+
+    def ready_fetcher(url: str, timeout: float) -> str:
+        asked.append(url)
+        return json.dumps({"status": "not ready", "reason": "the engine is still starting: loading weights",
+                           "startup": [{"phase": "loading weights", "started_s": 0.0}]})
+
+    ctx = make(kube)
+    ctx.ready_fetcher = ready_fetcher
+    reconcile(ctx, "default", "llama", "create")
+    settle(kube)
+    pod = kube.objects[("Pod", "default", "llama-0")]
+    pod["status"] = {"phase": "Running", "podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "False"}]}
+    reconcile(ctx, "default", "llama", "pod")
+    (entry,) = status(kube)["placement"]
+    assert entry == {"pod": "llama-0", "node": "node-1", "ready": False, "startupPhase": "loading weights"}
+    assert asked == ["http://10.0.0.7:8000/ready"]
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    reconcile(ctx, "default", "llama", "pod")
+    assert "startupPhase" not in status(kube)["placement"][0] and len(asked) == 1  # ready pods are not asked
