@@ -13,11 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagoda_daemon.engine.messages import (
+    STARTUP_PHASES,
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineFailed,
     EngineReady,
+    EngineStarting,
     EngineStats,
     FinishRequest,
     PrefixCacheStats,
@@ -67,10 +69,12 @@ def test_control_messages_round_trip(message):
     assert wire.decode_to_core(wire.encode(message)) == message
 
 
-def test_ready_and_failed_round_trip():
-    ready = EngineReady(4096, 1000, 16, "cuda:0", "bfloat16", [3], [1])
+def test_starting_ready_and_failed_round_trip():
+    ready = EngineReady(4096, 1000, 16, "cuda:0", "bfloat16", [3], [1], startup_seconds=12.5)
     assert wire.decode_from_core(wire.encode(ready)) == ready and ready.expert_parallel_size == 1
     assert wire.decode_from_core(wire.encode(EngineFailed("boom"))) == EngineFailed("boom")
+    starting = EngineStarting(STARTUP_PHASES[2], 3.25)
+    assert wire.decode_from_core(wire.encode(starting)) == starting
 
 
 @pytest.mark.parametrize("frame, request_id", [

@@ -300,7 +300,7 @@ def test_the_engine_core_fails_a_bad_add_alone(tiny_models, tmp_path):
     import zmq
 
     from pagoda_daemon.config import EngineConfig
-    from pagoda_daemon.engine.messages import EngineCoreOutputs, EngineReady, Shutdown
+    from pagoda_daemon.engine.messages import EngineCoreOutputs, EngineReady, EngineStarting, Shutdown
     from pagoda_daemon.sampling_params import SamplingParams
     from pagoda_daemon.server import wire
     from pagoda_daemon.server.core_process import run_engine_core
@@ -317,8 +317,11 @@ def test_the_engine_core_fails_a_bad_add_alone(tiny_models, tmp_path):
         target=run_engine_core, args=(config, in_addr, out_addr, os.getpid(), "INFO", None), daemon=True)
     proc.start()
     try:
-        assert from_core.poll(120_000), "engine core not ready"
-        assert isinstance(wire.decode_from_core(from_core.recv()), EngineReady)
+        message = None
+        while not isinstance(message, EngineReady):  # the start-up phases come first
+            assert from_core.poll(120_000), "engine core not ready"
+            message = wire.decode_from_core(from_core.recv())
+            assert isinstance(message, (EngineStarting, EngineReady)), message
         good = wire.add_request("good", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), None, (), 0.0)
         fields = msgspec.structs.asdict(good)
 
