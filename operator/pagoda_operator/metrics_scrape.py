@@ -13,15 +13,16 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda_operator.placement import pod_ready
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # spec.autoscaling.metric -> (Prometheus name, how samples of one pod combine)
 SIGNALS = {
@@ -67,12 +68,12 @@ def parse(text: str, model_name: str | None = None) -> dict[str, Any]:
     return out
 
 
-def pod_url(pod: Mapping[str, Any], port: int) -> str | None:
+def pod_url(pod: Mapping[str, Any], port: int, path: str = "/metrics") -> str | None:
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
     host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}/metrics"
+    return f"http://{host}:{port}{path}"
 
 
 class ScrapeFailed(OSError):
@@ -112,20 +113,25 @@ def scrape(
         url = pod_url(pod, port)
         if url:
             targets.append((pod["metadata"]["name"], url))
+    return _read_each(targets, lambda url: parse(fetcher(url, timeout), model_name))
+
+
+def _read_each(targets: list[tuple[str, str]], read: Callable[[str], T | None]) -> dict[str, T]:
+    """``read`` of every (pod name, URL) at once; a pod whose read fails or gives None is left out."""
     if not targets:
         return {}
 
-    def one(item: tuple[str, str]) -> tuple[str, dict[str, Any] | None]:
+    def one(item: tuple[str, str]) -> tuple[str, T | None]:
         name, url = item
         try:
-            return name, parse(fetcher(url, timeout), model_name)
+            return name, read(url)
         except Exception as exc:  # a pod that does not answer is only absent
-            log.debug("scrape %s failed: %s", url, exc)
+            log.debug("reading %s failed: %s", url, exc)
             return name, None
 
     with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
         results = list(pool.map(one, targets))
-    return {name: sig for name, sig in results if sig is not None}
+    return {name: value for name, value in results if value is not None}
 
 
 def signals_summary(per_pod: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -158,22 +164,13 @@ def starting_phases(pods: Iterable[Mapping[str, Any]], port: int, timeout: float
                     fetcher=fetch_ready) -> dict[str, str]:
     """Pod name -> the start-up phase its engine is in (``/ready``'s last ``startup`` entry),
     for pods that run and are not ready; a pod that does not answer is left out."""
-    targets = [(p["metadata"]["name"], str(pod_url(p, port)).removesuffix("/metrics") + "/ready")
-               for p in pods if _starting(p)]
-    if not targets:
-        return {}
+    targets = [(p["metadata"]["name"], str(pod_url(p, port, "/ready"))) for p in pods if _starting(p)]
+    return _read_each(targets, lambda url: _current_phase(fetcher(url, timeout)))
 
-    def one(item: tuple[str, str]) -> tuple[str, str | None]:
-        name, url = item
-        try:
-            body = json.loads(fetcher(url, timeout))
-            phases = body.get("startup") if isinstance(body, dict) and body.get("status") != "ready" else None
-            phase = phases[-1].get("phase") if isinstance(phases, list) and phases else None
-            return name, phase if isinstance(phase, str) else None
-        except Exception as exc:  # not listening yet, not a daemon, not JSON: no phase to show
-            log.debug("start-up phase of %s: %s", url, exc)
-            return name, None
 
-    with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-        results = list(pool.map(one, targets))
-    return {name: phase[:100] for name, phase in results if phase is not None}
+def _current_phase(body_text: str) -> str | None:
+    """The last phase a not-ready ``/ready`` body lists (None for anything else), shortened."""
+    body = json.loads(body_text)
+    phases = body.get("startup") if isinstance(body, dict) and body.get("status") != "ready" else None
+    phase = phases[-1].get("phase") if isinstance(phases, list) and phases else None
+    return phase[:100] if isinstance(phase, str) else None

@@ -52,7 +52,7 @@ def role(obj: Mapping[str, Any]) -> str | None:
 def group_of(obj: Mapping[str, Any], name: str) -> int | None:
     """The group a leader pod (``<name>-<g>``), a worker pod or a workers' StatefulSet belongs to."""
     meta = obj.get("metadata") or {}
-    if role(obj) == WORKER or obj.get("kind") == "StatefulSet":
+    if role(obj) == WORKER:
         value = (meta.get("labels") or {}).get(GROUP_LABEL, "")
     else:
         value = str(meta.get("name", "")).removeprefix(f"{name}-")

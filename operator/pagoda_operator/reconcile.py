@@ -170,17 +170,16 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
     pods = list(kube.list("Pod", namespace, builders.selector_string(name)))
     children: dict[str, dict[str, Any] | None] = {}
     signals = None
+    serving = [p for p in pods if pod_groups.role(p) != builders.WORKER]  # workers have no HTTP port
     if spec is not None:
         children["ConfigMap"] = kube.get("ConfigMap", namespace, builders.config_map_name(spec))
         children["Service"] = kube.get("Service", namespace, name)
         if ctx.settings.network_policy:
             children["NetworkPolicy"] = kube.get("NetworkPolicy", namespace, name)
         if autoscale:
-            serving = [p for p in pods if pod_groups.role(p) != builders.WORKER]  # workers have no /metrics
             signals = scrape_mod.scrape(serving, spec.port, spec.model.name, ctx.scrape_timeout, ctx.fetcher)
     starting: dict[str, str] = {}
     if spec is not None:  # a starting engine says which phase it is in: shown in status.placement
-        serving = [p for p in pods if pod_groups.role(p) != builders.WORKER]
         starting = scrape_mod.starting_phases(serving, spec.port, ctx.scrape_timeout, ctx.ready_fetcher)
     pod_events: list[dict[str, Any]] = []
     if status_mod.needs_pod_events(pods):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator.builders import GROUP_LABEL, HASH_ANNOTATION, LEADER, ROLE_LABEL, WORKER
+from pagoda_operator.placement import pod_ready
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 CRASH_REASONS = {
@@ -133,11 +134,6 @@ class Workload:
 
 def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
     return (obj.get("metadata") or {}).get("labels") or {}
-
-
-def pod_ready(pod: Mapping[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 def _restarts(pod: Mapping[str, Any]) -> int:

@@ -93,8 +93,9 @@ def _join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_r
     else:
         store = dist.TCPStore(rdv.host, rdv.port, size, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-        store.set(f"pagoda/alive/{rank}", f"{_incarnation()}:0")
-        threading.Thread(target=_watch_peers, args=(store, rank, size, stopped, _incarnation()), name="peer-watch",
+        incarnation = _incarnation()
+        store.set(f"pagoda/alive/{rank}", f"{incarnation}:0")
+        threading.Thread(target=_watch_peers, args=(store, rank, size, stopped, incarnation), name="peer-watch",
                          daemon=True).start()
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
@@ -286,19 +287,21 @@ def _supervise(node: int, ranks: range, procs: list[subprocess.Popen], ready: Pa
         failed = [(r, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
         if failed:
             log.error("rank %d exited (exit code %d): this node stops its other ranks", *failed[0])
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            _stop(procs, 10.0)
+            _terminate(procs)
             return 1
         if all(c == 0 for c in codes):
             log.info("node %d: every rank stopped", node)
             return 0
+    _terminate(procs)
+    return 0
+
+
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM the ranks still running, and wait for all of them."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
     _stop(procs, 10.0)
-    return 0
 
 
 class MultiprocExecutor(Executor):

@@ -167,12 +167,11 @@ class EngineClient:
 
     def startup_phases(self) -> list[dict[str, object]]:
         """Each phase entered, when (seconds from the engine's start) and, once over, how long it took."""
-        ends = [p.seconds for p in self.startup[1:]]
-        if self.ready_info is not None:
-            ends.append(self.ready_info.startup_seconds)
+        # A phase ends where the next begins; the last, at ready (or not yet).
+        ends = [p.seconds for p in self.startup[1:]] + [self.ready_info.startup_seconds if self.ready_info else None]
         return [{"phase": p.phase, "started_s": p.seconds,
                  **({"seconds": round(end - p.seconds, 3)} if end is not None else {})}
-                for p, end in zip(self.startup, ends + [None] * (len(self.startup) - len(ends)))]
+                for p, end in zip(self.startup, ends)]
 
     @property
     def is_alive(self) -> bool:

@@ -49,7 +49,7 @@ def otlp_protocol(endpoint: str | None) -> str:
     target = endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
     if target:
         try:
-            port = urlsplit(target if "://" in target else "http://" + target).port
+            port = urlsplit(_with_scheme(target)).port
         except ValueError:
             port = None
         if port == OTLP_GRPC_PORT:
@@ -57,11 +57,15 @@ def otlp_protocol(endpoint: str | None) -> str:
     return HTTP_PROTOBUF
 
 
+def _with_scheme(endpoint: str) -> str:
+    """`collector:4318` -> `http://collector:4318` (no scheme means plain HTTP, no TLS)."""
+    endpoint = endpoint.strip()
+    return endpoint if "://" in endpoint else "http://" + endpoint
+
+
 def normalize_traces_endpoint(endpoint: str) -> str:
     """`collector:4318` -> `http://collector:4318/v1/traces`; a URL with a path is kept as given."""
-    endpoint = endpoint.strip()
-    if "://" not in endpoint:
-        endpoint = "http://" + endpoint
+    endpoint = _with_scheme(endpoint)
     if urlsplit(endpoint).path in ("", "/"):
         endpoint = endpoint.rstrip("/") + DEFAULT_TRACES_PATH
     return endpoint
@@ -219,10 +223,8 @@ class RequestTracer:
                     OTLPSpanExporter as GrpcExporter,
                 )
 
-                # gRPC takes host:port; an http:// endpoint means no TLS, https:// TLS.
-                target = otlp_traces_endpoint.strip() if otlp_traces_endpoint else None
-                if target and "://" not in target:
-                    target = "http://" + target
+                # An http:// endpoint means no TLS, https:// TLS; None: the exporter reads the variables.
+                target = _with_scheme(otlp_traces_endpoint) if otlp_traces_endpoint else None
                 return cls(GrpcExporter(endpoint=target), service_name=service_name)
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as e:  # pragma: no cover - depends on the install
