@@ -12,6 +12,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from pagoda_daemon.structured_outputs import StructuredOutputsParams
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # seed: a signed 64-bit int, as vLLM's API bounds it (torch.long); torch's generators take it as is.
 SEED_MIN, SEED_MAX = INT64_MIN, INT64_MAX
@@ -81,8 +83,12 @@ class SamplingParams:
     # token sequences never to complete (vLLM's bad_words, tokenized by the frontend): the last
     # token of a sequence is banned whenever the output ends with the ones before it
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # constrained decoding (a JSON schema, regex, choice or grammar); a dict is read as its fields
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -156,6 +162,8 @@ class SamplingParams:
             fail("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if any(not is_strict_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", f"must be StructuredOutputsParams, got {_shown(self.structured_outputs)}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
@@ -171,6 +179,6 @@ class SamplingParams:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Sampling reads the request's earlier output tokens on the host (penalties, bad words):
-        the engine waits for each step's tokens before scheduling the next."""
-        return self.uses_penalties or bool(self.bad_words_token_ids)
+        """Sampling reads the request's earlier output tokens on the host (penalties, bad words, a
+        grammar's state): the engine waits for each step's tokens before scheduling the next."""
+        return self.uses_penalties or bool(self.bad_words_token_ids) or self.structured_outputs is not None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.distributed.parallel_state import check_layout
+from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.messages import STARTUP_PHASES, BalancerStats, EngineCoreOutput, EngineStats
 from pagoda_daemon.engine.request import Request, RequestStatus
@@ -57,10 +58,20 @@ def default_executor(config: EngineConfig, model_config, max_model_len: int,
     return UniProcExecutor(config, model_config, max_model_len)
 
 
+def _eos_ids(model_config) -> list[int]:
+    eos = getattr(model_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model_config=None, executor: Executor | None = None,
-                 exit_on_worker_death: bool = False, on_phase: Callable[[str], None] | None = None) -> None:
-        """``on_phase`` hears each start-up phase (messages.STARTUP_PHASES) as it begins."""
+                 exit_on_worker_death: bool = False, on_phase: Callable[[str], None] | None = None,
+                 tokenizer=None) -> None:
+        """``on_phase`` hears each start-up phase (messages.STARTUP_PHASES) as it begins.
+        ``tokenizer``: the frontend's, where it shares this process (else the core loads its own
+        when the first structured-output request arrives)."""
         enter = on_phase or (lambda _name: None)
         self.config = config
         self.model_config = model_config or loader.load_config(config.model)
@@ -93,6 +104,8 @@ class EngineCore:
             config.max_num_batched_tokens,
             self.max_model_len,
             config.enable_chunked_prefill,
+            GrammarManager(self._tokenizer_loader(tokenizer), self.model_config.vocab_size,
+                           _eos_ids(self.model_config)),
         )
         info = self.worker_info
         log.info(
@@ -100,6 +113,12 @@ class EngineCore:
             info.dtype, info.device, info.attention_backend, ", CUDA graphs" if info.uses_cuda_graphs else "",
             num_blocks, config.block_size, self.max_model_len,
         )
+
+    def _tokenizer_loader(self, tokenizer) -> Callable[[], object]:
+        if tokenizer is not None:
+            return lambda: tokenizer
+        path = self.config.tokenizer or self.config.model
+        return lambda: loader.load_tokenizer(path)
 
     def _max_model_len(self) -> int:
         limit = getattr(self.model_config, "max_position_embeddings", None) or 2048
@@ -186,11 +205,16 @@ class EngineCore:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         launched = self.executor.execute_model(sched)
-        outputs = self._finish_in_flight()
+        outputs = self._failed_outputs() + self._finish_in_flight()
         self._in_flight = (sched, launched)
         if not self.async_scheduling or sched.is_empty or self.scheduler.num_needing_host_tokens:
             outputs += self._finish_in_flight()  # this step's own outputs, now
         return outputs
+
+    def _failed_outputs(self) -> list[EngineCoreOutput]:
+        """Requests the scheduler finished on its own (a grammar that did not compile)."""
+        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason=r.finish_reason,
+                                 stop_reason=r.stop_reason) for r in self.scheduler.take_failed()]
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
@@ -236,6 +260,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.shutdown()
 
     def make_stats(self) -> EngineStats:
         """The gauges now, and the counters (steps, preemptions, prefix-cache tokens) since the
@@ -253,4 +279,5 @@ class EngineCore:
             prefix_cache=self.kv_cache.make_stats(),
             step_tokens=s.step_tokens,
             balancer=None if balancer is None else BalancerStats(*balancer.take_stats()),
+            structured_outputs=None if self.scheduler.grammars is None else self.scheduler.grammars.make_stats(),
         )

@@ -29,7 +29,7 @@ class LLMEngine:
         self.config = config
         self.model_config = loader.load_config(config.model)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or config.model)
-        self.core = EngineCore(config, self.model_config)
+        self.core = EngineCore(config, self.model_config, tokenizer=self.tokenizer)
         # As the server's engine does before it reports ready: every kernel compiled now, not
         # during the caller's first batch. (The heap is not frozen: it is the caller's process.)
         self.core.warm_up()

@@ -93,6 +93,25 @@ class BalancerStats(msgspec.Struct, array_like=True, gc=False):
                              last.imbalance_before, last.imbalance_after)
 
 
+class StructuredOutputStats(msgspec.Struct, array_like=True, gc=False):
+    """Constrained decoding since the previous stats: requests that asked for a grammar, grammars
+    compiled (with each compile's seconds), requests served from the compiled-grammar cache, and
+    compiles that failed."""
+
+    requests: int = 0
+    compiles: int = 0
+    cache_hits: int = 0
+    failures: int = 0
+    compile_seconds: list[float] = msgspec.field(default_factory=list)
+
+    def add(self, later: StructuredOutputStats | None) -> StructuredOutputStats:
+        """Counters summed (compile times are per period: a running total keeps none)."""
+        if later is None:
+            return self
+        return StructuredOutputStats(self.requests + later.requests, self.compiles + later.compiles,
+                                     self.cache_hits + later.cache_hits, self.failures + later.failures)
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     """Gauges (running, waiting, KV usage, blocks) and counters (steps, preemptions, prefix-cache
     tokens). From ``EngineCore.make_stats()`` the counters are those since the previous call;
@@ -108,6 +127,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     step_tokens: list[int] = msgspec.field(default_factory=list)  # tokens of each step since the previous stats
     balancer: BalancerStats | None = None  # with EPLB only
+    structured_outputs: StructuredOutputStats | None = None  # once a request asked for a grammar
 
     def add_counters(self, later: EngineStats) -> EngineStats:
         """These counters plus a later snapshot's, with the later gauges (and the later
@@ -119,6 +139,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
                              self.prefix_cache.hits + later.prefix_cache.hits),
             later.step_tokens,
             later.balancer if self.balancer is None else self.balancer.add(later.balancer),
+            later.structured_outputs if self.structured_outputs is None
+            else self.structured_outputs.add(later.structured_outputs),
         )
 
 

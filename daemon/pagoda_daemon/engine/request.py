@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from pagoda_daemon.engine.block_hash import BlockHash, hash_block_tokens
 from pagoda_daemon.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda_daemon.engine.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +66,8 @@ class Request:
         # prompt logprobs scored so far (sampling_params.prompt_logprobs), until sent with the first output
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
+        # the constraint's compile and matcher (sampling_params.structured_outputs), set by the scheduler
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

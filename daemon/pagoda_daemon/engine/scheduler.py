@@ -16,12 +16,16 @@ pending token straight from the previous step's device output).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 # step_tokens kept between two stats reads at most (a reader that never reads stats, such as a
 # long offline run, must not grow it without bound)
@@ -43,8 +47,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        grammars: GrammarManager | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.grammars = grammars  # None: no tokenizer, so structured outputs are refused
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -57,6 +63,8 @@ class Scheduler:
         # Requests whose sampling needs every earlier output token on the host (penalties):
         # while any is unfinished, the engine does not schedule ahead.
         self.num_needing_host_tokens = 0
+        # finished by the scheduler itself (a grammar that failed to compile): the engine reports them
+        self.failed: list[Request] = []
 
     def make_stats(self) -> SchedulerStats:
         """Steps and preemptions since the previous call (get and reset)."""
@@ -68,6 +76,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs need the model's tokenizer, which this engine has not loaded")
+            request.grammar = self.grammars.grammar_for(constraint)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if request.sampling_params.needs_host_tokens:
@@ -122,11 +135,19 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, in order, unless this step had to preempt.
+        # 2. Waiting requests, in order, unless this step had to preempt. One whose grammar is
+        # still compiling keeps its place and lets those behind it go first.
+        compiling: deque[Request] = deque()
         while self.waiting and budget > 0 and not out.preempted_request_ids:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready():
+                compiling.append(self.waiting.popleft())
+                continue
+            if req.grammar is not None and req.grammar.error is not None:
+                self._fail(req, f"structured output could not be compiled: {req.grammar.error}")
+                continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached
             if num_new > budget and not self.enable_chunked_prefill:
@@ -144,6 +165,12 @@ class Scheduler:
             all_ids = self.kv_cache.block_ids(req.request_id)
             out.scheduled.append(self._advance(req, num_new, all_ids, True))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
+
+        constrained = [s.request for s in out.scheduled if s.samples and s.request.grammar is not None]
+        if constrained and self.grammars is not None:
+            out.grammar_request_ids = [r.request_id for r in constrained]
+            out.grammar_bitmask = self.grammars.bitmask(constrained)
 
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.stats.num_steps += 1
@@ -192,6 +219,13 @@ class Scheduler:
             if req.status.finished:
                 continue
             token = sampled[req.request_id]
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask left nothing to sample (the constraint meets allowed_token_ids, bad_words or
+                # min_tokens with no token in common): the sampled token is noise and is dropped.
+                self._fail(req, "the output constraint left no token to sample together with this request's "
+                                "allowed_token_ids, bad_words or min_tokens", report=False)
+                finished.append(req)
+                continue
             # A request preempted while this step ran keeps its token: it is a real output.
             req.append_output_token(token)
             accepted[req.request_id] = token
@@ -203,6 +237,9 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
+        if req.grammar is not None and req.grammar.terminated:  # complete: its stop token was accepted
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token == req.eos_token_id:
                 req.stop_reason = None
@@ -213,6 +250,19 @@ class Scheduler:
         if self._length_reached(req):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _fail(self, req: Request, reason: str, report: bool = True) -> None:
+        """Finish a request the engine cannot serve (finish_reason abort, the reason as stop_reason);
+        the engine core reports it (take_failed) unless the step's outputs do (report False)."""
+        log.warning("request %s failed: %s", req.request_id, reason)
+        req.stop_reason = reason
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        if report:
+            self.failed.append(req)
+
+    def take_failed(self) -> list[Request]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Finish from outside the core (a stop string seen by the detokenizer)."""

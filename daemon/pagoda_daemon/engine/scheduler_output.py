@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from pagoda_daemon.engine.request import Request
 
@@ -32,6 +34,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: runner drops state
     preempted_request_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
+    # constrained decoding: the requests of this step that sample under a grammar, and their
+    # allowed next tokens (packed int32 rows, bit t = token t; engine/grammar.py)
+    grammar_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

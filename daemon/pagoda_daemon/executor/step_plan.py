@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from pagoda_daemon.engine.request import Request
 from pagoda_daemon.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -40,6 +41,9 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
     scheduled: list[ScheduledDelta]
     finished_request_ids: list[str]
     num_scheduled_tokens: int
+    # constrained decoding: every rank samples, so every rank applies the same token bitmask
+    grammar_request_ids: list[str] = []
+    grammar_bitmask: bytes = b""  # int32 rows, one per grammar request, native byte order
 
 
 class InitCache(msgspec.Struct, tag="init_cache", array_like=True, gc=False):
@@ -83,7 +87,9 @@ class PlanWriter:
             self._sent[rid] = req.num_tokens
             scheduled.append(ScheduledDelta(rid, appended, s.num_new_tokens, s.new_block_ids, s.is_new, s.start,
                                             s.samples))
-        return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens)
+        bitmask = b"" if sched.grammar_bitmask is None else sched.grammar_bitmask.tobytes()
+        return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
+                        list(sched.grammar_request_ids), bitmask)
 
 
 class RequestMirrors:
@@ -108,4 +114,9 @@ class RequestMirrors:
             req.output_token_ids.extend(d.appended_token_ids)
             req.all_token_ids.extend(d.appended_token_ids)
             scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples))
-        return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens)
+        bitmask = None
+        if plan.grammar_request_ids:
+            rows = len(plan.grammar_request_ids)
+            bitmask = np.frombuffer(plan.grammar_bitmask, dtype=np.int32).reshape(rows, -1)
+        return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens,
+                               list(plan.grammar_request_ids), bitmask)

@@ -350,9 +350,7 @@ class EngineClient:
     @property
     def last_stats(self) -> dict:
         """The core's last stats, with the requests this client holds (`in_flight`)."""
-        stats = {} if self._stats is None else msgspec.structs.asdict(self._stats)
-        if self._stats is not None:
-            stats["prefix_cache"] = msgspec.structs.asdict(self._stats.prefix_cache)
+        stats = {} if self._stats is None else _as_dict(self._stats)
         return {**stats, "in_flight": self.num_in_flight}
 
     async def _log_stats(self) -> None:
@@ -385,3 +383,9 @@ class EngineClient:
     def _fail_in_flight(self, error: EngineDeadError) -> None:
         for tracked in self.requests.values():
             tracked.queue.put_nowait(error)
+
+
+def _as_dict(struct: msgspec.Struct) -> dict:
+    """A stats struct as a JSON object, nested structs too (the array-like wire form is for the engine)."""
+    return {key: _as_dict(value) if isinstance(value, msgspec.Struct) else value
+            for key, value in msgspec.structs.asdict(struct).items()}

@@ -341,9 +341,20 @@ class ModelRunner:
             banned_rows, banned_tokens = zip(*banned)
             batch.banned = (torch.tensor(banned_rows, device=self.device),
                             torch.tensor(banned_tokens, device=self.device))
+        if sched.grammar_bitmask is not None:
+            batch.token_bitmask = self._token_bitmask(sched, rows)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_num_logprobs = min(max(wanted), self.vocab_size) if wanted else None
         return batch
+
+    def _token_bitmask(self, sched: SchedulerOutput, rows: list[int]) -> torch.Tensor:
+        """The scheduler's grammar rows placed at their requests' sampling rows; every other
+        row allows every token."""
+        assert sched.grammar_bitmask is not None
+        row_of = {sched.scheduled[i].request.request_id: j for j, i in enumerate(rows)}
+        full = np.full((len(rows), sched.grammar_bitmask.shape[1]), -1, dtype=np.int32)
+        full[[row_of[rid] for rid in sched.grammar_request_ids]] = sched.grammar_bitmask
+        return torch.from_numpy(full).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> LaunchedStep:

@@ -41,6 +41,8 @@ class SamplingBatch:
     # tokens a row may sample, and the (row, token) pairs bad_words bans this step
     allowed: torch.Tensor | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids)
+    # constrained decoding: [B, ceil(V/32)] int32, bit t of row i set = token t allowed (xgrammar's layout)
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -111,6 +113,16 @@ def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of the logits with every token a row's grammar forbids at -inf. The
+    sampled token's logprob is then taken over the allowed tokens, as in vLLM."""
+    import xgrammar as xgr
+
+    masked = logits.to(torch.float32, copy=True)
+    xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=masked.shape[-1])
+    return masked
+
+
 def _temperature_only(batch: SamplingBatch) -> bool:
     """True when the batch needs no more than temperature scaling (or greedy) per row."""
     return (batch.top_k is None and batch.top_p is None and batch.min_p is None and not batch.generators
@@ -137,6 +149,8 @@ class Sampler:
         return self.fused or (logits.is_cuda and triton_kernels_available())
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         if self._use_fused(logits, batch):
             from pagoda_kernels.sampling import sample_tokens
 
