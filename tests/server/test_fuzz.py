@@ -32,7 +32,7 @@ MIN_REQUESTS = 3000
 
 text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=24)
 token_ids = st.lists(st.integers(0, 511), min_size=1, max_size=12)
-optional_fields = {
+optional_fields: dict = {
     "n": st.integers(1, 3),
     "temperature": st.floats(0.0, 2.0),
     "top_p": st.floats(0.01, 1.0),
@@ -61,12 +61,33 @@ optional_fields = {
     "return_tokens_as_token_ids": st.booleans(),
     "add_special_tokens": st.booleans(),
 }
+# output constraints: one per body where they are valid (two are a 400, which hostile bodies cover)
+schemas = st.sampled_from([{"type": "integer"}, {"type": "object", "properties": {"a": {"type": "string",
+                           "maxLength": 3}}, "required": ["a"]}, {"enum": ["x", "y"]}, {}])
+constraint_fields = {
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                                 st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "s", "schema": s}},
+                                           schemas)),
+    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[a-z]{1,4}"}, {"json": {"type": "integer"}},
+                                           {"grammar": 'root ::= "x"+'}, {"json_object": True}]),
+    "guided_json": st.one_of(schemas, schemas.map(json.dumps)),
+    "guided_regex": st.sampled_from(["[0-9]+", "(yes|no)", ".{1,3}"]),
+    "guided_choice": st.lists(st.text(st.characters(codec="utf-8", exclude_categories=["Cc", "Cs"]), min_size=1,
+                                      max_size=8), min_size=1, max_size=3),
+    "guided_grammar": st.sampled_from(['root ::= "a" | "b"', 'root ::= [0-9]{1,3}']),
+    "guided_decoding_backend": st.sampled_from(["xgrammar", "auto"]),
+}
+tool = st.builds(lambda name, params: {"type": "function", "function": {"name": name, **params}},
+                 st.sampled_from(["f", "get_weather", "a.b-c_9"]),
+                 st.sampled_from([{}, {"parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}]))
+tool_fields = {"tools": st.lists(tool, min_size=1, max_size=3, unique_by=lambda t: t["function"]["name"]),
+               "tool_choice": st.sampled_from(["none", "auto", "required"]), "parallel_tool_calls": st.booleans()}
 completion_fields = {**optional_fields, "logprobs": st.integers(0, 20), "echo": st.booleans()}
 chat_fields = {**optional_fields, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
                "max_completion_tokens": st.integers(2, 6), "add_generation_prompt": st.booleans(),
                "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), st.booleans()),
                "documents": st.lists(st.fixed_dictionaries({"title": text, "text": text}), max_size=2),
-               "echo": st.booleans(), "continue_final_message": st.just(False)}
+               "echo": st.booleans(), "continue_final_message": st.just(False), **tool_fields}
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
      "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
@@ -102,7 +123,7 @@ hostile_value = st.one_of(
     st.sampled_from([RAW + "1e309", RAW + "-1e400", RAW + "NaN", RAW + "-Infinity", RAW + "1" * 5000,
                      RAW + "[" * 5000 + "]" * 5000, RAW + "{" * 3000 + "}" * 3000, RAW + "0.0000001e-400"]),
 )
-field_names = st.sampled_from(sorted({*completion_fields, *chat_fields, "prompt", "messages", "model", "stream",
+field_names = st.sampled_from(sorted({*completion_fields, *chat_fields, *constraint_fields, "prompt", "messages", "model", "stream",
                                       "stream_options", "echo", "best_of", "tools", "logit_bias", "suffix",
                                       "chat_template", "bogus", ""}))
 
@@ -151,6 +172,9 @@ def case(draw) -> Case:
     valid_strategy = valid_completion if kind == "completion" else valid_chat
     valid = draw(st.integers(0, 9)) < 4
     body = dict(draw(valid_strategy)) if valid else draw(hostile_body(valid_strategy))
+    if draw(st.integers(0, 2)) == 0:  # an output constraint in a third of the bodies
+        name = draw(st.sampled_from(sorted(constraint_fields)))
+        body[name] = draw(constraint_fields[name])
     stream = draw(st.booleans())
     if stream and "stream" not in body:
         body["stream"] = True
@@ -198,7 +222,9 @@ async def send(client: httpx.AsyncClient, url: str, c: Case, seen: Counter) -> N
         return
     if not c.stream:
         body = resp.json()
-        assert body["choices"] and all(ch["finish_reason"] in ("length", "stop") for ch in body["choices"]), body
+        # abort: an output constraint that meets allowed_token_ids, bad_words or min_tokens in no token
+        assert body["choices"] and all(ch["finish_reason"] in ("length", "stop", "tool_calls") or (
+            ch["finish_reason"] == "abort" and "output constraint" in ch["stop_reason"]) for ch in body["choices"]), body
         assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
         return
     lines = [ln for ln in resp.text.split("\n") if ln]
@@ -257,6 +283,7 @@ def test_the_fuzzed_fields_cover_every_request_field():
 
     set_by_case = {"model", "stream", "stream_options"}
     refused_unless_default = {"best_of"}  # unsupported values: the hostile strategies send them
-    assert set(CompletionRequest.model_fields) == {*completion_fields, "prompt", "max_tokens", *set_by_case,
-                                                   *refused_unless_default}
-    assert set(ChatCompletionRequest.model_fields) == {*chat_fields, "messages", "max_tokens", *set_by_case}
+    assert set(CompletionRequest.model_fields) == {*completion_fields, *constraint_fields, "prompt", "max_tokens",
+                                                   *set_by_case, *refused_unless_default}
+    assert set(ChatCompletionRequest.model_fields) == {*chat_fields, *constraint_fields, "messages", "max_tokens",
+                                                       *set_by_case}

@@ -25,7 +25,14 @@ def main():\n    return "hello, world"\n
 """
 
 _CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    # tools as Qwen3's template offers them and its model calls them (<tool_call> JSON blocks)
+    "{% if tools %}<|system|>\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call>\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>\n{% endfor %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     # as Qwen3's template: chat_template_kwargs {"enable_thinking": false} opens and closes the thought
     "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n"

@@ -24,6 +24,7 @@ from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server import tokens
 from pagoda_daemon.server.auth import APIKeys
+from pagoda_daemon.server.chat_reply import ReplyShape
 from pagoda_daemon.server.chat_template import render_chat
 from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError, PreparedRequest
 from pagoda_daemon.server.errors import APIError, bad_request, unavailable
@@ -32,10 +33,14 @@ from pagoda_daemon.server.limits import RequestLimits
 from pagoda_daemon.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    Constraint,
+    constraint_error,
     parse_request,
     validation_error,
 )
+from pagoda_daemon.server.reasoning import THINK_OPEN, reasoning_parser_for
 from pagoda_daemon.server.responses import ChatBuilder, CompletionBuilder, ResponseOptions
+from pagoda_daemon.server.tool_parsers import parser_for
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ class ServerSettings:
     served_model_name: str
     max_waiting_requests: int = 4096  # beyond running + this many queued, new requests get 503
     default_max_tokens: int = 16
+    tool_call_parser: str | None = None  # None: the one the model's chat template shows
+    reasoning_parser: str | None = None  # None: thinking stays in the content, as in vLLM
 
 
 def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, keys: APIKeys | None = None,
@@ -131,20 +138,30 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
     async def completions(raw: Request):
         req = await parse(CompletionRequest, raw)
         _check_model(req.model, settings)
-        params = req.sampling_params(settings.default_max_tokens)
+        constraint = req.constraint()
+        params = req.sampling_params(settings.default_max_tokens, constraint)
         prompts = req.prompts()
         _check_batch_fits(client, settings, len(prompts) * params.n)
-        processed, params = await asyncio.to_thread(_process_prompts, client, prompts, params, req)
+        processed, params = await asyncio.to_thread(_process_prompts, client, prompts, params, req, constraint)
         return await _serve(raw, client, settings, req, processed, params, chat=False, tracer=tracer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         req = await parse(ChatCompletionRequest, raw)
         _check_model(req.model, settings)
-        params = req.sampling_params()
+        constraint = req.constraint()
+        params = req.sampling_params(constraint=constraint)
         _check_batch_fits(client, settings, params.n)
-        processed, params = await asyncio.to_thread(_process_chat, client, req, params)
-        return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer)
+        tool_parser = _tool_parser(client, settings, req)
+        processed, params = await asyncio.to_thread(_process_chat, client, req, params, constraint)
+        reasoning = None
+        if settings.reasoning_parser is not None:  # a prompt that ends in <think> starts the reply inside it
+            reasoning = reasoning_parser_for(settings.reasoning_parser,
+                                             (processed[0][0] or "").rstrip().endswith(THINK_OPEN))
+        named = req.named_tool()
+        shape = ReplyShape(req.tool_mode, tool_parser, None if named is None else named[1].name,
+                           req.parallel_tool_calls, reasoning)
+        return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer, reply=shape)
 
     tokens.add_routes(app, client, settings.served_model_name, parse)
     for path in NOT_SERVED:
@@ -222,18 +239,45 @@ def _with_bad_words(client: EngineClient, params: SamplingParams, req) -> Sampli
         raise bad_request(str(e), param="bad_words") from e
 
 
-def _process_prompts(client: EngineClient, prompts: list, params: SamplingParams,
-                     req: CompletionRequest) -> tuple[Processed, SamplingParams]:
+def _check_constraint(constraint: Constraint | None) -> None:
+    """A constraint that cannot compile is a 400 naming its field, before the request is queued."""
+    if constraint is None:
+        return
+    param, structured = constraint
+    try:
+        structured.check()
+    except ValueError as e:
+        raise constraint_error(param, e) from e
+
+
+def _tool_parser(client: EngineClient, settings: ServerSettings, req: ChatCompletionRequest):
+    """The parser of the calls a model makes when it may choose (tool_choice auto)."""
+    if req.tool_mode != "auto":
+        return None
+    template = getattr(client.tokenizer, "chat_template", None)
+    parser = parser_for(settings.tool_call_parser, template if isinstance(template, str) else None,
+                        getattr(client.model_config, "model_type", None))
+    if parser is None:
+        raise bad_request('tool_choice "auto" needs a tool call parser, and this model\'s chat template shows no '
+                          "tool call format Pagoda knows: start the server with --tool-call-parser, or send "
+                          'tool_choice "required" or a named function', param="tool_choice")
+    return parser
+
+
+def _process_prompts(client: EngineClient, prompts: list, params: SamplingParams, req: CompletionRequest,
+                     constraint: Constraint | None = None) -> tuple[Processed, SamplingParams]:
     """Tokenize and check every prompt (run in a worker thread: the tokenizer releases the GIL)."""
     _ensure_ready(client)
+    _check_constraint(constraint)
     params = _with_bad_words(client, params, req)
     return [_process_prompt(client, p, params, req) for p in prompts], params
 
 
-def _process_chat(client: EngineClient, req: ChatCompletionRequest,
-                  params: SamplingParams) -> tuple[Processed, SamplingParams]:
+def _process_chat(client: EngineClient, req: ChatCompletionRequest, params: SamplingParams,
+                  constraint: Constraint | None = None) -> tuple[Processed, SamplingParams]:
     """Apply the chat template, then tokenize and check (run in a worker thread)."""
     _ensure_ready(client)
+    _check_constraint(constraint)
     params = _with_bad_words(client, params, req)
     return [_process_prompt(client, render_chat(client.tokenizer, req), params, req)], params
 
@@ -269,7 +313,7 @@ def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams
 
 
 async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, req, prompts: Processed,
-                 params: SamplingParams, chat: bool, tracer=None):
+                 params: SamplingParams, chat: bool, tracer=None, reply: ReplyShape | None = None):
     limit = _capacity(client, settings)
     n_new = len(prompts) * params.n
     if client.num_in_flight + n_new > limit:
@@ -304,7 +348,8 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
         response_id=base_id, created=created, model=req.model, n=params.n, num_top_logprobs=params.logprobs,
         prompt_logprobs=req.prompt_logprobs is not None, echo=req.echo and not chat,
         echo_only=getattr(req, "echo_only", False), echo_text=req.echo_text() if chat else "",
-        token_ids_as_tokens=req.return_tokens_as_token_ids, continuous_usage=req.continuous_usage)
+        token_ids_as_tokens=req.return_tokens_as_token_ids, continuous_usage=req.continuous_usage,
+        reply=reply or ReplyShape())
     builder = (ChatBuilder if chat else CompletionBuilder)(options, client.tokenizer, prompts)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -403,9 +448,8 @@ async def _stream(streams, builder: CompletionBuilder, include_usage: bool, span
             if index not in builder.choices:
                 for chunk in builder.first_chunks(index, out):
                     yield _sse(chunk)
-            delta = builder.delta(index, out)
-            if delta is not None:
-                yield _sse(delta)
+            for chunk in builder.deltas(index, out):
+                yield _sse(chunk)
             c = out.outputs[0]
             if c.finish_reason is not None:
                 reasons.append(c.finish_reason)

@@ -1,6 +1,6 @@
 """A chat conversation through the model's chat template: one place for the chat endpoint and
 /tokenize, with vLLM's request options (``add_generation_prompt``, ``continue_final_message``,
-``chat_template_kwargs``, ``documents``)."""
+``chat_template_kwargs``, ``documents``, ``tools``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ from pagoda_daemon.server.protocol import ChatTemplateFields
 
 def render_chat(tokenizer, req: ChatTemplateFields) -> str:
     """The conversation through the model's chat template, as text (400 when the template refuses)."""
-    conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+    conversation = [m.for_template() for m in req.messages]
     extra = dict(req.chat_template_kwargs or {})
     if req.documents is not None:
         extra["documents"] = req.documents
+    tools = req.template_tools()
+    if tools is not None:
+        extra["tools"] = tools
     try:
         return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt,

@@ -37,18 +37,24 @@ from pagoda_daemon.sampling_params import (
     has_lone_surrogate,
 )
 from pagoda_daemon.server.errors import APIError, bad_request
+from pagoda_daemon.structured_outputs import (
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_REGEX_CHARS,
+    MAX_SCHEMA_CHARS,
+    StructuredOutputsParams,
+)
 
 log = logging.getLogger(__name__)
 
 # Parameters (OpenAI's and vLLM's) that change what is generated and that Pagoda does not
 # implement yet: a 400 names them rather than serving something else than was asked.
 UNSUPPORTED = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "functions", "function_call",  # OpenAI's deprecated form of tools
     "logit_bias", "suffix", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
     "service_tier", "store", "metadata", "chat_template", "use_beam_search", "length_penalty",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs", "logits_processors", "prompt_embeds",
-    "mm_processor_kwargs", "lora_request",
+    "guided_whitespace_pattern", "logits_processors", "prompt_embeds", "mm_processor_kwargs", "lora_request",
 )
 MAX_ID_CHARS = 256  # user, cache_salt, request_id, a message's name
 MAX_BAD_WORD_CHARS = 256
@@ -157,6 +163,73 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # usage on every chunk too (vLLM's option)
 
 
+# ---- structured outputs (response_format, vLLM's structured_outputs and guided_* fields) ---------
+
+SchemaText = Annotated[str, Field(max_length=MAX_SCHEMA_CHARS)]
+Schema = dict[str, Any] | SchemaText
+RegexText = Annotated[str, Field(max_length=MAX_REGEX_CHARS)]
+GrammarText = Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]
+Choices = Annotated[list[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)]], Field(max_length=MAX_CHOICES)]
+# OpenAI's names of functions and response formats ([a-zA-Z0-9_-], at most 64); dots too, as MCP
+# servers name their tools
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_DESCRIPTION_CHARS = 64 * 1024
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True)
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON value
+    strict: bool | None = None  # the output always follows the schema: strict or not, as in vLLM
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise bad_request("response_format.json_schema is required with type json_schema, and only then",
+                              param="response_format.json_schema")
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's structured_outputs: exactly one of its fields."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True)
+    json_schema: Schema | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: RegexText | None = None
+    choice: Choices | None = None
+    grammar: GrammarText | None = None
+
+
+Constraint = tuple[str, StructuredOutputsParams]  # (the request field that asked, the constraint)
+
+
+def _structured(param: str, **fields: Any) -> Constraint:
+    """The constraint, or a 400 naming `param` (the field the caller used) when it is invalid."""
+    try:
+        return param, StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise constraint_error(param, e) from e
+
+
+def constraint_error(param: str, error: ValueError) -> APIError:
+    """A StructuredOutputsParams error ("structured_outputs.<field> <problem>") as a 400 naming
+    the request field that carried the constraint."""
+    text = str(error)
+    head, _, problem = text.partition(" ")
+    if head.startswith("structured_outputs.") and problem:
+        text = problem
+    return bad_request(f"{param}: {text}", param=param)
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
@@ -190,6 +263,14 @@ class _Common(BaseModel):
                          Field(max_length=MAX_BAD_WORDS)] = []
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     return_tokens_as_token_ids: bool = False
+    # constrained output: one of these at most
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: Schema | None = None
+    guided_regex: RegexText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: GrammarText | None = None
+    guided_decoding_backend: Annotated[str, Field(max_length=64)] | None = None  # xgrammar serves them all
 
     @model_validator(mode="after")
     def _reject_unsupported(self):
@@ -213,6 +294,36 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage
                     and self.stream_options.continuous_usage_stats)
 
+    def constraint(self) -> Constraint | None:
+        """The request's output constraint (the chat endpoint adds its tools')."""
+        return self.output_constraint()
+
+    def output_constraint(self) -> Constraint | None:
+        """(the field that asked, the constraint) from whichever field carries one (400 for two)."""
+        found: list[Constraint] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(_structured("response_format", json_object=True))
+        elif rf is not None and rf.json_schema is not None:
+            schema = rf.json_schema.json_schema
+            found.append(_structured("response_format.json_schema.schema", json={} if schema is None else schema))
+        so = self.structured_outputs
+        if so is not None:
+            fields = {"json": so.json_schema, "json_object": bool(so.json_object), "regex": so.regex,
+                      "choice": so.choice, "grammar": so.grammar}
+            set_names = [name for name, value in fields.items() if value not in (None, False)]
+            param = f"structured_outputs.{set_names[0]}" if len(set_names) == 1 else "structured_outputs"
+            found.append(_structured(param, **fields))
+        for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append(_structured(name, **{field: value}))
+        if len(found) > 1:
+            raise bad_request(f"only one output constraint per request: {found[0][0]} and {found[1][0]} are both set",
+                              param=found[1][0])
+        return found[0] if found else None
+
     def truncation(self, max_model_len: int) -> int | None:
         """truncate_prompt_tokens as a token count (-1: the model's context, as in vLLM)."""
         if self.truncate_prompt_tokens is None:
@@ -224,7 +335,8 @@ class _Common(BaseModel):
         return self.truncate_prompt_tokens
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         default_max: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                         default_max: int | None, prompt_logprobs: int | None = None,
+                         constraint: Constraint | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -248,6 +360,7 @@ class _Common(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 allowed_token_ids=self.allowed_token_ids,
+                structured_outputs=None if constraint is None else constraint[1],
             )
         except ValueError as e:
             param = str(e).split(" ", 1)[0]
@@ -288,13 +401,13 @@ class CompletionRequest(_Common):
         return only the prompt, as vLLM does."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self, default_max: int) -> SamplingParams:
+    def sampling_params(self, default_max: int, constraint: Constraint | None = None) -> SamplingParams:
         max_tokens = 1 if self.echo_only else self.max_tokens
         # echo with logprobs: the prompt's tokens get theirs too
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         if prompt_logprobs is not None and self.prompt_logprobs is not None:
             prompt_logprobs = max(prompt_logprobs, self.prompt_logprobs)
-        return self._sampling_params(max_tokens, self.logprobs, default_max, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, default_max, prompt_logprobs, constraint)
 
 
 class TextPart(BaseModel):
@@ -303,22 +416,112 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class ToolCallFunction(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=MAX_SCHEMA_CHARS)]  # JSON text of an object, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call the assistant made, as the client sends it back in the history."""
+
+    model_config = _STRICT
+    id: Identifier
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+# Fields of a message that clients send back as they received them (the openai SDK serializes a
+# reply message whole): accepted when empty, and never rendered.
+ECHOED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call", "reasoning_content",
+                                   "reasoning"})
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # null only on assistant messages
     name: Identifier | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant only
+    tool_call_id: Identifier | None = None  # tool only: the call this message answers
 
     @model_validator(mode="after")
     def _check(self):
+        for key, value in (self.model_extra or {}).items():
+            if key not in ECHOED_MESSAGE_FIELDS:
+                raise bad_request(f"messages: unknown field '{key}'", param=f"messages.{key}")
+            if key in ("function_call", "audio") and value is not None:
+                raise bad_request(f"messages: '{key}' is not supported by Pagoda (use tool_calls)",
+                                  param=f"messages.{key}", code="unsupported_parameter")
         if self.content is None and self.role != "assistant":
             raise bad_request(f"a {self.role} message needs content", param="messages.content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", param="messages.tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise bad_request("a tool message needs tool_call_id (and only a tool message has one)",
+                              param="messages.tool_call_id")
         return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: tool call arguments as objects (templates write
+        them with `tojson`), as vLLM passes them."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
+
+
+def _arguments_object(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"a tool call's arguments must be a JSON object: {e}",
+                          param="messages.tool_calls.function.arguments") from e
+    if not isinstance(value, dict):
+        raise bad_request("a tool call's arguments must be a JSON object", param="messages.tool_calls.function.arguments")
+    return value
+
+
+# ---- tools --------------------------------------------------------------------------------------
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # calls forced by tool_choice always follow the schema
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 class ChatTemplateFields(BaseModel):
@@ -333,6 +536,11 @@ class ChatTemplateFields(BaseModel):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates read them (OpenAI's shape, unset fields left out)."""
+        return None if not self.tools else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @model_validator(mode="after")
     def _check_template_fields(self):
@@ -344,6 +552,9 @@ class ChatTemplateFields(BaseModel):
         for key in self.chat_template_kwargs or {}:
             if key in RESERVED_TEMPLATE_KWARGS:
                 raise bad_request(f"chat_template_kwargs may not set '{key}'", param=f"chat_template_kwargs.{key}")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise bad_request("tools: two functions have the same name", param="tools")
         return self
 
 
@@ -353,23 +564,74 @@ class ChatCompletionRequest(_Common, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False  # prefix the reply with the last message's content when it is the assistant's
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool() is None:
+            raise bad_request(f"tool_choice names the function '{self.tool_choice.function.name}', which is not "
+                              "among the tools", param="tool_choice.function.name")
         return self
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How the reply may call tools: not at all, when the model chooses (the reply is parsed
+        for calls), or always (the output is constrained to calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice in (None, "auto"):
+            return "auto"
+        return "required" if self.tool_choice == "required" else "named"
+
+    def named_tool(self) -> tuple[int, FunctionDefinition] | None:
+        """The function tool_choice names, with its place among the tools."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        for index, tool in enumerate(self.tools or []):
+            if tool.function.name == self.tool_choice.function.name:
+                return index, tool.function
+        return None
+
+    def constraint(self) -> Constraint | None:
+        """tool_choice required: a JSON array of calls to declared functions with valid arguments
+        (vLLM's form); a named function: that function's arguments. Either constrains the whole
+        reply, so it cannot be combined with a response format."""
+        own = self.output_constraint()
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return own
+        if own is not None:
+            raise bad_request(f"tool_choice {mode} and {own[0]} both constrain the reply: send one of them",
+                              param=own[0])
+        named = self.named_tool()
+        if named is not None:
+            index, function = named
+            return _structured(f"tools.{index}.function.parameters", json=function.parameters or NO_ARGUMENTS)
+        calls = {"anyOf": [
+            {"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                              "parameters": tool.function.parameters or NO_ARGUMENTS},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for tool in self.tools or []]}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls}
+        if not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return _structured("tools", json=schema)
 
     def echo_text(self) -> str:
         """What echo puts before the reply: the last message's content, if the assistant's."""
         last = self.messages[-1]
         return last.text() if self.echo and last.role == "assistant" else ""
 
-    def sampling_params(self, default_max: int | None = None) -> SamplingParams:
+    def sampling_params(self, default_max: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
         """Without max_tokens a chat reply may use the rest of the context, as in vLLM."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, default_max)
+        return self._sampling_params(max_tokens, logprobs, default_max, constraint=constraint)
 
 
 # ---- /tokenize and /detokenize (vLLM's) ---------------------------------------------------------

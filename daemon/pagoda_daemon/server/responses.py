@@ -9,10 +9,11 @@ and usage on every chunk with ``stream_options.continuous_usage_stats``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda_daemon.outputs import Logprobs, RequestOutput
+from pagoda_daemon.server.chat_reply import ReplyShape, ReplyStreamer, message_fields
 
 Prompt = tuple[str | None, list[int]]  # (prompt text or None, token ids)
 
@@ -30,6 +31,7 @@ class ResponseOptions:
     echo_text: str = ""  # chat: the assistant message echoed before the reply
     token_ids_as_tokens: bool = False  # vLLM's return_tokens_as_token_ids
     continuous_usage: bool = False
+    reply: ReplyShape = field(default_factory=ReplyShape)  # chat: reasoning and tool calls
 
 
 def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
@@ -38,6 +40,17 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     if cached is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached}
     return body
+
+
+# JSON has no -inf (a token masked out by allowed_token_ids, bad_words or a grammar) nor NaN:
+# they are sent as vLLM's server sends them, -9999.0
+MIN_LOGPROB = -9999.0
+
+
+def _finite(entry: Logprobs | None) -> Logprobs | None:
+    if entry is None or all(v >= MIN_LOGPROB for v in entry.values()):  # NaN fails the comparison
+        return entry
+    return {t: v if v >= MIN_LOGPROB else MIN_LOGPROB for t, v in entry.items()}
 
 
 def _top(lp: Logprobs, n: int) -> list[tuple[int, float]]:
@@ -52,6 +65,7 @@ class _Choice:
     completion_tokens: int = 0
     text_offset: int = 0  # where the next token's text starts (the tokens' strings so far, summed)
     cached_tokens: int = 0
+    reply: ReplyStreamer | None = None  # chat replies that are not plain content
 
 
 class CompletionBuilder:
@@ -94,6 +108,7 @@ class CompletionBuilder:
         alternative the engine returned (the prompt's, as vLLM's echo does), else the top
         num_top_logprobs."""
         tokens = [self.token_str(t) for t in token_ids]
+        entries = [_finite(e) for e in entries]
         offsets = []
         for tok in tokens:
             offsets.append(offset)
@@ -119,7 +134,7 @@ class CompletionBuilder:
         if out.prompt_logprobs is None:
             return None
         return [None if e is None else {str(t): {"logprob": lp, "decoded_token": self.token_str(t)}
-                                        for t, lp in e.items()} for e in out.prompt_logprobs]
+                                        for t, lp in e.items()} for e in map(_finite, out.prompt_logprobs)]
 
     def _echo(self, index: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
         """The prompt's text and (with logprobs) its logprobs, for echo."""
@@ -181,6 +196,11 @@ class CompletionBuilder:
             choice["prompt_logprobs"] = self._prompt_logprobs_field(out)
         return [self.envelope([choice], **self._chunk_usage(index, state))]
 
+    def deltas(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        """The chunks of one DELTA output (often one; none when it carries nothing to send)."""
+        chunk = self.delta(index, out)
+        return [] if chunk is None else [chunk]
+
     def delta(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         """One DELTA output as a chunk, or None when it carries nothing to send."""
         state = self.choices[index]
@@ -225,6 +245,7 @@ class ChatBuilder(CompletionBuilder):
 
     def _logprobs(self, token_ids, entries, offset, whole_entries=False):
         n = self.o.num_top_logprobs or 0
+        entries = [_finite(e) for e in entries]
         return {"content": [
             {**self._entry(t, e.get(t)), "top_logprobs": [self._entry(k, v) for k, v in _top(e, n)]}
             for t, e in zip(token_ids, entries)
@@ -233,8 +254,15 @@ class ChatBuilder(CompletionBuilder):
     def _choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         c = out.outputs[0]
         lp = None if c.logprobs is None else self._logprobs(c.token_ids, list(c.logprobs), 0)
-        return {"index": index, "message": {"role": "assistant", "content": self.o.echo_text + c.text},
-                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        shape = self.o.reply
+        reply = shape.whole(c.text)
+        content = reply.content
+        if self.o.echo_text:
+            content = self.o.echo_text + (content or "")
+        message = {"role": "assistant", "content": content, **message_fields(shape, reply)}
+        return {"index": index, "message": message, "logprobs": lp,
+                "finish_reason": shape.finish_reason(c.finish_reason, bool(reply.tool_calls)),
+                "stop_reason": c.stop_reason}
 
     def full(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         body = super().full(finals)
@@ -245,12 +273,43 @@ class ChatBuilder(CompletionBuilder):
 
     def first_chunks(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
         state = self.choices[index] = _Choice()
+        if not self.o.reply.plain:
+            state.reply = self.o.reply.streamer()
         delta: dict[str, Any] = {"role": "assistant", "content": self.o.echo_text}
         extra: dict[str, Any] = {}
         if self.o.prompt_logprobs:
             extra["prompt_logprobs"] = self._prompt_logprobs_field(out)
         return [self.envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
                               **extra, **self._chunk_usage(index, state))]
+
+    def deltas(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        """Plain content streams as it comes; a reply with reasoning or tools goes through its
+        streamer, which may hold text back (a tag not yet complete, a call not yet closed) and
+        then send several deltas at once. The output's logprobs ride on its first chunk, the
+        finish reason on its last."""
+        state = self.choices[index]
+        if state.reply is None:
+            return super().deltas(index, out)
+        c = out.outputs[0]
+        state.cached_tokens = out.num_cached_tokens
+        state.completion_tokens += len(c.token_ids)
+        pieces = state.reply.feed(c.text)
+        finish = None
+        if c.finish_reason is not None:
+            pieces += state.reply.finish()
+            finish = self.o.reply.finish_reason(c.finish_reason, state.reply.called)
+            if not pieces:
+                pieces = [{}]
+        lp = None if c.logprobs is None else self._logprobs(c.token_ids, list(c.logprobs), 0)
+        if not pieces and lp is not None:
+            pieces = [{}]
+        chunks = []
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            choice = {"index": index, "delta": piece, "logprobs": lp if i == 0 else None,
+                      "finish_reason": finish if last else None, "stop_reason": c.stop_reason if last else None}
+            chunks.append(self.envelope([choice], **self._chunk_usage(index, state)))
+        return chunks
 
     def _delta_choice(self, index: int, text: str, logprobs, finish: str | None, stop_reason) -> dict[str, Any]:
         return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,

@@ -20,6 +20,8 @@ from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.options import check_value, declared, refusal_message, values_from_args
 from pagoda_daemon.server.auth import API_KEY_ENV, DEFAULT_EXEMPT_PATHS, APIKeys, split_list
 from pagoda_daemon.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits, RequestLimits
+from pagoda_daemon.server.reasoning import REASONING_PARSERS
+from pagoda_daemon.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from pagoda_daemon.server.http_protocol import DrainingServer
@@ -60,6 +62,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated paths answered without a key ('' for none)")
     p.add_argument("--enable-fastapi-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (off: they map the API for anyone)")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="how the model writes tool calls: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3), "
+                        "llama3_json (Llama 3.x); default: the format the model's chat template shows")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool_choice auto is on whenever the model's tool call "
+                        "format is known")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="return the model's thinking (<think>...</think>) as reasoning_content: qwen3, deepseek_r1")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413")
     p.add_argument("--header-read-timeout", type=float, default=ConnectionLimits.header_timeout_s,
@@ -105,6 +115,9 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
     interval = options["log_stats_interval"]
     if not (isinstance(interval, (int, float)) and 0 <= interval <= 86400):  # NaN fails both comparisons
         raise ValueError(f"--log-stats-interval must be 0 to 86400 seconds, not {interval}")
+    for key, known in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+        if options[key] is not None and options[key] not in known:  # a --config file skips argparse's choices
+            raise ValueError(f"--{key.replace('_', '-')} must be one of {sorted(known)}, not {options[key]!r}")
     if options["kv_events_endpoint"] is not None:  # a --config file may give the port as a number
         from pagoda_daemon.telemetry.kv_events import DEFAULT_ENDPOINT
 
@@ -161,7 +174,9 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     client = EngineClient(config, metrics=metrics, log_level=log_level,
                           stats_log_interval=0.0 if options["disable_log_stats"] else options["log_stats_interval"],
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
-    app = build_app(client, ServerSettings(served_name, options["max_waiting_requests"]), tracer, keys=keys,
+    settings = ServerSettings(served_name, options["max_waiting_requests"], tool_call_parser=options["tool_call_parser"],
+                              reasoning_parser=options["reasoning_parser"])
+    app = build_app(client, settings, tracer, keys=keys,
                     limits=RequestLimits(options["max_request_body_bytes"]), api_docs=options["enable_fastapi_docs"])
     await client.start()
     waiter = asyncio.create_task(client.wait_ready(options["ready_timeout"]))

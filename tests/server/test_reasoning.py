@@ -1,0 +1,162 @@
+"""Reasoning parsers: a reply's `<think> ... </think>` apart from its answer, whole (`split`) or streamed.
+
+The examples pin how Qwen3 and DeepSeek-R1 replies split; the property checks that a streamer fed
+any text in any pieces sends reasoning and content that add up to exactly what `split` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagoda_daemon.server.reasoning import (
+    DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser,
+    ReasoningParser,
+    SplitReply,
+    reasoning_parser_for,
+)
+
+QWEN3 = Qwen3ReasoningParser()
+QWEN3_IN_REASONING = Qwen3ReasoningParser(starts_in_reasoning=True)
+DEEPSEEK_R1 = DeepSeekR1ReasoningParser()
+ALL = [QWEN3, QWEN3_IN_REASONING, DEEPSEEK_R1]
+IDS = ["qwen3", "qwen3-starts-in-reasoning", "deepseek_r1"]
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- split -----------------------------------------------------------------------------------------
+
+
+def test_qwen3_reply_as_it_writes_it():
+    reply = QWEN3.split("<think>\nThe user wants a greeting.\n</think>\n\nHello!")
+    assert reply == SplitReply("The user wants a greeting.", "Hello!")
+
+
+def test_answer_keeps_its_inner_and_trailing_whitespace():
+    assert QWEN3.split("<think>r</think>\n\nline one\n\nline two\n") == SplitReply("r", "line one\n\nline two\n")
+
+
+def test_reply_that_never_thinks_is_content_exactly_as_generated():
+    assert QWEN3.split("  Hello!\n") == SplitReply(None, "  Hello!\n")
+    assert QWEN3.split("") == SplitReply(None, None)
+    assert QWEN3.split(" \n") == SplitReply(None, " \n")
+    # a tag that does not open the reply is only text
+    assert QWEN3.split("Sure. <think>x</think> done") == SplitReply(None, "Sure. <think>x</think> done")
+    assert QWEN3.split("</think>x") == SplitReply(None, "</think>x")
+
+
+def test_opening_tag_after_leading_whitespace_still_opens_the_thinking():
+    assert QWEN3.split(" \n<think>r</think>a") == SplitReply("r", "a")
+
+
+def test_thinking_without_a_closing_tag_is_all_reasoning():
+    assert QWEN3.split("<think>\nstill thinking about it ") == SplitReply("still thinking about it", None)
+    assert QWEN3.split("<think>partial </thi") == SplitReply("partial </thi", None)
+    assert DEEPSEEK_R1.split("hmm, let me see") == SplitReply("hmm, let me see", None)
+
+
+def test_empty_thinking_and_empty_answer_are_none():
+    assert QWEN3.split("<think>\n\n</think>\n\nHi") == SplitReply(None, "Hi")  # enable_thinking=False shape
+    assert QWEN3.split("<think>r</think>  \n") == SplitReply("r", None)
+    assert QWEN3.split("<think></think>") == SplitReply(None, None)
+
+
+def test_only_the_first_closing_tag_ends_the_thinking():
+    assert QWEN3.split("<think>a</think>b</think>c") == SplitReply("a", "b</think>c")
+
+
+def test_deepseek_r1_reply_starts_inside_the_thinking():
+    assert DEEPSEEK_R1.starts_in_reasoning
+    assert DEEPSEEK_R1.split("Let me think.\n</think>\n\nThe answer is 4.") == SplitReply("Let me think.", "The answer is 4.")
+    assert DEEPSEEK_R1.split("<think>\nr\n</think>a") == SplitReply("r", "a")  # writing the tag again is fine
+    assert DeepSeekR1ReasoningParser(starts_in_reasoning=False).starts_in_reasoning
+
+
+def test_starts_in_reasoning_when_the_prompt_opened_the_thinking():
+    assert QWEN3_IN_REASONING.split("r</think>a") == SplitReply("r", "a")
+    assert QWEN3.split("r</think>a") == SplitReply(None, "r</think>a")
+    assert QWEN3_IN_REASONING.split("") == SplitReply(None, None)
+
+
+# ---- streaming: examples ---------------------------------------------------------------------------
+
+
+def stream(parser: ReasoningParser, pieces: list[str]) -> tuple[str | None, str | None]:
+    streamer = parser.streamer()
+    sent = [streamer.feed(piece) for piece in pieces] + [streamer.finish()]
+    return "".join(r for r, _ in sent) or None, "".join(c for _, c in sent) or None
+
+
+def test_streamer_sends_reasoning_and_answer_as_they_come():
+    streamer = QWEN3.streamer()
+    assert streamer.feed("<thi") == ("", "")
+    assert streamer.feed("nk>\nFirst") == ("First", "")
+    assert streamer.feed(" step.\n</th") == (" step.", "")  # the newline waits; `</th` may close
+    assert streamer.feed("ink>\n\nHel") == ("", "Hel")
+    assert streamer.feed("lo ") == ("", "lo ")
+    assert streamer.finish() == ("", "")
+
+
+def test_streamer_sends_a_reply_without_thinking_at_once():
+    streamer = QWEN3.streamer()
+    assert streamer.feed(" ") == ("", "")  # a tag may still follow
+    assert streamer.feed("Hi") == ("", " Hi")
+    assert streamer.feed(" <think>") == ("", " <think>")
+
+
+def test_streamer_releases_a_held_partial_tag_that_was_not_one():
+    streamer = QWEN3.streamer()
+    assert streamer.feed("<think>a </thin") == ("a", "")
+    assert streamer.feed("g") == (" </thing", "")
+    assert streamer.finish() == ("", "")
+
+
+# ---- streaming: property ---------------------------------------------------------------------------
+
+WHITESPACE = st.text(st.sampled_from([" ", "\n", "\t", "\r", "\u00a0", "\u2003", "\x0b"]), max_size=4)
+PLAIN = st.one_of(st.text(st.sampled_from(list("ab z<>/thinkTHINK\n")), max_size=12), st.text(max_size=8))
+TAGS = st.sampled_from(["<think>", "</think>", "<thi", "</thi", "<", "</", "think>", "<think", "</think",
+                        "<THINK>", "< think>"])
+
+
+@st.composite
+def reasoning_text(draw) -> str:
+    """A reply as a reasoning model writes one, often spoiled, or any mixture of tags and text."""
+    if draw(st.booleans()):
+        open_tag = draw(st.sampled_from(["<think>", "", "<thi"]))
+        close_tag = draw(st.sampled_from(["</think>", "", "</thi", "</think"]))
+        return (draw(WHITESPACE) + open_tag + draw(WHITESPACE) + draw(PLAIN) + draw(WHITESPACE) + close_tag
+                + draw(WHITESPACE) + draw(PLAIN) + draw(WHITESPACE) + draw(st.sampled_from(["", "<thi", "</thi", "<"])))
+    return "".join(draw(st.lists(st.one_of(PLAIN, WHITESPACE, TAGS), max_size=8)))
+
+
+@pytest.mark.parametrize("parser", ALL, ids=IDS)
+@PROPERTY
+@given(text=reasoning_text(), data=st.data())
+def test_stream_in_any_pieces_equals_split(parser, text, data):
+    expected = parser.split(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=min(len(text) + 2, 40)), label="cuts"))
+    bounds = [0, *cuts, len(text)]
+    for pieces in [[text], list(text), [text[a:b] for a, b in itertools.pairwise(bounds)]]:
+        assert stream(parser, pieces) == (expected.reasoning, expected.content), pieces
+
+
+# ---- choosing a parser -----------------------------------------------------------------------------
+
+
+def test_reasoning_parser_for_by_name():
+    qwen3 = reasoning_parser_for("qwen3")
+    assert isinstance(qwen3, Qwen3ReasoningParser) and not qwen3.starts_in_reasoning
+    assert reasoning_parser_for("qwen3", starts_in_reasoning=True).starts_in_reasoning
+    deepseek = reasoning_parser_for("deepseek_r1")
+    assert isinstance(deepseek, DeepSeekR1ReasoningParser) and deepseek.starts_in_reasoning
+
+
+def test_reasoning_parser_for_unknown_name_is_an_error_naming_the_known_ones():
+    with pytest.raises(ValueError, match="deepseek_r1") as error:
+        reasoning_parser_for("granite")
+    assert "granite" in str(error.value) and "qwen3" in str(error.value)
