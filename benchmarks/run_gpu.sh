@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/run_gpu.sh [all|parity|parity-triton|kernels|kernels-attention|tests|graphs|serve|
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
-#                                               multi-gpu|offline-llm|vllm-stash|vllm] ...
+#                                               multi-gpu|offline-llm|vllm-stash|vllm|structured] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -13,6 +13,12 @@
 # two device calls back to back: the first carries .vllm_stash (core.part.00), the second
 # carries .vllm_b (core.part.01, SHA256SUMS, stage2.sh, bench_vllm.py, model configs) and
 # runs vLLM and then Pagoda's e2e throughput on the same machine.
+# structured: constrained decoding's cost (issue #22): the nano-vllm workload with half of its
+# requests under JSON schemas beside it unconstrained, Pagoda (benchmarks/structured_outputs.py)
+# and vLLM 0.26.0 (benchmarks/vllm_structured.py) on a synthetic Qwen3-size tokenizer
+# (benchmarks/synthetic_tokenizer.py). Two calls back to back, as for vllm: `vllm-stash`
+# carrying .vllm_stash, then `structured` carrying .whl (xgrammar 0.2.8, apache-tvm-ffi,
+# jsonschema) and .vllm_b; without .vllm_b it runs Pagoda's side alone.
 #
 # The GPU image has torch, transformers, safetensors and tokenizers; anything else the
 # steps need travels as wheels in .whl/ (the server's: fastapi, uvicorn, pyzmq, pydantic, ...).
@@ -111,6 +117,36 @@ if has vllm; then
   step "vLLM anchor, step 2: vLLM 0.26.0 on the Qwen3-0.6B shape (nano-vllm workload)"
   B=.vllm_b OUT=$OUT bash .vllm_b/stage2.sh engine 2>&1 | grep -E "RESULT|Error|error|vllm " | tail -5 || status=1
   grep RESULT "$OUT/vllm_bench.log" | tee "$OUT/vllm.jsonl"
+fi
+if has structured; then
+  step "structured outputs: 50% of the nano-vllm workload under JSON schemas (Pagoda, then vLLM 0.26.0)"
+  SO=$OUT/structured.jsonl; TOK=/tmp/qwen3-0.6b-synth
+  python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/qwen3-0.6b/config.json || status=1
+  python3 -c 'import importlib.metadata as m, xgrammar, jsonschema; print("xgrammar", m.version("xgrammar"))' || status=1
+  so() { timeout "$1" python3 -m benchmarks.structured_outputs $CFG/qwen3-0.6b --tokenizer $TOK "${@:2}" 2>&1 \
+           | tee -a "$OUT/pagoda_structured.log" | grep -E '^RESULT|Error' | tee -a "$SO"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }
+  # the engine as it is: a json round that has not finished after SO_ROUND_TIMEOUT s is cut there
+  [ -z "${SO_SKIP_PAGODA:-}" ] && so "${SO_TIMEOUT:-170}" --round-timeout "${SO_ROUND_TIMEOUT:-45}" \
+    --rounds "${SO_ROUNDS:-plain,json,plain}"
+  if [ -f .vllm_b/core.part.01 ] && [ -z "${SO_SKIP_VLLM:-}" ]; then
+    P0=""; for d in .vllm_stash /tmp/vllm_stash; do [ -f $d/core.part.00 ] && { P0=$d/core.part.00; break; }; done
+    if [ -n "$P0" ] && [ ! -f /tmp/vsite/vllm/__init__.py ]; then
+      cat "$P0" .vllm_b/core.part.01 > /tmp/core.tar.xz
+      grep ' core.tar.xz$' .vllm_b/SHA256SUMS | sed 's# core.tar.xz$# /tmp/core.tar.xz#' | sha256sum -c - \
+        && python3 -c "import tarfile; tarfile.open('/tmp/core.tar.xz').extractall('/tmp/vsite', filter='fully_trusted')" \
+        || status=1
+    fi
+    # beside (not inside) vLLM's own site-packages: jsonschema, for the check of its outputs, and
+    # lm-format-enforcer + interegular (.vllm_b/sowhl), which vLLM 0.26.0 imports to validate any
+    # structured-output request whatever its backend, and which the anchor kit leaves out
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/jsite .whl/jsonschema*.whl \
+      .whl/referencing*.whl .whl/rpds_py*.whl .vllm_b/sowhl/*.whl 2>&1 | grep -v -i warn
+    PYTHONPATH=/tmp/vsite:/tmp/jsite VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TRANSFORMERS_OFFLINE=1 \
+      timeout 280 python3 benchmarks/vllm_structured.py $TOK --rounds plain,json,plain,json,matched,json-compact 2>&1 \
+      | tee "$OUT/vllm_structured.log" | grep -E '^RESULT' | tee -a "$SO"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
+  # an experiment beside it: length-bounded JSON strings as one character class (no escapes)
+  [ -z "${SO_SKIP_PAGODA:-}${SO_SKIP_EXPERIMENT:-}" ] && so 120 --strings class-only --rounds json,json,matched,plain
 fi
 T="python3 -m benchmarks.throughput"
 e2e() { $T "$@" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }

@@ -161,16 +161,15 @@ def build_grammar(params: StructuredOutputsParams):
 
 # xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as the class below
 # (in a rule of its own, or inline where the length is exactly 1), which lets raw control
-# characters through (JSON forbids them: the output does not parse) and no escapes. The
-# replacement is JSON's string character, less the surrogates U+D800-DFFF, which xgrammar's own
-# classes let through as 3 bytes that are no UTF-8 (decoded, 3 U+FFFD: past maxLength) and
-# which as escapes it counts as 2 characters where a pair is 1 (short of minLength).
+# characters through (JSON forbids them: the output does not parse). The replacement also
+# leaves out the surrogates U+D800-DFFF, which xgrammar's classes let through as 3 bytes that
+# are no UTF-8 (decoded, 3 U+FFFD: past maxLength). It takes no escapes, as xgrammar's own rule
+# does not: a rule with escapes ((class | "\\" escape), JSON's full string character) made
+# xgrammar compute masks at run time, 2.4 ms per token for a 64-character bound and 136 ms for
+# 300 on one CPU core, which cost 96% of the throughput of a half-constrained batch on an H100
+# (docs/benchmarks/2026-11-24-structured-outputs-h100.md).
 _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_HEX3 = "[A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]"
-_ESCAPED_CODE = f"(([0-9A-Ca-c] {_HEX3}) | ([Dd] [0-7] [A-Fa-f0-9] [A-Fa-f0-9]) | ([E-Fe-f] {_HEX3}))"  # not D800-DFFF
-_JSON_STRING_CHAR = r'([^\0-\x1f\"\\\uD800-\uDFFF] | ("\\" ([\"\\/bfnrt] | ("u" ' + _ESCAPED_CODE + "))))"
-
-
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 # Its strings without a length bound take this class: right but for the surrogates.
 _BASIC_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _BASIC_STRING_CHAR_FIXED = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'

@@ -162,7 +162,8 @@ def test_random_json_schemas_always_validate(llm):
 @pytest.mark.parametrize("length", [(1, 1), (0, 3), (2, 2), (None, 4), (1, None)])
 def test_bounded_strings_take_json_characters_only(length):
     """The grammar itself (no model): xgrammar's bounded strings, in a rule or inlined (length 1),
-    refuse raw control characters and surrogates (raw or escaped) and take JSON's escapes."""
+    refuse raw control characters and surrogates, and take no escapes (as xgrammar's own rule:
+    one with escapes made its masks 10-500x slower to fill); strings without bounds take them."""
     from xgrammar.testing import _get_matcher_from_grammar
 
     from pagoda_daemon.structured_outputs import build_grammar
@@ -179,10 +180,14 @@ def test_bounded_strings_take_json_characters_only(length):
         matcher = _get_matcher_from_grammar(grammar)
         return matcher.accept_string(b'{"s": ' + value + b', "l": [' + value + b"]}") and matcher.is_terminated()
 
-    for char in [b"a", "é".encode(), "🚀".encode(), b"\\n", b'\\"', b"\\u00e9", b"\\uFFFF", b"\x7f"]:
+    for char in [b"a", "é".encode(), "🚀".encode(), b"\x7f"]:
         assert accepts(char), (string, char)
-    for char in [b"\x00", b"\x1f", b"\n", b"\t", b'"', b"\\", b"\\x", b"\\ud83d", b"\\uDC00", b"\xed\xa0\x80"]:
+    for char in [b"\x00", b"\x1f", b"\n", b"\t", b'"', b"\\", b"\\x", b"\\n", b"\\u00e9", b"\\ud83d",
+                 b"\xed\xa0\x80"]:
         assert not accepts(char), (string, char)
+    free = _get_matcher_from_grammar(build_grammar(SO(json={"type": "string"})))
+    assert free.accept_string(b'"a\\n\\"\\u00e9"') and free.is_terminated()
+    assert not _get_matcher_from_grammar(build_grammar(SO(json={"type": "string"}))).accept_string(b'"\xed\xa0\x80')
 
 
 def test_properties_come_in_the_schema_order(llm):
