@@ -26,10 +26,8 @@ No real tokenizer is available offline: without --tokenizer, a synthetic byte-le
 Qwen3's size is built (benchmarks/synthetic_tokenizer.py). Prints one RESULT line per round and
 a summary line.
 
---strings class-only sets the engine's JSON-string character rule for length-bounded strings
-(structured_outputs._JSON_STRING_CHAR) to a character class alone (no escapes). It was the
-experiment of 2026-11-24 that measured what a rule with escapes cost in mask time; the engine
-has shipped this rule since, so the option now changes nothing.
+The engine's fill threads (grammar.fill_threads: the CPUs this process may run on) are reported
+in the setup line; --fill-threads N sets them for an experiment.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ import torch
 from benchmarks.structured_schemas import SCHEMAS, assign, validate, validator_name
 
 WARM_UP_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-CLASS_ONLY_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 def sync() -> None:
@@ -72,20 +69,21 @@ def build_core(args, tokenizer):
 
 
 class MaskTimer:
-    """Wall time the scheduler spends filling grammar bitmasks (GrammarManager.bitmask)."""
+    """Wall time the engine core spends filling grammar bitmasks (GrammarManager.bitmask), which
+    the step's forward pass overlaps on the device."""
 
     def __init__(self, grammars) -> None:
         self.seconds, self.calls, self.rows = 0.0, 0, 0
         inner = grammars.bitmask
 
-        def timed(requests):
+        def timed(matchers):
             t = time.perf_counter()
             try:
-                return inner(requests)
+                return inner(matchers)
             finally:
                 self.seconds += time.perf_counter() - t
                 self.calls += 1
-                self.rows += len(requests)
+                self.rows += len(matchers)
 
         grammars.bitmask = timed
 
@@ -170,19 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", default="plain,json,plain,json,matched")
     ap.add_argument("--round-timeout", type=float, default=None,
                     help="stop a round after this many seconds (the rest aborted; reported as incomplete)")
-    ap.add_argument("--strings", choices=("engine", "class-only"), default="engine")
+    ap.add_argument("--fill-threads", type=int, default=None, help="mask-fill threads (default: the engine's)")
     ap.add_argument("--label", default="pagoda")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
 
     from benchmarks.throughput import workload
-    from pagoda_daemon import structured_outputs
+    from pagoda_daemon.engine import grammar
     from pagoda_daemon.sampling_params import SamplingParams
     from pagoda_daemon.structured_outputs import StructuredOutputsParams
 
-    if args.strings == "class-only":
-        structured_outputs._JSON_STRING_CHAR = CLASS_ONLY_STRING_CHAR
+    if args.fill_threads is not None:
+        threads = args.fill_threads
+        grammar.fill_threads = lambda: threads  # read when the first grammar compiles
     tmp = None
     if args.tokenizer is None:
         from benchmarks.synthetic_tokenizer import build
@@ -212,14 +211,16 @@ def main(argv: list[str] | None = None) -> int:
                "text": tokenizer.decode(outs[0], skip_special_tokens=True)[:80]}
     core.scheduler.grammars.make_stats()
     timer.take()
-    common = {"engine": args.label, "strings": args.strings, "num_seqs": args.num_seqs,
+    common = {"engine": args.label, "num_seqs": args.num_seqs,
               "json_fraction": args.json_fraction, "model": os.path.basename(os.path.normpath(args.model)),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     print("RESULT " + json.dumps({**common, "round": "setup", "init_s": round(init_s, 1), **warm_up,
                                   "tokenizer": args.tokenizer if tmp is None else "synthetic (built)",
                                   "vocab_size": vocab, "tokenizer_len": len(tokenizer),
                                   "cuda_graphs": core.worker_info.uses_cuda_graphs,
-                                  "async_scheduling": core.async_scheduling, "validator": validator_name()}),
+                                  "async_scheduling": core.async_scheduling, "validator": validator_name(),
+                                  "fill_threads": core.scheduler.grammars.fill_threads_used,
+                                  "cpus_allowed": len(os.sched_getaffinity(0))}),
           flush=True)
 
     results: list[dict] = []

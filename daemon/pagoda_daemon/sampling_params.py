@@ -179,6 +179,7 @@ class SamplingParams:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Sampling reads the request's earlier output tokens on the host (penalties, bad words, a
-        grammar's state): the engine waits for each step's tokens before scheduling the next."""
-        return self.uses_penalties or bool(self.bad_words_token_ids) or self.structured_outputs is not None
+        """Sampling reads the request's earlier output tokens on the host (penalties, bad words):
+        the engine waits for each step's tokens before scheduling the next. (A grammar needs them
+        too, but only before sampling: the engine fills its mask while the forward pass runs.)"""
+        return self.uses_penalties or bool(self.bad_words_token_ids)

@@ -1,12 +1,11 @@
 """Structured outputs under tensor parallelism on CPU (gloo, float32): the engine's executor starts
-rank 1 in a process of its own and feeds it each step's plan, which must carry the grammar
-bitmask. Every rank samples from the same gathered logits, so rank 1, masked as rank 0 is, must
+rank 1 in a process of its own and feeds it each step's plan, then the step's grammar masks
+(SampleTokens). Every rank samples from the same gathered logits, so rank 1, masked as rank 0 is, must
 sample exactly rank 0's tokens, and every sample must be one its mask allows. Rank 0's output
 must equal the one-process engine's (greedy, or seeded for the JSON requests) and match its
 constraint.
 
-Rank 1's own samples never reach the scheduler (a grammar turns scheduling ahead off), so they
-are watched where they are made: a sitecustomize.py on rank 1's PYTHONPATH (the executor passes
+Rank 1's own samples never reach the scheduler, so they are watched where they are made: a sitecustomize.py on rank 1's PYTHONPATH (the executor passes
 its environment on) wraps Sampler.__call__ to log each masked step; rank 0 runs the same wrapper.
 """
 
@@ -58,8 +57,8 @@ def _logged(self, logits, batch):
     if batch.token_bitmask is not None:
         mask = batch.token_bitmask.cpu().tolist()
         sampled = out.sampled.cpu().tolist()
-        rows = [i for i, row in enumerate(mask) if any(word != -1 for word in row)]
-        refused = [i for i, t in enumerate(sampled) if not (mask[i][t // 32] >> (t % 32)) & 1]
+        rows = list(batch.token_bitmask_rows)
+        refused = [i for i in rows if not (mask[i][sampled[i] // 32] >> (sampled[i] % 32)) & 1]
         with open(os.path.join(os.environ["PAGODA_TEST_SAMPLE_LOG"], f"{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps({"sampled": sampled, "rows": rows, "refused": refused}) + "\\n")
     return out

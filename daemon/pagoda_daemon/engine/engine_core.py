@@ -193,7 +193,9 @@ class EngineCore:
 
         With async scheduling, the step launched here is left running on the GPU and the
         outputs returned are those of the step launched by the previous call: scheduling,
-        input preparation and output bookkeeping (CPU) overlap the GPU's work.
+        input preparation and output bookkeeping (CPU) overlap the GPU's work. A step with
+        constrained rows samples in a second call: its grammar masks are filled after the
+        previous step's tokens are accepted, while its forward pass runs.
         """
         if self._in_flight is not None and self.scheduler.num_needing_host_tokens:
             return self._finish_in_flight()  # penalties need every token on the host first
@@ -206,9 +208,16 @@ class EngineCore:
                 s.request.first_scheduled_time = now
         launched = self.executor.execute_model(sched)
         outputs = self._failed_outputs() + self._finish_in_flight()
+        if launched is None:  # constrained rows: their masks need the tokens accepted just now
+            with phase("pagoda.grammar_bitmask"):
+                bitmask = self.scheduler.grammar_bitmask(sched)
+            launched = self.executor.sample_tokens(bitmask)
         self._in_flight = (sched, launched)
-        if not self.async_scheduling or sched.is_empty or self.scheduler.num_needing_host_tokens:
-            outputs += self._finish_in_flight()  # this step's own outputs, now
+        if (not self.async_scheduling or sched.is_empty or self.scheduler.num_needing_host_tokens
+                or not self.scheduler.has_unfinished_requests()):
+            # this step's own outputs, now (with nothing left to schedule, a step launched for
+            # requests that finished meanwhile holds only tokens to drop: an idle engine has none)
+            outputs += self._finish_in_flight()
         return outputs
 
     def _failed_outputs(self) -> list[EngineCoreOutput]:

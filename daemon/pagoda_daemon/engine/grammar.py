@@ -5,28 +5,27 @@ xgrammar does the work (a compiled grammar per constraint, a matcher per request
 int32 bitmask of the allowed tokens per row, as vLLM's xgrammar backend uses it). Compiles
 run in a thread pool, cached by the constraint's canonical text: a request whose grammar is
 not compiled yet waits in the queue without holding up the batch. Masks are filled for a
-whole step at once by xgrammar's batch matcher (threads in C++), after the previous step's
-tokens are on the host (a grammar request turns off scheduling ahead, see
-SamplingParams.needs_host_tokens).
+whole step at once by xgrammar's batch matcher (threads in C++) while the step's forward pass
+runs on the device: the engine core launches the forward pass, accepts the previous step's
+tokens, fills the masks and only then has the worker sample (Executor.sample_tokens), so
+scheduling ahead stays on with constrained requests in the batch.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from pagoda_daemon.engine.messages import StructuredOutputStats
 from pagoda_daemon.structured_outputs import StructuredOutputsParams, build_grammar, native_message
-
-if TYPE_CHECKING:
-    from pagoda_daemon.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,17 @@ COMPILE_THREADS = 2
 # 150k-token vocabulary takes from tens of kB to a few MB
 CACHE_ENTRIES = 512
 MAX_TIMES_RECORDED = 4096  # compile times kept between two stats reads
+
+
+def fill_threads() -> int:
+    """Threads for the batch mask fill: every CPU this process may run on. xgrammar's default,
+    half the machine's hardware threads, counts CPUs outside a pinned worker's set (a pinned
+    engine has the cores of its GPU's NUMA node) and so oversubscribes them; the engine core's
+    own thread only waits while the threads fill."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, (os.cpu_count() or 2) // 2)
 
 
 class RequestGrammar:
@@ -101,6 +111,7 @@ class GrammarManager:
         self._stop_token_ids = stop_token_ids
         self._compiler: Any = None
         self._batch: Any = None
+        self.fill_threads_used: int | None = None  # set with the batch matcher
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -119,7 +130,8 @@ class GrammarManager:
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=sorted(stops))
                 info = _special_tokens_as_special(xgr, tokenizer, info, self.vocab_size)
-                self._batch = xgr.BatchGrammarMatcher()
+                self.fill_threads_used = fill_threads()
+                self._batch = xgr.BatchGrammarMatcher(self.fill_threads_used)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
             return self._compiler
 
@@ -163,12 +175,12 @@ class GrammarManager:
                 self.stats.compile_seconds.append(time.perf_counter() - start)
         return compiled
 
-    def bitmask(self, requests: list[Request]) -> np.ndarray:
-        """The allowed tokens of each request's next token, one packed int32 row per request
-        (bit t of row i: token t allowed). Every request here has a compiled grammar, so the
-        batch matcher exists."""
-        out = np.full((len(requests), self.bitmask_width), -1, dtype=np.int32)
-        self._batch.batch_fill_next_token_bitmask([r.grammar.matcher for r in requests if r.grammar], out)
+    def bitmask(self, matchers: list[Any]) -> np.ndarray:
+        """The allowed next tokens of each matcher, one packed int32 row each (bit t of row i:
+        token t allowed), filled by the batch matcher's threads. Every matcher comes from a
+        compiled grammar, so the batch matcher exists."""
+        out = np.empty((len(matchers), self.bitmask_width), dtype=np.int32)  # every row is filled
+        self._batch.batch_fill_next_token_bitmask(matchers, out)
         return out
 
     def shutdown(self) -> None:

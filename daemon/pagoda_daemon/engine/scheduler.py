@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.request import Request, RequestStatus
-from pagoda_daemon.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -167,16 +167,32 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
-        constrained = [s.request for s in out.scheduled if s.samples and s.request.grammar is not None]
-        if constrained and self.grammars is not None:
-            out.grammar_request_ids = [r.request_id for r in constrained]
-            out.grammar_bitmask = self.grammars.bitmask(constrained)
+        out.grammar_request_ids = [s.request.request_id for s in out.scheduled
+                                   if s.samples and s.request.grammar is not None]
 
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.stats.num_steps += 1
         if out.num_scheduled_tokens and len(self.stats.step_tokens) < MAX_STEPS_RECORDED:
             self.stats.step_tokens.append(out.num_scheduled_tokens)
         return out
+
+    def grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
+        """The masks of this step's constrained rows. Called once the previous step's tokens are
+        accepted (the engine core calls it while this step's forward pass runs); a request that
+        finished meanwhile (its grammar ended, an abort) gets no row: its sample is dropped."""
+        rows, matchers = [], []
+        row = 0
+        for s in sched.scheduled:
+            if not s.samples:
+                continue
+            req = s.request
+            if req.grammar is not None and not req.status.finished and not req.grammar.terminated:
+                rows.append(row)
+                matchers.append(req.grammar.matcher)
+            row += 1
+        if not matchers or self.grammars is None:
+            return GrammarBitmask()
+        return GrammarBitmask(rows, self.grammars.bitmask(matchers))
 
     @staticmethod
     def _advance(req: Request, num_new: int, block_ids: list[int], is_new: bool) -> ScheduledRequest:

@@ -34,11 +34,22 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: runner drops state
     preempted_request_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
-    # constrained decoding: the requests of this step that sample under a grammar, and their
-    # allowed next tokens (packed int32 rows, bit t = token t; engine/grammar.py)
+    # constrained decoding: the requests of this step that sample under a grammar. Their masks
+    # follow (GrammarBitmask) once the previous step's tokens are known, so a worker runs the
+    # forward pass and waits for them before it samples.
     grammar_request_ids: list[str] = field(default_factory=list)
-    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class GrammarBitmask:
+    """A step's allowed next tokens under constrained decoding, made while the step's forward
+    pass runs (engine/grammar.py): row i of ``bitmask`` (packed int32, bit t set = token t
+    allowed, xgrammar's layout) applies to row ``rows[i]`` of the step's sampled logits. Rows
+    not listed sample unconstrained."""
+
+    rows: list[int] = field(default_factory=list)
+    bitmask: np.ndarray | None = None

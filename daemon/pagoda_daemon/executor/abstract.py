@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+    from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
     from pagoda_daemon.worker.model_runner import LaunchedStep
     from pagoda_daemon.worker.worker import WorkerInfo
 
@@ -27,8 +27,14 @@ class Executor(ABC):
         """Allocate num_blocks KV blocks on every worker and capture their graphs."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
-        """Launch one step on every worker; the returned step's ``result()`` waits for it."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
+        """Launch one step on every worker; the returned step's ``result()`` waits for it. None
+        when the step has constrained rows: the forward pass is launched and the workers wait
+        for ``sample_tokens`` (vLLM's execute_model / sample_tokens split)."""
+
+    @abstractmethod
+    def sample_tokens(self, grammar: GrammarBitmask) -> LaunchedStep:
+        """Sample the step ``execute_model`` left waiting, under the grammar masks."""
 
     @abstractmethod
     def info(self) -> WorkerInfo:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.executor import step_plan
 from pagoda_daemon.executor.abstract import Executor
 from pagoda_daemon.logs import LEVEL_ENV
@@ -203,7 +203,15 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
             if ready and local_rank == 0:
                 Path(ready).write_text(f"ranks up to {size - 1} in the world\n")
             continue
-        worker.execute_model(mirrors.apply(message)).result()
+        if isinstance(message, step_plan.SampleTokens):
+            raise RuntimeError("rank 0 sent grammar masks with no step waiting for them")
+        launched = worker.execute_model(mirrors.apply(message))
+        if launched is None:  # constrained rows: the masks follow once rank 0 has made them
+            masks = step_plan.decode(_broadcast(None, control))
+            if not isinstance(masks, step_plan.SampleTokens):
+                raise RuntimeError(f"rank 0 sent {type(masks).__name__} where the step's grammar masks belong")
+            launched = worker.sample_tokens(mirrors.grammar_bitmask(masks))
+        launched.result()
     dist.destroy_process_group()
 
 
@@ -361,9 +369,13 @@ class MultiprocExecutor(Executor):
         self._send(step_plan.InitCache(num_blocks))
         self.worker.initialize_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         self._send(self.writer.plan(scheduler_output))
         return self.worker.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarBitmask) -> LaunchedStep:
+        self._send(self.writer.sample_tokens(grammar))
+        return self.worker.sample_tokens(grammar)
 
     def info(self) -> WorkerInfo:
         return self.worker.info()

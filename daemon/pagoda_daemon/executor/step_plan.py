@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from pagoda_daemon.engine.request import Request
-from pagoda_daemon.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -41,9 +41,15 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
     scheduled: list[ScheduledDelta]
     finished_request_ids: list[str]
     num_scheduled_tokens: int
-    # constrained decoding: every rank samples, so every rank applies the same token bitmask
+    # constrained decoding: with any, the ranks run the forward pass and wait for SampleTokens
     grammar_request_ids: list[str] = []
-    grammar_bitmask: bytes = b""  # int32 rows, one per grammar request, native byte order
+
+
+class SampleTokens(msgspec.Struct, tag="sample", array_like=True, gc=False):
+    """The grammar masks of the step just planned: every rank samples, so every rank applies them."""
+
+    rows: list[int]
+    bitmask: bytes = b""  # int32 rows, one per entry of rows, native byte order
 
 
 class InitCache(msgspec.Struct, tag="init_cache", array_like=True, gc=False):
@@ -54,7 +60,7 @@ class Stop(msgspec.Struct, tag="stop", array_like=True, gc=False):
     pass
 
 
-ToWorker = StepPlan | InitCache | Stop
+ToWorker = StepPlan | SampleTokens | InitCache | Stop
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ToWorker)
 
@@ -87,9 +93,12 @@ class PlanWriter:
             self._sent[rid] = req.num_tokens
             scheduled.append(ScheduledDelta(rid, appended, s.num_new_tokens, s.new_block_ids, s.is_new, s.start,
                                             s.samples))
-        bitmask = b"" if sched.grammar_bitmask is None else sched.grammar_bitmask.tobytes()
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
-                        list(sched.grammar_request_ids), bitmask)
+                        list(sched.grammar_request_ids))
+
+    @staticmethod
+    def sample_tokens(grammar: GrammarBitmask) -> SampleTokens:
+        return SampleTokens(list(grammar.rows), b"" if grammar.bitmask is None else grammar.bitmask.tobytes())
 
 
 class RequestMirrors:
@@ -114,9 +123,12 @@ class RequestMirrors:
             req.output_token_ids.extend(d.appended_token_ids)
             req.all_token_ids.extend(d.appended_token_ids)
             scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples))
-        bitmask = None
-        if plan.grammar_request_ids:
-            rows = len(plan.grammar_request_ids)
-            bitmask = np.frombuffer(plan.grammar_bitmask, dtype=np.int32).reshape(rows, -1)
         return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens,
-                               list(plan.grammar_request_ids), bitmask)
+                               list(plan.grammar_request_ids))
+
+    @staticmethod
+    def grammar_bitmask(message: SampleTokens) -> GrammarBitmask:
+        if not message.rows:
+            return GrammarBitmask()
+        return GrammarBitmask(list(message.rows),
+                              np.frombuffer(message.bitmask, dtype=np.int32).reshape(len(message.rows), -1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.executor.abstract import Executor
 from pagoda_daemon.worker.model_runner import LaunchedStep
 from pagoda_daemon.worker.worker import Worker, WorkerInfo
@@ -19,8 +19,11 @@ class UniProcExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         return self.worker.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarBitmask) -> LaunchedStep:
+        return self.worker.sample_tokens(grammar)
 
     def info(self) -> WorkerInfo:
         return self.worker.info()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pagoda_daemon.attention.backend import AttentionMetadata, KVCacheSpec
-from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker.cuda_graphs import CudaGraphRunner
 from pagoda_daemon.worker.sampler import Sampler, SamplingBatch
@@ -136,6 +136,16 @@ class LaunchedStep:
         return StepResult(sampled, logprobs, self.prompt_logprobs)
 
 
+@dataclass
+class PendingSample:
+    """A step whose forward pass is launched and whose sampling is still to come."""
+
+    sched: SchedulerOutput
+    logits: torch.Tensor
+    rows: list[int]  # the scheduled entries that sample, in logits row order
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]]
+
+
 class ModelRunner:
     def __init__(self, model, model_config, engine_config, device: torch.device, dtype: torch.dtype,
                  max_model_len: int) -> None:
@@ -162,6 +172,7 @@ class ModelRunner:
         self.max_cudagraph_batch_size = min(engine_config.max_cudagraph_batch_size, self.max_num_seqs,
                                             self.max_num_tokens)
         self._prompt_rows = PromptLogprobRows()  # the eager step being prepared
+        self._pending: PendingSample | None = None  # a step waiting for its grammar masks
 
     # ---- KV cache --------------------------------------------------------------------
 
@@ -341,24 +352,23 @@ class ModelRunner:
             banned_rows, banned_tokens = zip(*banned)
             batch.banned = (torch.tensor(banned_rows, device=self.device),
                             torch.tensor(banned_tokens, device=self.device))
-        if sched.grammar_bitmask is not None:
-            batch.token_bitmask = self._token_bitmask(sched, rows)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_num_logprobs = min(max(wanted), self.vocab_size) if wanted else None
         return batch
 
-    def _token_bitmask(self, sched: SchedulerOutput, rows: list[int]) -> torch.Tensor:
-        """The scheduler's grammar rows placed at their requests' sampling rows; every other
-        row allows every token."""
-        assert sched.grammar_bitmask is not None
-        row_of = {sched.scheduled[i].request.request_id: j for j, i in enumerate(rows)}
-        full = np.full((len(rows), sched.grammar_bitmask.shape[1]), -1, dtype=np.int32)
-        full[[row_of[rid] for rid in sched.grammar_request_ids]] = sched.grammar_bitmask
-        return torch.from_numpy(full).to(self.device, non_blocking=True)
+    def _token_bitmask(self, grammar: GrammarBitmask, num_rows: int) -> torch.Tensor:
+        """The grammar rows at their sampled rows, on the device. Rows without a grammar are left
+        as they were in the buffer: the sampler masks only ``grammar.rows``."""
+        assert grammar.bitmask is not None
+        pin = self.device.type == "cuda"
+        host = torch.empty((num_rows, grammar.bitmask.shape[1]), dtype=torch.int32, pin_memory=pin)
+        host.numpy()[grammar.rows] = grammar.bitmask
+        return host.to(self.device, non_blocking=True) if pin else host
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> LaunchedStep:
-        """Launch the step and start its sampled tokens on their way to the host."""
+    def execute(self, sched: SchedulerOutput) -> LaunchedStep | None:
+        """Launch the step and start its sampled tokens on their way to the host; with
+        constrained rows, launch the forward pass only and return None (then sample())."""
         self._update_states(sched)
         if sched.is_empty:
             return LaunchedStep.empty()
@@ -377,8 +387,26 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, self._prompt_rows) if graph_size is None else {}
         if not rows:
             return LaunchedStep([], [], {}, None, prompt_logprobs)
+        pending = PendingSample(sched, logits, rows, prompt_logprobs)
+        if sched.grammar_request_ids:
+            self._pending = pending  # sample() finishes the step once the masks are made
+            return None
+        return self._sample(pending, None)
+
+    def sample(self, grammar: GrammarBitmask) -> LaunchedStep:
+        """Sample the step execute() left waiting for its grammar masks."""
+        pending, self._pending = self._pending, None
+        assert pending is not None, "sample() without a step waiting for its masks"
+        return self._sample(pending, grammar if grammar.rows else None)
+
+    @torch.inference_mode()
+    def _sample(self, pending: PendingSample, grammar: GrammarBitmask | None) -> LaunchedStep:
+        sched, logits, rows = pending.sched, pending.logits, pending.rows
         with phase("pagoda.sample"):
             batch = self._sampling_batch(sched, rows)
+            if grammar is not None:
+                batch.token_bitmask = self._token_bitmask(grammar, len(rows))
+                batch.token_bitmask_rows = grammar.rows
             out = self.sampler(logits, batch)
             reqs = [sched.scheduled[i].request for i in rows]
             rids = [r.request_id for r in reqs]
@@ -394,7 +422,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
-        return LaunchedStep(rids, [r.sampling_params.logprobs for r in reqs], host, event, prompt_logprobs)
+        return LaunchedStep(rids, [r.sampling_params.logprobs for r in reqs], host, event, pending.prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          where: PromptLogprobRows) -> dict[str, tuple[int, list[dict[int, float]]]]:

@@ -41,8 +41,10 @@ class SamplingBatch:
     # tokens a row may sample, and the (row, token) pairs bad_words bans this step
     allowed: torch.Tensor | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids)
-    # constrained decoding: [B, ceil(V/32)] int32, bit t of row i set = token t allowed (xgrammar's layout)
+    # constrained decoding: [B, ceil(V/32)] int32, bit t of row i set = token t allowed (xgrammar's
+    # layout), read only at the rows listed in token_bitmask_rows (the others sample unconstrained)
     token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: list[int] | None = None
 
 
 @dataclass
@@ -113,14 +115,14 @@ def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of the logits with every token a row's grammar forbids at -inf. The
-    sampled token's logprob is then taken over the allowed tokens, as in vLLM."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Set every token a row's grammar forbids to -inf, in place, in the listed rows only (all
+    rows when None). The logits are the step's own (the runner's copy or a graph's output
+    buffer, rewritten by the next replay), so no copy is made; the sampled token's logprob is
+    then taken over the allowed tokens, as in vLLM."""
     import xgrammar as xgr
 
-    masked = logits.to(torch.float32, copy=True)
-    xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=masked.shape[-1])
-    return masked
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
 def _temperature_only(batch: SamplingBatch) -> bool:
@@ -150,7 +152,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.token_bitmask is not None:
-            logits = apply_token_bitmask(logits, batch.token_bitmask)
+            apply_token_bitmask(logits, batch.token_bitmask, batch.token_bitmask_rows)
         if self._use_fused(logits, batch):
             from pagoda_kernels.sampling import sample_tokens
 

@@ -20,7 +20,7 @@ import torch
 
 from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagoda_daemon.distributed.parallel_state import min_over_ranks, tensor_parallel_group
-from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.models import loader
 from pagoda_daemon.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -169,11 +169,14 @@ class Worker:
 
     # ---- steps ------------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         launched = self.runner.execute(scheduler_output)
         if self.balancer is not None and not scheduler_output.is_empty:
             self.balancer.step()  # every rank runs the same steps: they rebalance together
         return launched
+
+    def sample_tokens(self, grammar: GrammarBitmask) -> LaunchedStep:
+        return self.runner.sample(grammar)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
