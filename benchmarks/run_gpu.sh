@@ -121,13 +121,21 @@ fi
 if has structured; then
   step "structured outputs: 50% of the nano-vllm workload under JSON schemas (Pagoda, then vLLM 0.26.0)"
   SO=$OUT/structured.jsonl; TOK=/tmp/qwen3-0.6b-synth
+  if python3 -c 'import pytest' 2>/dev/null; then  # the GPU path's correctness first
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_structured_outputs_gpu.py 2>&1 | tail -5 \
+      | tee "$OUT/structured-pytest.txt" || status=1
+  fi
   python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/qwen3-0.6b/config.json || status=1
   python3 -c 'import importlib.metadata as m, xgrammar, jsonschema; print("xgrammar", m.version("xgrammar"))' || status=1
   so() { timeout "$1" python3 -m benchmarks.structured_outputs $CFG/qwen3-0.6b --tokenizer $TOK "${@:2}" 2>&1 \
            | tee -a "$OUT/pagoda_structured.log" | grep -E '^RESULT|Error' | tee -a "$SO"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }
   # the engine as it is: a json round that has not finished after SO_ROUND_TIMEOUT s is cut there
-  [ -z "${SO_SKIP_PAGODA:-}" ] && so "${SO_TIMEOUT:-170}" --round-timeout "${SO_ROUND_TIMEOUT:-45}" \
-    --rounds "${SO_ROUNDS:-plain,json,plain}"
+  [ -z "${SO_SKIP_PAGODA:-}" ] && so "${SO_TIMEOUT:-240}" --round-timeout "${SO_ROUND_TIMEOUT:-60}" \
+    --rounds "${SO_ROUNDS:-plain,json,json,matched,plain}"
+  # the mask fill alone on this host: one matcher per schema, then 128 at once by thread count
+  python3 -m benchmarks.structured_mask_cpu --tokenizer $TOK --variants engine --max-tokens 200 --batch 128 \
+    --threads 1,2,4,8,16 2>&1 | grep -E '^RESULT|Error' | sed 's/^RESULT /RESULT {"mask_cpu": true, /; s/, {/, /' \
+    | tee -a "$SO" || status=1
   if [ -f .vllm_b/core.part.01 ] && [ -z "${SO_SKIP_VLLM:-}" ]; then
     P0=""; for d in .vllm_stash /tmp/vllm_stash; do [ -f $d/core.part.00 ] && { P0=$d/core.part.00; break; }; done
     if [ -n "$P0" ] && [ ! -f /tmp/vsite/vllm/__init__.py ]; then
@@ -142,11 +150,9 @@ if has structured; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/jsite .whl/jsonschema*.whl \
       .whl/referencing*.whl .whl/rpds_py*.whl .vllm_b/sowhl/*.whl 2>&1 | grep -v -i warn
     PYTHONPATH=/tmp/vsite:/tmp/jsite VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TRANSFORMERS_OFFLINE=1 \
-      timeout 280 python3 benchmarks/vllm_structured.py $TOK --rounds plain,json,plain,json,matched,json-compact 2>&1 \
+      timeout 280 python3 benchmarks/vllm_structured.py $TOK --rounds "${SO_VLLM_ROUNDS:-plain,json,json,matched}" 2>&1 \
       | tee "$OUT/vllm_structured.log" | grep -E '^RESULT' | tee -a "$SO"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
-  # an experiment beside it: length-bounded JSON strings as one character class (no escapes)
-  [ -z "${SO_SKIP_PAGODA:-}${SO_SKIP_EXPERIMENT:-}" ] && so 120 --strings class-only --rounds json,json,matched,plain
 fi
 T="python3 -m benchmarks.throughput"
 e2e() { $T "$@" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }

@@ -1,17 +1,27 @@
-"""Mask-fill time per token of the structured-outputs benchmark's schemas, on the CPU alone (no
-model, no GPU): where the engine's grammar costs go, checkable on any machine.
+"""Mask-fill time of the structured-outputs benchmark's schemas on the CPU alone (no model, no
+GPU): where the engine's grammar costs go, checkable on any machine.
 
-    python -m benchmarks.structured_mask_cpu [--tokenizer DIR] [--variants engine,class-only,xgrammar]
+    python -m benchmarks.structured_mask_cpu [--tokenizer DIR] [--variants engine,xgrammar]
+                                             [--batch 128 --threads 1,2,4,8]
 
 For each schema (benchmarks/structured_schemas.py) and each grammar variant, one matcher walks
 an output drawn uniformly among the allowed tokens (what random weights sample), and the time of
 each fill_next_token_bitmask is summed. Variants:
 
   engine      pagoda_daemon.structured_outputs.build_grammar, as the engine compiles it
-  class-only  the same, with length-bounded strings' characters as one character class (no
-              escape alternative): benchmarks/structured_outputs.py --strings class-only
   xgrammar    xgrammar's own from_json_schema(any_whitespace=True), as vLLM 0.26 builds it
               (no whitespace bound, no string fixes)
+  llguidance  llguidance's JSON schema support (not an engine dependency: pip install llguidance),
+              whitespace bounded as the engine bounds it; for comparison of mask-fill cost
+
+With --string-probe, one fill inside a JSON string value is timed for strings without a bound
+and with maxLength 300, as the engine and as xgrammar's own from_json_schema build them: the
+cost of length-bounded strings, which every schema of the benchmark has.
+
+With --batch N, the engine variant's fill is also timed as the engine core does it: N matchers
+(the schemas in turn, each stopped at a random point of its own walk) filled at once by
+xgrammar's BatchGrammarMatcher, once per thread count in --threads; the line reports the CPUs
+this process may run on.
 
 Without --tokenizer the synthetic Qwen3-size tokenizer is built (a few seconds).
 """
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 
@@ -27,17 +38,20 @@ import time
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--variants", default="engine,class-only,xgrammar")
+    ap.add_argument("--variants", default="engine,xgrammar")
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--vocab-size", type=int, default=151936)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=0, help="also time batch fills of this many matchers")
+    ap.add_argument("--threads", default="1,2,4,8", help="thread counts for the batch fills")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--string-probe", action="store_true", help="time fills inside bounded and unbounded strings")
     a = ap.parse_args()
 
     import numpy as np
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from benchmarks.structured_outputs import CLASS_ONLY_STRING_CHAR
     from benchmarks.structured_schemas import SCHEMAS, validate
     from pagoda_daemon import structured_outputs as so
 
@@ -50,22 +64,64 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=a.vocab_size, stop_token_ids=[tok.eos_token_id])
     compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-    engine_char = so._JSON_STRING_CHAR
+
+    def llguidance_walk(schema: dict, si: int) -> None:
+        import llguidance
+        import llguidance.numpy
+
+        lltok = llguidance_tokenizer()
+        grm = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={
+            "whitespace_flexible": False, "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{so.MAX_JSON_WHITESPACE}}}"})
+        t = time.perf_counter()
+        matcher = llguidance.LLMatcher(lltok, grm, log_level=1)
+        compile_s = time.perf_counter() - t
+        assert not matcher.is_error(), matcher.get_error()
+        rng = np.random.default_rng(a.seed)
+        mask = np.zeros((1, -(-a.vocab_size // 32)), dtype=np.int32)
+        out, fill = [], 0.0
+        while len(out) < a.max_tokens and not matcher.is_stopped():
+            t = time.perf_counter()
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+            fill += time.perf_counter() - t
+            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:a.vocab_size]
+            token = int(rng.choice(np.flatnonzero(bits)))
+            assert matcher.consume_token(token), matcher.get_error()
+            out.append(token)
+        done = matcher.is_stopped()
+        err = validate(tok.decode(out, skip_special_tokens=True), si) if done else "unfinished"
+        print("RESULT " + json.dumps({
+            "variant": "llguidance", "schema": schema["title"], "compile_s": round(compile_s, 3), "tokens": len(out),
+            "fill_us_per_token": round(fill / len(out) * 1e6, 1), "finished": done, "valid": err is None,
+            **({"why": err[:120]} if err else {})}), flush=True)
+
+    cached: dict[str, object] = {}
+
+    def llguidance_tokenizer():
+        if "tok" not in cached:
+            import llguidance.hf
+
+            cached["tok"] = llguidance.hf.from_tokenizer(tok, n_vocab=a.vocab_size)
+        return cached["tok"]
 
     def grammar(variant: str, schema: dict):
         if variant == "xgrammar":
             return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True)
-        so._JSON_STRING_CHAR = CLASS_ONLY_STRING_CHAR if variant == "class-only" else engine_char
-        try:
-            return so.build_grammar(so.StructuredOutputsParams(json=schema))
-        finally:
-            so._JSON_STRING_CHAR = engine_char
+        return so.build_grammar(so.StructuredOutputsParams(json=schema))
 
+    def allowed(mask) -> np.ndarray:
+        return np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:a.vocab_size])
+
+    compiled_engine = []
     for variant in a.variants.split(","):
         for si, schema in enumerate(SCHEMAS):
+            if variant == "llguidance":
+                llguidance_walk(schema, si)
+                continue
             t = time.perf_counter()
             compiled = compiler.compile_grammar(grammar(variant, schema))
             compile_s = time.perf_counter() - t
+            if variant == "engine":
+                compiled_engine.append(compiled)
             rng = np.random.default_rng(a.seed)
             matcher = xgr.GrammarMatcher(compiled)
             mask = xgr.allocate_token_bitmask(1, a.vocab_size)
@@ -74,8 +130,7 @@ def main() -> int:
                 t = time.perf_counter()
                 matcher.fill_next_token_bitmask(mask)
                 fill += time.perf_counter() - t
-                bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:a.vocab_size]
-                token = int(rng.choice(np.flatnonzero(bits)))
+                token = int(rng.choice(allowed(mask)))
                 assert matcher.accept_token(token)
                 out.append(token)
             done = matcher.is_terminated()
@@ -84,6 +139,52 @@ def main() -> int:
                 "variant": variant, "schema": schema["title"], "compile_s": round(compile_s, 3), "tokens": len(out),
                 "fill_us_per_token": round(fill / len(out) * 1e6, 1), "finished": done, "valid": err is None,
                 **({"why": err[:120]} if err else {})}), flush=True)
+
+    if a.string_probe:
+        mask = xgr.allocate_token_bitmask(1, a.vocab_size)
+        for bound in (None, 300):
+            string = {"type": "string"} if bound is None else {"type": "string", "maxLength": bound}
+            schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
+            for builder in ("engine", "xgrammar"):
+                matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar(builder, schema)))
+                for token in tok.encode('{"s": "', add_special_tokens=False):
+                    assert matcher.accept_token(token)
+                t = time.perf_counter()
+                for _ in range(a.repeats):
+                    matcher.fill_next_token_bitmask(mask)
+                print("RESULT " + json.dumps({
+                    "string_probe": builder, "max_length": bound,
+                    "fill_us": round((time.perf_counter() - t) / a.repeats * 1e6, 1),
+                    "allowed_tokens": len(allowed(mask))}), flush=True)
+
+    if a.batch and compiled_engine:
+        rng = np.random.default_rng(a.seed + 1)
+        matchers = []
+        mask = xgr.allocate_token_bitmask(1, a.vocab_size)
+        for i in range(a.batch):
+            matcher = xgr.GrammarMatcher(compiled_engine[i % len(compiled_engine)])
+            for _ in range(int(rng.integers(0, 250))):  # a random point of its own walk
+                matcher.fill_next_token_bitmask(mask)
+                tokens = allowed(mask)
+                token = int(rng.choice(tokens))
+                if token == tok.eos_token_id and len(tokens) > 1:
+                    token = int(rng.choice(tokens[tokens != tok.eos_token_id]))
+                if token == tok.eos_token_id:
+                    break
+                assert matcher.accept_token(token)
+            matchers.append(matcher)
+        out = np.empty((a.batch, -(-a.vocab_size // 32)), dtype=np.int32)
+        for threads in (int(x) for x in a.threads.split(",")):
+            batch = xgr.BatchGrammarMatcher(threads)
+            batch.batch_fill_next_token_bitmask(matchers, out)  # first touch
+            t = time.perf_counter()
+            for _ in range(a.repeats):
+                batch.batch_fill_next_token_bitmask(matchers, out)
+            per_fill = (time.perf_counter() - t) / a.repeats
+            print("RESULT " + json.dumps({
+                "batch_fill": a.batch, "threads": threads, "cpus_allowed": len(os.sched_getaffinity(0)),
+                "ms_per_fill": round(per_fill * 1e3, 2), "us_per_row": round(per_fill / a.batch * 1e6, 1)}),
+                flush=True)
     if tmp is not None:
         tmp.cleanup()
     return 0
