@@ -51,6 +51,7 @@ class Operator:
         env = {
             **self.cluster.env,
             "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")]),
+            "POD_NAME": f"e2e-{self.name}",  # as the chart gives each replica its pod's name
         }
         argv = [
             sys.executable,
@@ -434,6 +435,33 @@ def test_invalid_combination_is_degraded_and_children_untouched(cluster, ns, ope
     assert "InvalidSpec" in events
 
 
+def test_a_quota_that_forbids_services_is_degraded_and_clears_when_lifted(cluster, ns, operator):
+    """A ResourceQuota allowing no Services: the API server refuses the child Service with 403. The
+    InferenceService is Degraded/QuotaExceeded naming the quota within a pass, with one Warning
+    Event; lifting the quota lets it converge (the write is retried after its backoff)."""
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-services"},
+             "spec": {"hard": {"services": "0"}}}
+    cluster.apply(quota, ns)
+    cluster.wait_for(lambda: (get(cluster, "resourcequota", "no-services", ns) or {}).get("status", {}).get("hard"),
+                     timeout=30, what="the quota controller fills the quota's status")
+    cluster.apply(isvc("quota"), ns)
+
+    def degraded():
+        c = cond(get(cluster, "pisvc", "quota", ns), "Degraded")
+        return c if c.get("status") == "True" else None
+
+    c = cluster.wait_for(degraded, timeout=30, what="Degraded")
+    assert c["reason"] == "QuotaExceeded" and "no-services" in c["message"] and "Service quota" in c["message"], c
+    assert get(cluster, "deployment", "quota", ns) is None  # nothing after the refused child
+    time.sleep(3)  # passes run every second: the Event is posted once, not every pass
+    events = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "involvedObject.name=quota")["items"]
+    assert [e["reason"] for e in events if e["reason"] == "QuotaExceeded"] == ["QuotaExceeded"], events
+
+    cluster.kubectl("delete", "resourcequota", "no-services", "-n", ns)
+    wait_ready(cluster, "quota", ns, replicas=1, timeout=90, op=operator)
+    assert cond(get(cluster, "pisvc", "quota", ns), "Degraded")["status"] == "False"
+
+
 def test_unschedulable_pods_are_degraded(cluster, ns, operator):
     cluster.apply(isvc("huge", resources={"gpusPerReplica": 16}, parallelism={"tensor": 16}), ns)
 
@@ -628,6 +656,50 @@ def test_delete_does_not_need_the_operator(cluster, ns, operator):
             timeout=6 * LEASE,
             what="operator leads again",
         )
+
+
+def test_an_api_server_outage_leaves_the_leader_up_and_a_restart_retakes_its_own_lease(cluster, ns, operator):
+    """The API server killed and down for 30 s (connections refused), with a lease of 4 s: the operator
+    keeps leading (its grace is 60 s) and converges on what changed once the server is back.
+    Then killed and started again as the same pod: it finds the lease its own and leads at
+    once, instead of waiting for its own lease to expire."""
+    cluster.apply(isvc("pre-outage"), ns)
+    wait_ready(cluster, "pre-outage", ns, replicas=1, op=operator)
+    pid_file = Path(cluster.state_dir) / "kube-apiserver.pid"
+    pid = int(pid_file.read_text())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    os.kill(pid, signal.SIGKILL)  # a crash (its graceful stop takes longer than the outage)
+    def stopped() -> bool:  # gone, or a zombie its parent has not reaped
+        try:
+            return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return True
+
+    cluster.wait_for(stopped, timeout=30, what="the API server stopped")
+    try:
+        time.sleep(30)
+        assert operator.alive(), operator.log()[-3000:]
+    finally:
+        with open(Path(cluster.logs_dir) / "kube-apiserver.log", "ab") as log:
+            server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True)
+        pid_file.write_text(str(server.pid))  # the cluster's teardown stops this one
+    cluster.wait_for(lambda: cluster.kubectl("get", "--raw", "/readyz", check=False).returncode == 0,
+                     timeout=90, what="the API server answers again")
+    cluster.apply(isvc("post-outage"), ns)
+    wait_ready(cluster, "post-outage", ns, replicas=1, op=operator)
+    assert operator.alive() and "lost the leader lease" not in operator.log(), operator.log()[-3000:]
+    assert "API server unreachable" in operator.log()  # it did see the outage
+
+    operator.stop(signal.SIGKILL)  # the lease stays recorded as held by e2e-operator
+    mark = len(operator.log())
+    operator.start()
+    waiting = cluster.wait_for(lambda: "waiting for the leader lease" in operator.log()[mark:] and time.monotonic(),
+                               timeout=60, interval=0.05, what="the restarted operator asks for the lease")
+    leading = cluster.wait_for(lambda: "leading as e2e-operator" in operator.log()[mark:] and time.monotonic(),
+                               timeout=60, interval=0.05, what="the restarted operator leads")
+    assert leading - waiting < LEASE / 2, (leading - waiting, operator.log()[mark:])
+    assert "took the leader lease" not in operator.log()[mark:]  # renewed its own, took nothing
 
 
 def test_operator_restart_neither_duplicates_nor_loses(cluster, ns, operator):

@@ -12,12 +12,13 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import ssl
 import sys
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -49,11 +50,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"])
     p.add_argument(
         "--interval",
-        type=float,
+        type=bounded(float, 0.1, 86400),
         default=15.0,
         help="seconds between autoscaler steps and resyncs of each InferenceService",
     )
-    p.add_argument("--scrape-timeout", type=float, default=2.0, help="seconds to wait for a pod's /metrics")
+    p.add_argument("--scrape-timeout", type=bounded(float, 0.1, 600), default=2.0, help="seconds to wait for a pod's /metrics")
     p.add_argument(
         "--metrics-port", type=int, default=8080, help="operator /metrics (and /healthz); 0 disables"
     )
@@ -64,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz",
     )
-    p.add_argument("--workers", type=int, default=8, help="threads running reconcile passes")
+    p.add_argument("--workers", type=bounded(int, 1, 256), default=8, help="threads running reconcile passes")
     netpol = p.add_argument_group("network policy")
     netpol.add_argument(
         "--network-policy",
@@ -95,9 +96,16 @@ def parser() -> argparse.ArgumentParser:
         help="namespace of the Lease (default: $POD_NAMESPACE, else 'default')",
     )
     le.add_argument("--lease-name", default="pagoda-operator")
-    le.add_argument("--lease-duration", type=int, default=15, help="seconds")
+    le.add_argument("--lease-duration", type=bounded(int, 2, 3600), default=15, help="seconds")
     le.add_argument(
-        "--lease-renew", type=float, default=None, help="seconds between renewals (default duration/3)"
+        "--lease-renew", type=bounded(float, 0.1, 3600), default=None, help="seconds between renewals (default duration/3)"
+    )
+    le.add_argument(
+        "--lease-grace",
+        type=bounded(float, 1, 86400),
+        default=60.0,
+        help="seconds the leader keeps leading while the API server cannot be reached (at least the "
+        "lease duration; docs/operator.md, Leader election)",
     )
     adm = p.add_argument_group("admission webhook (docs/operator.md, Admission)")
     adm.add_argument(
@@ -172,6 +180,21 @@ def start_admission_webhook(args: argparse.Namespace, policy: Policy, kube: Kube
     return webhook
 
 
+def bounded(cast: Callable[[str], float], low: float, high: float) -> Callable[[str], Any]:
+    """An argparse type: a finite number of ``cast`` within [low, high]."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is outside [{low:g}, {high:g}]")
+        return value
+
+    return parse
+
+
 def network_policy_peer(text: str) -> dict:
     """One NetworkPolicyPeer from JSON (a namespaceSelector, podSelector and/or ipBlock)."""
     try:
@@ -215,7 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
-    kube = Kube(load_configuration(args.kubeconfig))
+    # one connection per thread that calls the API server: kopf's handler threads, the ticker's,
+    # and the lease, webhook and metrics threads
+    kube = Kube(load_configuration(args.kubeconfig), connections=2 * args.workers + 4)
     if policy is not None:  # first: /healthz (readiness) then means the webhook answers too
         start_admission_webhook(args, policy, kube)
     if args.metrics_port:
@@ -237,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lease_s=args.lease_duration,
             renew_s=args.lease_renew or max(1.0, args.lease_duration / 3),
             retry_s=max(1.0, args.lease_duration / 5),
+            grace_s=args.lease_grace,
         )
         try:
             if not elector.acquire():

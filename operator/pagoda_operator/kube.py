@@ -94,7 +94,10 @@ def load_configuration(kubeconfig: str | None = None) -> k8s_client.Configuratio
 class Kube:
     """Thread-safe; one per operator process."""
 
-    def __init__(self, configuration: k8s_client.Configuration | None = None, timeout: float = 30.0):
+    def __init__(self, configuration: k8s_client.Configuration | None = None, timeout: float = 30.0,
+                 connections: int = 8):
+        """``connections``: kept open per API server, at least one per thread that calls it (a
+        thread that finds none idle opens one more and closes it after: a TLS handshake each)."""
         self.cfg = configuration or load_configuration()
         self.host = self.cfg.host.rstrip("/")
         ctx = (
@@ -107,7 +110,7 @@ class Kube:
         if not self.cfg.verify_ssl:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
-        self.pool = urllib3.PoolManager(num_pools=4, maxsize=8, ssl_context=ctx, timeout=timeout)
+        self.pool = urllib3.PoolManager(num_pools=4, maxsize=connections, ssl_context=ctx, timeout=timeout)
         self._lock = threading.Lock()
 
     def _headers(self, content_type: str | None) -> dict[str, str]:

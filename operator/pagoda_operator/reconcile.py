@@ -19,6 +19,8 @@ lease keeps a second operator process out.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -42,6 +44,72 @@ class Retry(Exception):
     """A transient conflict: run the pass again shortly."""
 
 
+# Retries of a child write the API server refused: after 10 s, then twice as long each time, at most
+# 5 min apart (a quota or an RBAC rule does not change every tick); a new desired object retries at once.
+WRITE_BACKOFF_FIRST_S = 10.0
+WRITE_BACKOFF_MAX_S = 300.0
+
+
+def write_problem(kind: str, name: str, error: ApiError) -> status_mod.Problem:
+    """Why a child could not be written, as the InferenceService's Degraded reason and message."""
+    message = error.body.get("message") if isinstance(error.body, dict) else str(error.body or error)
+    if error.status in (400, 422):
+        # what the schema let through but the API server refuses in a child (a label value, an
+        # env valueFrom, a quantity): the user must fix the spec
+        return status_mod.Problem("InvalidSpec", f"the API server rejected the {kind}: {message}")
+    what = f"the API server refused the {kind} {name} ({error.status})"
+    if error.status == 403:
+        quota = "quota" in str(message).lower()
+        return status_mod.Problem("QuotaExceeded" if quota else "Forbidden", f"{what}: {message}")
+    if error.status == 429 or error.status >= 500:
+        return status_mod.Problem("ApiServerError", f"{what}: {message}; retrying")
+    return status_mod.Problem("ApiError", f"{what}: {message}")
+
+
+@dataclass
+class _Failure:
+    problem: status_mod.Problem
+    failures: int
+    retry_at: float
+
+
+class WriteBackoff:
+    """The child writes the API server refused, by (namespace, owner, kind, name, desired content):
+    the same write is not sent again before its retry time, and its problem stays reported."""
+
+    def __init__(self) -> None:
+        self._failed: dict[tuple[str, ...], _Failure] = {}
+        self._guard = threading.Lock()
+
+    @staticmethod
+    def key(namespace: str, owner: str, child: Mapping[str, Any]) -> tuple[str, ...]:
+        digest = hashlib.sha256(json.dumps(child, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return (namespace, owner, child["kind"], child["metadata"]["name"], digest)
+
+    def pending(self, key: tuple[str, ...], now: float) -> status_mod.Problem | None:
+        """The problem of this write while it waits for its retry; None once it may be sent."""
+        with self._guard:
+            failed = self._failed.get(key)
+        return failed.problem if failed is not None and now < failed.retry_at else None
+
+    def failed(self, key: tuple[str, ...], problem: status_mod.Problem, now: float) -> float:
+        """Record a refusal; returns the seconds until the write may be retried."""
+        with self._guard:
+            count = (self._failed[key].failures if key in self._failed else 0) + 1
+            delay = min(WRITE_BACKOFF_FIRST_S * 2 ** (count - 1), WRITE_BACKOFF_MAX_S)
+            self._failed[key] = _Failure(problem, count, now + delay)
+        return delay
+
+    def succeeded(self, key: tuple[str, ...]) -> None:
+        with self._guard:
+            self._failed.pop(key, None)
+
+    def forget(self, namespace: str, owner: str) -> None:
+        with self._guard:
+            for key in [k for k in self._failed if k[:2] == (namespace, owner)]:
+                del self._failed[key]
+
+
 @dataclass
 class Context:
     kube: Kube
@@ -55,6 +123,7 @@ class Context:
     topologies: TopologyCache = field(default_factory=TopologyCache)
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     locks_guard: threading.Lock = field(default_factory=threading.Lock)
+    backoff: WriteBackoff = field(default_factory=WriteBackoff)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self.locks_guard:
@@ -63,6 +132,7 @@ class Context:
     def forget(self, namespace: str, name: str) -> None:
         with self.locks_guard:
             self.locks.pop((namespace, name), None)
+        self.backoff.forget(namespace, name)
 
 
 @dataclass
@@ -274,19 +344,24 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
     if decision.children is not None:
         for child in decision.children.all():
             kind, child_name = child["kind"], child["metadata"]["name"]
+            key = ctx.backoff.key(namespace, name, child)
+            waiting = ctx.backoff.pending(key, now)
+            if waiting is not None:  # refused before: not sent again until its retry time
+                blocker = waiting
+                break
             try:
                 live, changed = _apply(kube, child, observed.live(kind, child_name), body["metadata"]["uid"])
             except _Conflict as e:
                 blocker = status_mod.Problem("ChildConflict", str(e))
                 break
             except ApiError as e:
-                if e.status not in (400, 422):
-                    raise
-                # What the schema let through but the API server refuses in a child (a label
-                # value, an env valueFrom, a quantity): the user must fix the spec.
-                message = e.body.get("message") if isinstance(e.body, dict) else str(e)
-                blocker = status_mod.Problem("InvalidSpec", f"the API server rejected the {kind}: {message}")
+                if e.status == 404:  # gone between this pass's read and its write
+                    raise Retry(f"{kind} {child_name} vanished while being written") from e
+                blocker = write_problem(kind, child_name, e)
+                delay = ctx.backoff.failed(key, blocker, now)
+                log.warning("%s/%s: %s (next try in %.0f s)", namespace, name, blocker.message, delay)
                 break
+            ctx.backoff.succeeded(key)
             if changed:
                 wrote.append(kind)
             lives[(kind, child_name)] = live

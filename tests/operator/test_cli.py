@@ -28,3 +28,20 @@ def test_network_policy_flags_parse_peers():
 def test_a_peer_that_is_not_a_network_policy_peer_is_a_usage_error(peer, capsys):
     assert main([f"--network-policy-http-from={peer}"]) == 2
     assert "--network-policy-http-from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--workers", "0"), ("--workers", "-3"), ("--workers", "1e9"), ("--workers", "two"),
+    ("--interval", "-1"), ("--interval", "nan"), ("--interval", "inf"), ("--scrape-timeout", "0"),
+    ("--lease-duration", "1"), ("--lease-duration", "99999"), ("--lease-renew", "0"),
+    ("--lease-grace", "nan"), ("--lease-grace", "-5"), ("--lease-grace", "1e12"),
+])
+def test_numbers_out_of_bounds_are_usage_errors(flag, value, capsys):
+    assert main([f"{flag}={value}"]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_numbers_at_their_bounds_parse():
+    args = parser().parse_args(["--workers=256", "--interval=0.1", "--lease-duration=2", "--lease-grace=86400"])
+    assert (args.workers, args.interval, args.lease_duration, args.lease_grace) == (256, 0.1, 2, 86400.0)
+    assert parser().parse_args([]).lease_grace == 60.0

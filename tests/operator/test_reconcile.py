@@ -445,3 +445,88 @@ def test_a_starting_pod_shows_its_start_up_phase_in_status(fake_kube):
     pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
     reconcile(ctx, "default", "llama", "pod")
     assert "startupPhase" not in status(kube)["placement"][0] and len(asked) == 1  # ready pods are not asked
+
+
+QUOTA = ('services "llama" is forbidden: exceeded quota: no-services, requested: services=1, '
+         'used: services=0, limited: services=0')
+
+
+@pytest.mark.parametrize("status_code, message, reason", [
+    (403, QUOTA, "QuotaExceeded"),
+    (403, 'services is forbidden: User "system:serviceaccount:x:y" cannot create resource "services"', "Forbidden"),
+    (500, "Internal error occurred: failed to allocate a serviceIP: range is full", "ApiServerError"),
+    (503, "the server is currently unable to handle the request", "ApiServerError"),
+    (429, "too many requests", "ApiServerError"),
+    (410, "gone", "ApiError"),
+])
+def test_a_refused_child_write_is_a_degraded_condition_with_backoff(fake_kube, monkeypatch, status_code, message,
+                                                                    reason):
+    """A child the API server refuses for a reason other than the spec (a ResourceQuota, RBAC, a
+    full Service IP range, an overloaded server): the InferenceService is Degraded with a reason
+    and the server's message, one Warning Event, and the same write is not re-sent every pass
+    but after 10 s, 20 s, 40 s, ...; once the write goes through, the problem is gone."""
+    from pagoda_operator.kube import ApiError
+    from pagoda_operator.reconcile import WRITE_BACKOFF_FIRST_S
+
+    fake_kube.put(isvc(replicas=1))
+    real_create = fake_kube.create
+    refused = {"on": True, "tries": 0}
+
+    def create(obj):
+        if obj["kind"] == "Service" and refused["on"]:
+            refused["tries"] += 1
+            raise ApiError(status_code, "Refused", {"message": message})
+        return real_create(obj)
+
+    monkeypatch.setattr(fake_kube, "create", create)
+    clock = Clock()
+    ctx = make(fake_kube, clock=clock)
+    r = reconcile(ctx, "default", "llama", "create")
+    deg = condition(status(fake_kube), "Degraded")
+    assert (deg["status"], deg["reason"]) == ("True", reason)
+    assert message in deg["message"] and "Service llama" in deg["message"]
+    assert condition(status(fake_kube), "Ready")["status"] == "False"
+    assert [e[:2] for e in r.events] == [("Warning", reason)]
+    assert refused["tries"] == 1
+
+    # passes within the backoff do not send it again, and post no new Event
+    for _ in range(3):
+        clock.t += 3
+        r = reconcile(ctx, "default", "llama", "timer")
+        assert r.events == []
+    assert refused["tries"] == 1
+    clock.t += WRITE_BACKOFF_FIRST_S  # past the first backoff: tried again, refused again
+    reconcile(ctx, "default", "llama", "timer")
+    assert refused["tries"] == 2
+    clock.t += WRITE_BACKOFF_FIRST_S + 1  # the second backoff is twice as long
+    reconcile(ctx, "default", "llama", "timer")
+    assert refused["tries"] == 2
+    clock.t += WRITE_BACKOFF_FIRST_S
+    refused["on"] = False  # the quota was raised
+    r = reconcile(ctx, "default", "llama", "timer")
+    assert refused["tries"] == 2 and ("Service", "default", "llama") in fake_kube.objects
+    assert condition(status(fake_kube), "Degraded")["status"] == "False"
+
+
+def test_a_changed_spec_retries_a_refused_write_at_once(fake_kube, monkeypatch):
+    from pagoda_operator.kube import ApiError
+
+    fake_kube.put(isvc(replicas=1))
+    real_create = fake_kube.create
+    tries = []
+
+    def create(obj):
+        if obj["kind"] == "Deployment" and len(tries) < 1:
+            tries.append(obj)
+            raise ApiError(403, "Forbidden", {"message": QUOTA.replace("services", "pods")})
+        return real_create(obj)
+
+    monkeypatch.setattr(fake_kube, "create", create)
+    ctx = make(fake_kube)
+    reconcile(ctx, "default", "llama", "create")
+    assert condition(status(fake_kube), "Degraded")["reason"] == "QuotaExceeded"
+    obj = fake_kube.objects[("InferenceService", "default", "llama")]
+    obj["spec"]["replicas"] = 2  # another Deployment is wanted: no waiting for the old one's backoff
+    obj["metadata"]["generation"] += 1
+    reconcile(ctx, "default", "llama", "update")
+    assert fake_kube.objects[("Deployment", "default", "llama")]["spec"]["replicas"] == 2
