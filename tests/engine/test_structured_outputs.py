@@ -405,6 +405,9 @@ def test_equal_constraints_compile_once(llm):
     stats = grammars.make_stats()
     assert (stats.requests, stats.compiles, stats.cache_hits, stats.failures) == (18, 2, 16, 0)
     assert len(stats.compile_seconds) == 2
+    # one mask fill per step with constrained rows: at least one per token of the longest output
+    assert len(stats.mask_fill_seconds) >= max(len(o.outputs[0].token_ids) for o in outs)
+    assert all(0 < s < 10 for s in stats.mask_fill_seconds)
     # compiled already: the next batch only hits the cache, and the stats were reset by the read
     llm.generate(["{"] * 4, params[:4])
     stats = grammars.make_stats()

@@ -383,4 +383,5 @@ def test_metrics_count_constrained_requests_compiles_and_cache_hits(server):
     assert value(text, "pagoda:structured_output_requests_total") >= 3
     assert value(text, "pagoda:grammar_cache_hits_total") >= 2
     assert value(text, "pagoda:grammar_compile_seconds_count") >= 1
+    assert value(text, "pagoda:grammar_mask_fill_seconds_count") >= 1  # one per step with constrained rows
     assert value(text, "pagoda:grammar_compile_failures_total") == 0

@@ -33,7 +33,7 @@ COMPILE_THREADS = 2
 # compiled grammars kept for reuse (by canonical constraint); a compiled JSON schema for a
 # 150k-token vocabulary takes from tens of kB to a few MB
 CACHE_ENTRIES = 512
-MAX_TIMES_RECORDED = 4096  # compile times kept between two stats reads
+MAX_TIMES_RECORDED = 4096  # compile and mask-fill times kept between two stats reads
 
 
 def fill_threads() -> int:
@@ -143,7 +143,7 @@ class GrammarManager:
         """What happened since the previous call (and reset), or None when nothing did."""
         with self._lock:
             stats, self.stats = self.stats, StructuredOutputStats()
-        return stats if stats.requests or stats.compiles or stats.failures else None
+        return stats if stats.requests or stats.compiles or stats.failures or stats.mask_fill_seconds else None
 
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammar:
         """Start (or reuse) the compile of this constraint."""
@@ -180,7 +180,12 @@ class GrammarManager:
         token t allowed), filled by the batch matcher's threads. Every matcher comes from a
         compiled grammar, so the batch matcher exists."""
         out = np.empty((len(matchers), self.bitmask_width), dtype=np.int32)  # every row is filled
+        start = time.perf_counter()
         self._batch.batch_fill_next_token_bitmask(matchers, out)
+        seconds = time.perf_counter() - start
+        with self._lock:
+            if len(self.stats.mask_fill_seconds) < MAX_TIMES_RECORDED:
+                self.stats.mask_fill_seconds.append(seconds)
         return out
 
     def shutdown(self) -> None:

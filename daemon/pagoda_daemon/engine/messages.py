@@ -95,14 +95,16 @@ class BalancerStats(msgspec.Struct, array_like=True, gc=False):
 
 class StructuredOutputStats(msgspec.Struct, array_like=True, gc=False):
     """Constrained decoding since the previous stats: requests that asked for a grammar, grammars
-    compiled (with each compile's seconds), requests served from the compiled-grammar cache, and
-    compiles that failed."""
+    compiled (with each compile's seconds), requests served from the compiled-grammar cache,
+    compiles that failed, and the seconds of each step's mask fill (the limit of constrained
+    throughput: docs/benchmarks/2026-11-25-structured-outputs-overlap-h100.md)."""
 
     requests: int = 0
     compiles: int = 0
     cache_hits: int = 0
     failures: int = 0
     compile_seconds: list[float] = msgspec.field(default_factory=list)
+    mask_fill_seconds: list[float] = msgspec.field(default_factory=list)
 
     def add(self, later: StructuredOutputStats | None) -> StructuredOutputStats:
         """Counters summed (compile times are per period: a running total keeps none)."""

@@ -45,6 +45,9 @@ REQUEST_LATENCY_BUCKETS = (
 
 # a regex or choice compiles in about a millisecond, a large JSON schema against a 150k-token
 # vocabulary in a second or more
+# a step's mask fill: tens of µs for a few rows of cheap states, tens of ms for 128 rows inside
+# length-bounded strings (docs/benchmarks/2026-11-25-structured-outputs-overlap-h100.md)
+GRAMMAR_MASK_FILL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n buckets
 
@@ -254,6 +257,9 @@ class EngineMetrics:
         self._grammar_compile = histogram("pagoda:grammar_compile_seconds",
                                           "Histogram of the time to compile one grammar against the vocabulary.",
                                           GRAMMAR_COMPILE_BUCKETS)
+        self._grammar_mask_fill = histogram(
+            "pagoda:grammar_mask_fill_seconds", "Histogram of the time the engine core took to fill one step's "
+            "grammar masks (while the step's forward pass runs).", GRAMMAR_MASK_FILL_BUCKETS)
         self._startup = Gauge(
             "pagoda:startup_phase_seconds", "How long each start-up phase of the engine took.",
             ["model_name", "phase"], registry=r,
@@ -298,6 +304,8 @@ class EngineMetrics:
             self._grammar_failures.inc(g.failures)
             for seconds in g.compile_seconds:
                 self._grammar_compile.observe(seconds)
+            for seconds in g.mask_fill_seconds:
+                self._grammar_mask_fill.observe(seconds)
         b = stats.balancer
         if b is not None and b.rebalances:
             self._eplb_rebalances.inc(b.rebalances)
