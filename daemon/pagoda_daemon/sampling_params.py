@@ -85,6 +85,10 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # constrained decoding (a JSON schema, regex, choice or grammar); a dict is read as its fields
     structured_outputs: StructuredOutputsParams | None = None
+    # the constraint starts after the first output token equal to this id, which, like the tokens
+    # before it, is sampled freely: a reasoning model's end of thinking (`</think>`), so that it
+    # thinks unconstrained and answers constrained, as vLLM does with a reasoning parser
+    structured_outputs_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -164,6 +168,9 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", f"must be StructuredOutputsParams, got {_shown(self.structured_outputs)}")
+        after = self.structured_outputs_after_token_id
+        if after is not None and (not is_strict_int(after) or not 0 <= after <= INT64_MAX):
+            fail("structured_outputs_after_token_id", f"must be a non-negative integer, got {_shown(after)}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -37,6 +37,9 @@ INVALID = [
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]), ("stop_token_ids", [2**64]),
     ("stop_token_ids", list(range(1025))),
     ("ignore_eos", 1), ("skip_special_tokens", "yes"),
+    ("structured_outputs_after_token_id", -1), ("structured_outputs_after_token_id", 2**64),
+    ("structured_outputs_after_token_id", 1.0), ("structured_outputs_after_token_id", True),
+    ("structured_outputs_after_token_id", "7"),
 ]
 
 

@@ -412,3 +412,34 @@ def test_equal_constraints_compile_once(llm):
     llm.generate(["{"] * 4, params[:4])
     stats = grammars.make_stats()
     assert (stats.requests, stats.compiles, stats.cache_hits) == (4, 0, 4)
+
+
+# ---- 6. a constraint that starts after a token (a reasoning model's end of thinking) -------------
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "ahead"])
+def test_a_constraint_starts_after_its_token_and_not_before(tiny_models, async_scheduling):
+    """With structured_outputs_after_token_id the output is free up to and including that token
+    (the thinking and its `</think>`), then constrained. Greedy, the free part equals the
+    unconstrained run token for token; the rest matches the regex in full. A request that never
+    samples the token is never constrained."""
+    llm = LLM(tiny_models["qwen3"], num_kv_blocks=128, max_model_len=512, async_scheduling=async_scheduling)
+    prompts = random_prompts(llm.engine.model_config.vocab_size, [5, 17, 9], seed=31)
+    free = [o.outputs[0].token_ids for o in
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))]
+    regex = r"[a-c]{2,5}-\d{3}"
+    for prompt, unconstrained in zip(prompts, free):
+        end = unconstrained[4]  # stands in for </think>: the greedy run samples it at position 4
+        first = unconstrained.index(end)
+        params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=SO(regex=regex),
+                                structured_outputs_after_token_id=end)
+        done = llm.generate([prompt], params)[0].outputs[0]
+        assert done.token_ids[:first + 1] == unconstrained[:first + 1], "the free part was constrained"
+        answer = llm.tokenizer.decode(done.token_ids[first + 1:], skip_special_tokens=True)
+        assert done.finish_reason == "stop" and re.fullmatch(regex, answer), (answer, done.finish_reason)
+
+    never = llm.engine.model_config.vocab_size - 1
+    assert never not in free[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, structured_outputs=SO(regex=regex),
+                            structured_outputs_after_token_id=never)
+    assert llm.generate([prompts[0]], params)[0].outputs[0].token_ids == free[0]
+    assert_nothing_left(llm)

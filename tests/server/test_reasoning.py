@@ -17,6 +17,7 @@ from pagoda_daemon.server.reasoning import (
     Qwen3ReasoningParser,
     ReasoningParser,
     SplitReply,
+    constraint_start,
     reasoning_parser_for,
 )
 
@@ -160,3 +161,31 @@ def test_reasoning_parser_for_unknown_name_is_an_error_naming_the_known_ones():
     with pytest.raises(ValueError, match="deepseek_r1") as error:
         reasoning_parser_for("granite")
     assert "granite" in str(error.value) and "qwen3" in str(error.value)
+
+
+class ThinkTokenizer:
+    """What constraint_start asks of a tokenizer: `<think>` 7 and `</think>` 8 as single tokens
+    (as Qwen3's 151667 and 151668), or spelled in pieces."""
+
+    def __init__(self, single: bool = True) -> None:
+        self.single = single
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if self.single:
+            return {"<think>": [7], "</think>": [8]}[text]
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("prompt, want", [
+    ([1, 2, 3], 8),  # thinking on (the template writes no tag): the answer comes after </think>
+    ([1, 2, 7], 8),  # the prompt opened the thinking (DeepSeek-R1 style)
+    ([1, 7, 5, 8, 5], None),  # enable_thinking false: the prompt closed it, constrain from the start
+    ([1, 7, 8, 2, 7], 8),  # an earlier turn closed a thought, the last tag opens one
+    ([], 8),
+])
+def test_constraint_starts_after_the_end_of_thinking(prompt, want):
+    assert constraint_start(ThinkTokenizer(), prompt) == want
+
+
+def test_no_single_end_of_thinking_token_constrains_from_the_start():
+    assert constraint_start(ThinkTokenizer(single=False), [1, 2, 3]) is None

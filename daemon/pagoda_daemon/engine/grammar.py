@@ -48,12 +48,20 @@ def fill_threads() -> int:
 
 
 class RequestGrammar:
-    """One request's constraint: compiling, then a matcher that follows its output."""
+    """One request's constraint: compiling, then a matcher that follows its output. With
+    ``starts_after`` (a token id), the output is free until that token is sampled (a reasoning
+    model's end of thinking) and the constraint follows only what comes after it."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, starts_after: int | None = None) -> None:
         self._future = future
         self.matcher: Any = None
         self.error: str | None = None
+        self.starts_after = starts_after
+
+    @property
+    def active(self) -> bool:
+        """The constraint applies to the next token."""
+        return self.starts_after is None
 
     def ready(self) -> bool:
         """Compiled (or failed): the request may be scheduled (or must be failed)."""
@@ -70,12 +78,17 @@ class RequestGrammar:
         return True
 
     def accept(self, token: int) -> bool:
-        """Follow a sampled token; False when the grammar refuses it."""
+        """Follow a sampled token; False when the grammar refuses it. Before the constraint starts
+        every token is accepted, and the one it starts after switches it on."""
+        if not self.active:
+            if token == self.starts_after:
+                self.starts_after = None
+            return True
         return bool(self.matcher.accept_token(token))
 
     @property
     def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        return self.active and bool(self.matcher.is_terminated())
 
 
 def _special_tokens_as_special(xgr: Any, tokenizer: Any, info: Any, vocab_size: int) -> Any:
@@ -145,8 +158,8 @@ class GrammarManager:
             stats, self.stats = self.stats, StructuredOutputStats()
         return stats if stats.requests or stats.compiles or stats.failures or stats.mask_fill_seconds else None
 
-    def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """Start (or reuse) the compile of this constraint."""
+    def grammar_for(self, params: StructuredOutputsParams, starts_after: int | None = None) -> RequestGrammar:
+        """Start (or reuse) the compile of this constraint (``starts_after``: RequestGrammar's)."""
         key = params.key
         with self._lock:
             self.stats.requests += 1
@@ -159,7 +172,7 @@ class GrammarManager:
                 self._cache[key] = future
                 if len(self._cache) > CACHE_ENTRIES:
                     self._cache.popitem(last=False)
-        return RequestGrammar(future)
+        return RequestGrammar(future, starts_after)
 
     def _compile(self, params: StructuredOutputsParams):
         start = time.perf_counter()

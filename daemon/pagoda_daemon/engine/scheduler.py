@@ -80,7 +80,8 @@ class Scheduler:
         if constraint is not None:
             if self.grammars is None:
                 raise ValueError("structured outputs need the model's tokenizer, which this engine has not loaded")
-            request.grammar = self.grammars.grammar_for(constraint)
+            request.grammar = self.grammars.grammar_for(constraint,
+                                                        request.sampling_params.structured_outputs_after_token_id)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if request.sampling_params.needs_host_tokens:
@@ -179,14 +180,16 @@ class Scheduler:
     def grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
         """The masks of this step's constrained rows. Called once the previous step's tokens are
         accepted (the engine core calls it while this step's forward pass runs); a request that
-        finished meanwhile (its grammar ended, an abort) gets no row: its sample is dropped."""
+        finished meanwhile (its grammar ended, an abort) gets no row: its sample is dropped; nor does
+        one whose constraint has not started (still thinking): it samples freely."""
         rows, matchers = [], []
         row = 0
         for s in sched.scheduled:
             if not s.samples:
                 continue
             req = s.request
-            if req.grammar is not None and not req.status.finished and not req.grammar.terminated:
+            if (req.grammar is not None and req.grammar.active and not req.status.finished
+                    and not req.grammar.terminated):
                 rows.append(row)
                 matchers.append(req.grammar.matcher)
             row += 1

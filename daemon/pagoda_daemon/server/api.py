@@ -38,7 +38,7 @@ from pagoda_daemon.server.protocol import (
     parse_request,
     validation_error,
 )
-from pagoda_daemon.server.reasoning import THINK_OPEN, reasoning_parser_for
+from pagoda_daemon.server.reasoning import THINK_OPEN, constraint_start, reasoning_parser_for
 from pagoda_daemon.server.responses import ChatBuilder, CompletionBuilder, ResponseOptions
 from pagoda_daemon.server.tool_parsers import parser_for
 
@@ -158,6 +158,10 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         if settings.reasoning_parser is not None:  # a prompt that ends in <think> starts the reply inside it
             reasoning = reasoning_parser_for(settings.reasoning_parser,
                                              (processed[0][0] or "").rstrip().endswith(THINK_OPEN))
+            if params.structured_outputs is not None:  # the constraint applies to the answer, not the thinking
+                after = constraint_start(client.tokenizer, processed[0][1])
+                if after is not None:
+                    params = dataclasses.replace(params, structured_outputs_after_token_id=after)
         named = req.named_tool()
         shape = ReplyShape(req.tool_mode, tool_parser, None if named is None else named[1].name,
                            req.parallel_tool_calls, reasoning)

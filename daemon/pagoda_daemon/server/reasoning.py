@@ -21,6 +21,27 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 
+def constraint_start(tokenizer, prompt_token_ids: list[int]) -> int | None:
+    """The token a structured-output constraint should start after when a reasoning parser is on:
+    the id of `</think>`, so that the model thinks freely and its answer is constrained (vLLM's
+    rule: the grammar starts once the reasoning has ended). None, constraining from the first
+    token, when the tokenizer has no single `</think>` token or when the prompt has already closed
+    the thinking (its last think tag is `</think>`, as Qwen3's template writes with
+    enable_thinking false)."""
+    ids = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+    opens = tokenizer.encode(THINK_OPEN, add_special_tokens=False)
+    if len(ids) != 1:
+        return None
+    close = ids[0]
+    open_ = opens[0] if len(opens) == 1 else None
+    for token in reversed(prompt_token_ids):
+        if token == close:
+            return None
+        if token == open_:
+            break
+    return close
+
+
 @dataclass
 class SplitReply:
     """A reply split into thinking and answer; each is None when the reply has none of it."""
