@@ -1,7 +1,8 @@
 """The ecosystem's own clients, unchanged, against `pagoda serve` on a tiny model on loopback:
 lm-eval (loglikelihood, rolling loglikelihood and generation tasks over completions, and a chat
-task through the chat template), guidellm (constant-rate and sweep, streaming) and aiperf
-(streaming with per-chunk usage and the server's token counts).
+task through the chat template), guidellm (constant-rate and sweep, streaming), aiperf
+(streaming with per-chunk usage and the server's token counts) and inference-perf (its vLLM
+client, streaming, over completions with the chat template applied and over chat).
 
 Each tool is installed from the package registry at the versions pinned in e2e/clients/ (one
 virtual environment per tool, cached outside the clone: e2e/clients/ensure-clients.sh). Data is
@@ -9,11 +10,8 @@ local: lm-eval reads task files written here, guidellm and aiperf make synthetic
 the tiny model's tokenizer; nothing comes from a model hub. Every check reads the tool's own
 report (guidellm exits 0 even when every request failed).
 
-inference-perf is not here: no registry these machines reach carries it (pip finds no
-distribution of `inference-perf`), so its vLLM client is covered by what it sends and reads
-instead: its fields are accepted (tests/server/test_vllm_compat.py) and the metric series its
-vLLM client scrapes are all exposed (same file, SCRAPED). docs/testing.md records a run of it
-installed from source by hand.
+inference-perf publishes only for Python 3.12 and newer: ensure-clients.sh builds its environment
+with a Python 3.12 interpreter (pyenv's on these machines).
 """
 
 from __future__ import annotations
@@ -55,7 +53,8 @@ def clients(pytestconfig) -> dict[str, Path]:
     elif subprocess.run([str(ENSURE), "--check"], capture_output=True, check=False).returncode != 0:
         pytest.skip(f"client environments missing: run {ENSURE} once or set PAGODA_E2E_BUILD=1")
     return {t: Path(subprocess.run([str(ENSURE), "--print-dir", t], capture_output=True, text=True,
-                                   check=True).stdout.strip()) for t in ("lm-eval", "guidellm", "aiperf")}
+                                   check=True).stdout.strip())
+            for t in ("lm-eval", "guidellm", "aiperf", "inference-perf")}
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +239,62 @@ def test_aiperf_streaming_with_server_token_counts(server, clients, model_dir, t
     assert report["output_sequence_length"]["avg"] == 8, report["output_sequence_length"]
     assert_served_clean(server)
 
+
+
+# ---- inference-perf ----------------------------------------------------------------------------
+
+INFERENCE_PERF_RUNS = {
+    # the random generator's prompts wrapped in the model's chat template and sent to completions
+    # with add_special_tokens false, input lengths counting the whole templated prompt
+    "completion-chat-template": {
+        "api": {"type": "completion", "streaming": True},
+        "data": {"type": "random", "use_chat_template": True,
+                 "input_distribution": {"min": 40, "max": 90, "mean": 60, "total_count": 24},
+                 "output_distribution": {"min": 8, "max": 24, "mean": 16, "total_count": 24}},
+    },
+    "chat": {"api": {"type": "chat", "streaming": True}, "data": {"type": "mock"}},
+}
+
+
+@pytest.mark.parametrize("run", INFERENCE_PERF_RUNS)
+def test_inference_perf_vllm_client_serves_every_request(server, clients, model_dir, tmp_path, run):
+    """inference-perf's vLLM client at 4 requests/s for 6 s, streaming: every request a success in
+    its own report, no error in its report validation, the server's usage counts used (no client
+    fallback). With the chat template applied client-side (sent with add_special_tokens false),
+    each prompt's count by the server equals the client's, so the report's input lengths are
+    the server's. (The tiny tokenizer adds no BOS, so this does not tell whether the field is
+    honoured; tests/server/test_vllm_compat.py takes the field.)"""
+    out = tmp_path / "out"
+    config = {**INFERENCE_PERF_RUNS[run],
+              "load": {"type": "constant", "stages": [{"rate": 4, "duration": 6}]},
+              "server": {"type": "vllm", "model_name": MODEL_NAME, "base_url": server.url, "ignore_eos": True},
+              "tokenizer": {"pretrained_model_name_or_path": str(model_dir)},
+              "report": {"request_lifecycle": {"summary": True, "per_stage": True, "per_request": True}},
+              "storage": {"local_storage": {"path": str(out)}}}
+    (tmp_path / "config.yml").write_text(json.dumps(config))  # YAML reads JSON
+    run_tool([str(clients["inference-perf"] / "bin" / "inference-perf"), "-c", "config.yml"], cwd=tmp_path,
+             HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+
+    summary = json.loads((out / "summary_lifecycle_metrics.json").read_text())
+    ok = summary["successes"]
+    assert summary["failures"]["count"] == 0, summary["failures"]
+    assert ok["count"] == summary["load_summary"]["count"] >= 20, (ok["count"], summary["load_summary"]["count"])
+    assert ok["client_fallback_requests"] == {"prompt": 0, "output": 0}, ok["client_fallback_requests"]
+    assert ok["latency"]["time_to_first_token"]["mean"] > 0 and ok["latency"]["inter_token_latency"]["mean"] > 0
+    validation = json.loads((out / "validation.json").read_text())
+    assert not validation["global"]["errors"], validation["global"]
+    assert not any(r.get("errors") for r in validation["reports"].values()), validation["reports"]
+
+    records = json.loads((out / "per_request_lifecycle_metrics.json").read_text())
+    sent = [json.loads(r["request"]) for r in records]
+    assert len(sent) == ok["count"]
+    assert ok["output_tokens"]["total"] == sum(r["max_tokens"] for r in sent)  # ignore_eos: every token asked for
+    if run == "chat":
+        assert all(r["messages"] and "prompt" not in r for r in sent)
+    else:
+        assert all(r["add_special_tokens"] is False and r["prompt"].startswith("<|user|>") for r in sent)
+        # the client counts the templated prompt without special tokens added, as the server must
+        counts = [(r["info"]["input_tokens"], r["info"]["response_metrics"]["server_usage"]["prompt_tokens"])
+                  for r in records]
+        assert all(client == served for client, served in counts), counts
+    assert_served_clean(server)

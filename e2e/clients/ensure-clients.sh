@@ -11,7 +11,7 @@
 # Usage: ensure-clients.sh [--check] [--print-dir TOOL]
 #   --check           install nothing; exit 0 if every environment is present, 1 if not
 #   --print-dir TOOL  print TOOL's environment directory and exit
-# The three install in parallel: 1m11s on 2 cores with pip's download cache warm (2026-11-24);
+# The four install in parallel: 1m11s on 2 cores with pip's download cache warm (2026-11-24);
 # longer where every wheel must be downloaded. Once built: nothing to do.
 set -euo pipefail
 
@@ -20,9 +20,25 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$HERE/../lib.sh"
 start_clock ensure-clients
 
-TOOLS=(lm-eval guidellm aiperf)
+TOOLS=(lm-eval guidellm aiperf inference-perf)
 CACHE=${PAGODA_CACHE:-$HOME/.cache/pagoda}/clients
 PYTHON=${PYTHON:-python3}
+
+# inference-perf publishes only for Python >= 3.12 (with 3.11, pip finds no distribution of it):
+# $PYTHON312, else a python3.12 that runs, else pyenv's, else $PYTHON when it is 3.12 or newer.
+python312() {
+  local c
+  for c in "${PYTHON312:-}" python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 \
+           "$HOME"/.pyenv/versions/3.12*/bin/python3.12 "$PYTHON"; do
+    [ -n "$c" ] && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$c"; return 0; }
+  done
+  return 1
+}
+
+python_for() {
+  if [ "$1" = inference-perf ]; then python312 || die "inference-perf needs Python 3.12 or newer: set PYTHON312"
+  else echo "$PYTHON"; fi
+}
 
 env_dir() {
   local sha
@@ -45,9 +61,10 @@ for t in "${TOOLS[@]}"; do
     say "$t: present in $dir"
     continue
   fi
+  py=$(python_for "$t")
   (
     rm -rf "$dir"
-    "$PYTHON" -m venv "$dir"
+    "$py" -m venv "$dir"
     "$dir/bin/pip" install --quiet --disable-pip-version-check -r "$HERE/$t.txt"
     touch "$dir/.complete"
   ) > "$CACHE/logs/$t.log" 2>&1 &
