@@ -97,12 +97,19 @@ class WriteBackoff:
         with self._guard:
             count = (self._failed[key].failures if key in self._failed else 0) + 1
             delay = min(WRITE_BACKOFF_FIRST_S * 2 ** (count - 1), WRITE_BACKOFF_MAX_S)
+            self._drop_other_contents(key)
             self._failed[key] = _Failure(problem, count, now + delay)
         return delay
 
     def succeeded(self, key: tuple[str, ...]) -> None:
         with self._guard:
+            self._drop_other_contents(key)
             self._failed.pop(key, None)
+
+    def _drop_other_contents(self, key: tuple[str, ...]) -> None:
+        """One entry per child: what an older desired content of it did no longer matters."""
+        for other in [k for k in self._failed if k[:4] == key[:4] and k != key]:
+            del self._failed[other]
 
     def forget(self, namespace: str, owner: str) -> None:
         with self._guard:

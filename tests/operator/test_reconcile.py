@@ -530,3 +530,4 @@ def test_a_changed_spec_retries_a_refused_write_at_once(fake_kube, monkeypatch):
     obj["metadata"]["generation"] += 1
     reconcile(ctx, "default", "llama", "update")
     assert fake_kube.objects[("Deployment", "default", "llama")]["spec"]["replicas"] == 2
+    assert not ctx.backoff._failed  # the older content's failure went with its success
