@@ -19,8 +19,6 @@ lease keeps a second operator process out.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -83,8 +81,10 @@ class WriteBackoff:
 
     @staticmethod
     def key(namespace: str, owner: str, child: Mapping[str, Any]) -> tuple[str, ...]:
-        digest = hashlib.sha256(json.dumps(child, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return (namespace, owner, child["kind"], child["metadata"]["name"], digest)
+        """The child's content as needs_update compares it: its spec-hash stamp and replicas."""
+        stamp = child["metadata"]["annotations"][builders.HASH_ANNOTATION]
+        replicas = (child.get("spec") or {}).get("replicas")
+        return (namespace, owner, child["kind"], child["metadata"]["name"], f"{stamp}/{replicas}")
 
     def pending(self, key: tuple[str, ...], now: float) -> status_mod.Problem | None:
         """The problem of this write while it waits for its retry; None once it may be sent."""
