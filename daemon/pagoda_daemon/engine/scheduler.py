@@ -168,8 +168,7 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
-        out.grammar_request_ids = [s.request.request_id for s in out.scheduled
-                                   if s.samples and s.request.grammar is not None]
+        out.samples_under_grammar = any(s.samples and s.request.grammar is not None for s in out.scheduled)
 
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.stats.num_steps += 1

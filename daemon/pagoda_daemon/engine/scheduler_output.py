@@ -34,10 +34,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: runner drops state
     preempted_request_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
-    # constrained decoding: the requests of this step that sample under a grammar. Their masks
-    # follow (GrammarBitmask) once the previous step's tokens are known, so a worker runs the
-    # forward pass and waits for them before it samples.
-    grammar_request_ids: list[str] = field(default_factory=list)
+    # constrained decoding: a request of this step samples under a grammar. Its mask follows
+    # (GrammarBitmask) once the previous step's tokens are known, so a worker runs the forward
+    # pass and waits for it before it samples.
+    samples_under_grammar: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -41,8 +41,8 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
     scheduled: list[ScheduledDelta]
     finished_request_ids: list[str]
     num_scheduled_tokens: int
-    # constrained decoding: with any, the ranks run the forward pass and wait for SampleTokens
-    grammar_request_ids: list[str] = []
+    # constrained decoding: the ranks run the forward pass and wait for SampleTokens
+    samples_under_grammar: bool = False
 
 
 class SampleTokens(msgspec.Struct, tag="sample", array_like=True, gc=False):
@@ -94,7 +94,7 @@ class PlanWriter:
             scheduled.append(ScheduledDelta(rid, appended, s.num_new_tokens, s.new_block_ids, s.is_new, s.start,
                                             s.samples))
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
-                        list(sched.grammar_request_ids))
+                        sched.samples_under_grammar)
 
     @staticmethod
     def sample_tokens(grammar: GrammarBitmask) -> SampleTokens:
@@ -124,7 +124,7 @@ class RequestMirrors:
             req.all_token_ids.extend(d.appended_token_ids)
             scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples))
         return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens,
-                               list(plan.grammar_request_ids))
+                               plan.samples_under_grammar)
 
     @staticmethod
     def grammar_bitmask(message: SampleTokens) -> GrammarBitmask:

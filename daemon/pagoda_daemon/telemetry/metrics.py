@@ -43,11 +43,11 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
-# a regex or choice compiles in about a millisecond, a large JSON schema against a 150k-token
-# vocabulary in a second or more
 # a step's mask fill: tens of µs for a few rows of cheap states, tens of ms for 128 rows inside
 # length-bounded strings (docs/benchmarks/2026-11-25-structured-outputs-overlap-h100.md)
 GRAMMAR_MASK_FILL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+# a regex or choice compiles in about a millisecond, a large JSON schema against a 150k-token
+# vocabulary in a second or more
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n buckets
 

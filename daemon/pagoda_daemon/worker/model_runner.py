@@ -388,7 +388,7 @@ class ModelRunner:
         if not rows:
             return LaunchedStep([], [], {}, None, prompt_logprobs)
         pending = PendingSample(sched, logits, rows, prompt_logprobs)
-        if sched.grammar_request_ids:
+        if sched.samples_under_grammar:
             self._pending = pending  # sample() finishes the step once the masks are made
             return None
         return self._sample(pending, None)
