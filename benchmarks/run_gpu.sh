@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/run_gpu.sh [all|parity|parity-triton|kernels|kernels-attention|tests|graphs|serve|
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
-#                                               multi-gpu|offline-llm|vllm-stash|vllm|structured] ...
+#                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
+#                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -19,6 +20,12 @@
 # (benchmarks/synthetic_tokenizer.py). Two calls back to back, as for vllm: `vllm-stash`
 # carrying .vllm_stash, then `structured` carrying .whl (xgrammar 0.2.8, apache-tvm-ffi,
 # jsonschema) and .vllm_b; without .vllm_b it runs Pagoda's side alone.
+# multi-gpu (2+ GPUs): multi-gpu-tests (NCCL parity with transformers, pagoda serve on both GPUs),
+# multi-gpu-one (Pagoda on one of the GPUs: the baselines), multi-gpu-vllm (for each MG_LAYOUTS
+# entry, vLLM 0.26.0 then Pagoda at the same layout, benchmarks/vllm_throughput.py). vLLM needs
+# the kit in pieces, one call each and back to back on the same machine: `vllm-stash` carrying
+# .vllm_stash (core.part.00), `vllm-moe-stash` carrying .vllm_moe (moe.tar.xz, for Qwen3-MoE),
+# then `multi-gpu-vllm` carrying .vllm_b (core.part.01, SHA256SUMS).
 #
 # The GPU image has torch, transformers, safetensors and tokenizers; anything else the
 # steps need travels as wheels in .whl/ (the server's: fastapi, uvicorn, pyzmq, pydantic, ...).
@@ -109,6 +116,24 @@ if has graphs; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py 2>&1 | tail -15 | tee "$OUT/graphs-pytest.txt" || status=1
 fi
 CFG=benchmarks/configs
+# vLLM 0.26.0 into /tmp/vsite from the kit's two halves (core.part.00 stashed by an earlier call,
+# core.part.01 in .vllm_b), and its MoE kernels once moe.tar.xz is here or stashed; once each per machine.
+unpack_vllm() {
+  local p0="" d
+  if [ ! -f /tmp/vsite/vllm/__init__.py ]; then
+    for d in .vllm_stash /tmp/vllm_stash; do [ -f $d/core.part.00 ] && { p0=$d/core.part.00; break; }; done
+    [ -n "$p0" ] && [ -f .vllm_b/core.part.01 ] || { echo "vLLM kit incomplete: core.part.00 (stashed) and .vllm_b needed"; return 1; }
+    cat "$p0" .vllm_b/core.part.01 > /tmp/core.tar.xz
+    grep ' core.tar.xz$' .vllm_b/SHA256SUMS | sed 's# core.tar.xz$# /tmp/core.tar.xz#' | sha256sum -c - || return 1
+    python3 -c "import tarfile; tarfile.open('/tmp/core.tar.xz').extractall('/tmp/vsite', filter='fully_trusted')" || return 1
+  fi
+  for d in .vllm_moe /tmp/vllm_stash; do
+    if [ -f $d/moe.tar.xz ] && [ ! -f /tmp/vsite/.moe_added ]; then
+      python3 -c "import tarfile; tarfile.open('$d/moe.tar.xz').extractall('/tmp/vsite', filter='fully_trusted')" \
+        && touch /tmp/vsite/.moe_added && echo "vLLM MoE kernels added"; break
+    fi
+  done
+}
 if has vllm-stash; then
   step "vLLM anchor, step 1: stash core.part.00"
   mkdir -p /tmp/vllm_stash && cp .vllm_stash/* /tmp/vllm_stash/ && ls -la /tmp/vllm_stash || status=1
@@ -137,13 +162,7 @@ if has structured; then
     --threads 1,2,4,8,16 2>&1 | grep -E '^RESULT|Error' | sed 's/^RESULT /RESULT {"mask_cpu": true, /; s/, {/, /' \
     | tee -a "$SO" || status=1
   if [ -f .vllm_b/core.part.01 ] && [ -z "${SO_SKIP_VLLM:-}" ]; then
-    P0=""; for d in .vllm_stash /tmp/vllm_stash; do [ -f $d/core.part.00 ] && { P0=$d/core.part.00; break; }; done
-    if [ -n "$P0" ] && [ ! -f /tmp/vsite/vllm/__init__.py ]; then
-      cat "$P0" .vllm_b/core.part.01 > /tmp/core.tar.xz
-      grep ' core.tar.xz$' .vllm_b/SHA256SUMS | sed 's# core.tar.xz$# /tmp/core.tar.xz#' | sha256sum -c - \
-        && python3 -c "import tarfile; tarfile.open('/tmp/core.tar.xz').extractall('/tmp/vsite', filter='fully_trusted')" \
-        || status=1
-    fi
+    unpack_vllm || status=1
     # beside (not inside) vLLM's own site-packages: jsonschema, for the check of its outputs, and
     # lm-format-enforcer + interegular (.vllm_b/sowhl), which vLLM 0.26.0 imports to validate any
     # structured-output request whatever its backend, and which the anchor kit leaves out
@@ -191,15 +210,38 @@ if has topology; then
     python3 -m pagoda_daemon.topology.bench_pinning --gpu 0 --sizes-mib 1,16,64,256 --repeats 30 | tee "$OUT/pinning.json" || status=1
   fi
 fi
-if has multi-gpu; then
-  step "two GPUs: tensor and expert parallelism (NCCL), float32 parity, then throughput against one GPU"
+if has multi-gpu || has multi-gpu-tests; then
+  step "two GPUs: tensor and expert parallelism (NCCL), float32 parity with transformers, pagoda serve"
   nvidia-smi topo -m | head -5 | tee "$OUT/topo.txt"
-  python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py 2>&1 | tail -15 | tee "$OUT/multi-gpu-pytest.txt" \
-    || status=1
-  e2e $CFG/llama3-8b
-  e2e $CFG/llama3-8b --tensor-parallel-size 2
-  e2e $CFG/qwen3-30b-a3b --tensor-parallel-size 2
-  e2e $CFG/qwen3-30b-a3b --expert-parallel-size 2
+  timeout "${MG_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py 2>&1 \
+    | tail -15 | tee "$OUT/multi-gpu-pytest.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has vllm-moe-stash; then
+  step "vLLM anchor, MoE kernels: stash moe.tar.xz"
+  mkdir -p /tmp/vllm_stash && cp .vllm_moe/moe.tar.xz /tmp/vllm_stash/ && ls -la /tmp/vllm_stash || status=1
+fi
+if has multi-gpu || has multi-gpu-one; then
+  step "one GPU of the machine: the baselines of the parallel layouts (Pagoda)"
+  for m in ${MG_ONE_GPU_MODELS:-llama3-8b qwen3-30b-a3b}; do
+    CUDA_VISIBLE_DEVICES=0 timeout 300 $T $CFG/$m 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl"
+  done
+fi
+if has multi-gpu || has multi-gpu-vllm; then
+  # MG_LAYOUTS: MODEL:TENSOR:EXPERT ...; each runs vLLM 0.26.0 then Pagoda, one after the other on
+  # this machine (vLLM's EP is --enable-expert-parallel at tensor size TENSOR x EXPERT).
+  step "two GPUs: vLLM 0.26.0 and Pagoda at the same parallelism (nano-vllm workload)"
+  unpack_vllm || status=1
+  for layout in ${MG_LAYOUTS:-llama3-8b:2:1 qwen3-30b-a3b:1:2 qwen3-30b-a3b:2:1}; do
+    IFS=: read -r m tp ep <<<"$layout"
+    vflags="--tensor-parallel-size $((tp * ep))"; [ "$ep" -gt 1 ] && vflags="$vflags --enable-expert-parallel"
+    if [ -f /tmp/vsite/vllm/__init__.py ] && [ -z "${MG_SKIP_VLLM:-}" ]; then
+      PYTHONPATH=/tmp/vsite timeout "${MG_VLLM_TIMEOUT:-300}" python3 benchmarks/vllm_throughput.py $CFG/$m $vflags \
+        > "$OUT/vllm-$m-$tp-$ep.log" 2>&1; grep RESULT "$OUT/vllm-$m-$tp-$ep.log" | tee -a "$OUT/vllm.jsonl" \
+        || { status=1; tail -20 "$OUT/vllm-$m-$tp-$ep.log"; }
+    fi
+    timeout "${MG_PAGODA_TIMEOUT:-300}" $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep 2>&1 \
+      | tee "$OUT/pagoda-$m-$tp-$ep.log" | grep RESULT | tee -a "$OUT/e2e.jsonl" || { status=1; tail -20 "$OUT/pagoda-$m-$tp-$ep.log"; }
+  done
 fi
 echo; echo "run_gpu.sh finished with status $status"
 exit $status

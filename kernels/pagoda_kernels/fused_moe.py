@@ -97,7 +97,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, skip_negat
     padded = (counts + block_m - 1) // block_m * block_m
     max_tiles = cdiv(n, block_m) + min(num_experts, n)
     if skip_negative:
-        padded[num_experts] = 0
+        padded.narrow(0, num_experts, 1).zero_()  # on the device: a host scalar cannot enter a CUDA graph
     ends = padded.cumsum(0)
     starts = ends - padded
     order = torch.sort(flat, stable=True).indices

@@ -33,9 +33,9 @@ def _free_port() -> int:
 
 
 def _run_cases(size: int, path: str, seed: int, cases: list[str], expert: int = 1, device: str = "cpu",
-               extra: dict | None = None) -> dict:
+               extra: dict | None = None, on_case=None) -> dict:
     """The engine at tensor size `size // expert` and expert size `expert` (and `extra` engine
-    options), on each case."""
+    options), on each case; `on_case(case, result)` sees each result before its engine shuts down."""
     from pagoda_daemon import LLM, SamplingParams
 
     results = {}
@@ -62,6 +62,8 @@ def _run_cases(size: int, path: str, seed: int, cases: list[str], expert: int = 
         if balancer is not None:
             results[case]["rebalances"] = balancer.rebalances
             results[case]["placements"] = [layer.placement for layer in balancer.layers]
+        if on_case is not None:
+            on_case(case, results[case])
         llm.engine.core.shutdown()
     return results
 

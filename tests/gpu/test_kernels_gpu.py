@@ -308,6 +308,31 @@ def test_fused_moe_expert_parallel_shards_qwen3_30b_shapes(tokens, dtype):
     check(out.to(dtype), moe_ref(x.double(), w13.double(), w2.double(), rw.double(), rids), dtype)
 
 
+def test_fused_moe_expert_parallel_shard_in_a_cuda_graph():
+    """An expert-parallel rank's MoE (other ranks' experts skipped) captured in a CUDA graph, as
+    decode steps are, and replayed on new inputs: its alignment once copied a host scalar, which
+    capture refuses (2 × H100, 2026-11-25)."""
+    from pagoda_kernels.fused_moe import moe
+
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    experts, top_k, hidden, inter, tokens, dtype = 16, 4, 256, 128, 8, BF16
+    half = experts // 2
+    w13 = (torch.randn((half, 2 * inter, hidden), generator=g) * hidden**-0.5).to(dtype).to(DEV)
+    w2 = (torch.randn((half, hidden, inter), generator=g) * inter**-0.5).to(dtype).to(DEV)
+    x = torch.randn((tokens, hidden), generator=g).to(dtype).to(DEV)
+    logits = torch.randn((tokens, experts), generator=g).to(DEV)
+    run = lambda: moe(x, logits, w13, w2, top_k, True, first_expert=half)  # noqa: E731
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x.copy_(torch.randn((tokens, hidden), generator=g).to(dtype))
+    logits.copy_(torch.randn((tokens, experts), generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, run(), dtype)
+
+
 # ---- the attention backend ---------------------------------------------------------------------
 
 

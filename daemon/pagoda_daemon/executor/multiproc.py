@@ -212,7 +212,25 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
                 raise RuntimeError(f"rank 0 sent {type(masks).__name__} where the step's grammar masks belong")
             launched = worker.sample_tokens(mirrors.grammar_bitmask(masks))
         launched.result()
-    dist.destroy_process_group()
+    _leave_world()
+
+
+def _leave_world() -> None:
+    """Leave the world at shutdown. Gloo tears down locally. NCCL's teardown is collective and
+    waited forever on 2 × H100 (2026-11-25, torch 2.11, NCCL 2.28) whether the ranks destroyed
+    their groups together or one after the other: a worker of an NCCL world exits without it
+    (the driver frees what the process held), and rank 0, once the workers are gone, aborts its
+    communicators instead of destroying them (not yet run on GPUs:
+    docs/benchmarks/2026-11-25-multi-gpu-h100-x2.md)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() != "nccl":
+        dist.destroy_process_group()
+    elif dist.get_rank() != 0:
+        logging.shutdown()
+        os._exit(0)
+    else:
+        dist.distributed_c10d._abort_process_group()
 
 
 def _device_type(config: EngineConfig) -> str:
@@ -398,8 +416,7 @@ class MultiprocExecutor(Executor):
             except RuntimeError as e:
                 log.warning("could not tell the workers to stop: %s", e)
         _stop(self.procs)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_world()
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
 
