@@ -155,8 +155,11 @@ if has structured; then
   so() { timeout "$1" python3 -m benchmarks.structured_outputs $CFG/qwen3-0.6b --tokenizer $TOK "${@:2}" 2>&1 \
            | tee -a "$OUT/pagoda_structured.log" | grep -E '^RESULT|Error' | tee -a "$SO"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }
   # the engine as it is: a json round that has not finished after SO_ROUND_TIMEOUT s is cut there
-  [ -z "${SO_SKIP_PAGODA:-}" ] && so "${SO_TIMEOUT:-240}" --round-timeout "${SO_ROUND_TIMEOUT:-60}" \
-    --rounds "${SO_ROUNDS:-plain,json,json,matched,plain}"
+  # SO_BACKENDS: the engine with each structured-outputs backend in turn (llguidance needs its wheel in .whl)
+  for backend in ${SO_BACKENDS:-xgrammar}; do
+    [ -z "${SO_SKIP_PAGODA:-}" ] && so "${SO_TIMEOUT:-240}" --round-timeout "${SO_ROUND_TIMEOUT:-60}" \
+      --rounds "${SO_ROUNDS:-plain,json,json,matched,plain}" --structured-outputs-backend "$backend"
+  done
   # the mask fill alone on this host: one matcher per schema, then 128 at once by thread count
   python3 -m benchmarks.structured_mask_cpu --tokenizer $TOK --variants engine --max-tokens 200 --batch 128 \
     --threads 1,2,4,8,16 2>&1 | grep -E '^RESULT|Error' | sed 's/^RESULT /RESULT {"mask_cpu": true, /; s/, {/, /' \

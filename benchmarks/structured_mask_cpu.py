@@ -11,17 +11,16 @@ each fill_next_token_bitmask is summed. Variants:
   engine      pagoda_daemon.structured_outputs.build_grammar, as the engine compiles it
   xgrammar    xgrammar's own from_json_schema(any_whitespace=True), as vLLM 0.26 builds it
               (no whitespace bound, no string fixes)
-  llguidance  llguidance's JSON schema support (not an engine dependency: pip install llguidance),
-              whitespace bounded as the engine bounds it; for comparison of mask-fill cost
+  llguidance  llguidance's JSON schema support, whitespace bounded as the engine bounds it
 
 With --string-probe, one fill inside a JSON string value is timed for strings without a bound
 and with maxLength 300, as the engine and as xgrammar's own from_json_schema build them: the
 cost of length-bounded strings, which every schema of the benchmark has.
 
-With --batch N, the engine variant's fill is also timed as the engine core does it: N matchers
-(the schemas in turn, each stopped at a random point of its own walk) filled at once by
-xgrammar's BatchGrammarMatcher, once per thread count in --threads; the line reports the CPUs
-this process may run on.
+With --batch N, the engine's fill is also timed as the engine core does it, with each of its
+backends (engine/grammar.py: xgrammar's BatchGrammarMatcher, llguidance's executor): N matchers
+(the schemas in turn, each stopped at a random point of its own walk) filled at once, once per
+thread count in --threads; the line reports the CPUs this process may run on.
 
 Without --tokenizer the synthetic Qwen3-size tokenizer is built (a few seconds).
 """
@@ -44,6 +43,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=0, help="also time batch fills of this many matchers")
     ap.add_argument("--threads", default="1,2,4,8", help="thread counts for the batch fills")
+    ap.add_argument("--batch-backends", default="xgrammar,llguidance", help="the engine's backends to batch-fill with")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--string-probe", action="store_true", help="time fills inside bounded and unbounded strings")
     a = ap.parse_args()
@@ -109,9 +109,8 @@ def main() -> int:
         return so.build_grammar(so.StructuredOutputsParams(json=schema))
 
     def allowed(mask) -> np.ndarray:
-        return np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:a.vocab_size])
+        return np.flatnonzero(np.unpackbits(np.asarray(mask).view(np.uint8), bitorder="little")[:a.vocab_size])
 
-    compiled_engine = []
     for variant in a.variants.split(","):
         for si, schema in enumerate(SCHEMAS):
             if variant == "llguidance":
@@ -120,8 +119,6 @@ def main() -> int:
             t = time.perf_counter()
             compiled = compiler.compile_grammar(grammar(variant, schema))
             compile_s = time.perf_counter() - t
-            if variant == "engine":
-                compiled_engine.append(compiled)
             rng = np.random.default_rng(a.seed)
             matcher = xgr.GrammarMatcher(compiled)
             mask = xgr.allocate_token_bitmask(1, a.vocab_size)
@@ -157,34 +154,53 @@ def main() -> int:
                     "fill_us": round((time.perf_counter() - t) / a.repeats * 1e6, 1),
                     "allowed_tokens": len(allowed(mask))}), flush=True)
 
-    if a.batch and compiled_engine:
-        rng = np.random.default_rng(a.seed + 1)
-        matchers = []
-        mask = xgr.allocate_token_bitmask(1, a.vocab_size)
-        for i in range(a.batch):
-            matcher = xgr.GrammarMatcher(compiled_engine[i % len(compiled_engine)])
-            for _ in range(int(rng.integers(0, 250))):  # a random point of its own walk
-                matcher.fill_next_token_bitmask(mask)
-                tokens = allowed(mask)
-                token = int(rng.choice(tokens))
-                if token == tok.eos_token_id and len(tokens) > 1:
-                    token = int(rng.choice(tokens[tokens != tok.eos_token_id]))
-                if token == tok.eos_token_id:
-                    break
-                assert matcher.accept_token(token)
-            matchers.append(matcher)
-        out = np.empty((a.batch, -(-a.vocab_size // 32)), dtype=np.int32)
-        for threads in (int(x) for x in a.threads.split(",")):
-            batch = xgr.BatchGrammarMatcher(threads)
-            batch.batch_fill_next_token_bitmask(matchers, out)  # first touch
-            t = time.perf_counter()
-            for _ in range(a.repeats):
-                batch.batch_fill_next_token_bitmask(matchers, out)
-            per_fill = (time.perf_counter() - t) / a.repeats
-            print("RESULT " + json.dumps({
-                "batch_fill": a.batch, "threads": threads, "cpus_allowed": len(os.sched_getaffinity(0)),
-                "ms_per_fill": round(per_fill * 1e3, 2), "us_per_row": round(per_fill / a.batch * 1e6, 1)}),
-                flush=True)
+    if a.batch:
+        from pagoda_daemon.engine.grammar import BACKENDS
+
+        for name in a.batch_backends.split(","):
+            for threads in (int(x) for x in a.threads.split(",")):
+                backend = BACKENDS[name](tok, a.vocab_size, [tok.eos_token_id], threads)
+                compiled = [backend.compile(so.StructuredOutputsParams(json=schema)) for schema in SCHEMAS]
+                rng = np.random.default_rng(a.seed + 1)  # the same walks for every backend and thread count
+                one = np.empty((1, -(-a.vocab_size // 32)), dtype=np.int32)
+                matchers = []
+                for i in range(a.batch):
+                    matcher = backend.new_matcher(compiled[i % len(compiled)])
+                    for _ in range(int(rng.integers(0, 250))):  # a random point of its own walk
+                        backend.fill([matcher], one)
+                        tokens = allowed(one[0])
+                        token = int(rng.choice(tokens))
+                        if token == tok.eos_token_id and len(tokens) > 1:
+                            token = int(rng.choice(tokens[tokens != tok.eos_token_id]))
+                        if token == tok.eos_token_id:
+                            break
+                        assert backend.accept(matcher, token)
+                    matchers.append(matcher)
+                # Timed as decoding goes: each fill follows a token taken by every matcher (llguidance
+                # keeps a matcher's mask until it moves: a repeated fill would time its cache).
+                out = np.empty((a.batch, -(-a.vocab_size // 32)), dtype=np.int32)
+                seconds, accepting, accepts = 0.0, 0.0, 0
+                for _ in range(a.repeats):
+                    t = time.perf_counter()
+                    backend.fill(matchers, out)
+                    seconds += time.perf_counter() - t
+                    for i, matcher in enumerate(matchers):
+                        tokens = allowed(out[i])
+                        tokens = tokens[tokens != tok.eos_token_id]
+                        if backend.terminated(matcher) or not len(tokens):  # done: the next one starts
+                            matchers[i] = backend.new_matcher(compiled[i % len(compiled)])
+                        else:
+                            token = int(rng.choice(tokens))
+                            t = time.perf_counter()
+                            assert backend.accept(matcher, token)
+                            accepting += time.perf_counter() - t
+                            accepts += 1
+                per_fill = seconds / a.repeats
+                print("RESULT " + json.dumps({
+                    "batch_fill": a.batch, "backend": name, "threads": threads,
+                    "cpus_allowed": len(os.sched_getaffinity(0)), "ms_per_fill": round(per_fill * 1e3, 2),
+                    "us_per_row": round(per_fill / a.batch * 1e6, 1),
+                    "accept_us": round(accepting / max(1, accepts) * 1e6, 1)}), flush=True)
     if tmp is not None:
         tmp.cleanup()
     return 0

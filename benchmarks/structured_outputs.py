@@ -61,6 +61,7 @@ def build_core(args, tokenizer):
         model=args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, seed=0, gpu_memory_utilization=0.9,
+        structured_outputs_backend=args.structured_outputs_backend,
     )
     core = EngineCore(config, tokenizer=tokenizer)
     core.warm_up()
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-timeout", type=float, default=None,
                     help="stop a round after this many seconds (the rest aborted; reported as incomplete)")
     ap.add_argument("--fill-threads", type=int, default=None, help="mask-fill threads (default: the engine's)")
+    ap.add_argument("--structured-outputs-backend", default="xgrammar", choices=("xgrammar", "llguidance"))
     ap.add_argument("--label", default="pagoda")
     args = ap.parse_args(argv)
 
@@ -220,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "cuda_graphs": core.worker_info.uses_cuda_graphs,
                                   "async_scheduling": core.async_scheduling, "validator": validator_name(),
                                   "fill_threads": core.scheduler.grammars.fill_threads_used,
+                                  "backend": args.structured_outputs_backend,
                                   "cpus_allowed": len(os.sched_getaffinity(0))}),
           flush=True)
 

@@ -7,6 +7,9 @@ which compiles the constraint with xgrammar (``engine/grammar.py``). Every field
 and ``check()`` parses the constraint the way the engine will, so that a schema, regex or
 grammar that cannot compile is a 400 naming the field before the request is queued (vLLM
 learned to validate before queueing: a bad schema found in the engine fails late and alone).
+The engine reads a constraint with xgrammar (the default) or llguidance
+(``--structured-outputs-backend``); ``build_grammar`` and ``build_llguidance_grammar`` are the
+two readings, and ``check`` uses the engine's.
 """
 
 from __future__ import annotations
@@ -124,13 +127,22 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return self.key[0]
 
-    def check(self) -> None:
-        """Parse the constraint as the engine will (xgrammar), without a tokenizer: a ValueError
+    def check(self, backend: str = "xgrammar") -> None:
+        """Parse the constraint as the engine's backend will, without a tokenizer: a ValueError
         naming the field when it cannot compile."""
         try:
-            build_grammar(self)
-        except ValueError:
-            raise
+            if backend == "llguidance":
+                from llguidance import LLMatcher
+
+                error = LLMatcher.validate_grammar(build_llguidance_grammar(self))
+                if error:
+                    raise RuntimeError(llguidance_message(error))
+            else:
+                build_grammar(self)
+        except ValueError as e:
+            if str(e).startswith("structured_outputs."):
+                raise
+            raise self._fail(self.kind, f"cannot be compiled: {native_message(e)}") from e
         except Exception as e:  # xgrammar raises RuntimeError from its C++ parsers
             raise self._fail(self.kind, f"cannot be compiled: {native_message(e)}") from e
 
@@ -138,6 +150,13 @@ class StructuredOutputsParams:
 def native_message(error: BaseException) -> str:
     """xgrammar's error text without its time stamp and source location."""
     return _NATIVE_PREFIX.sub("", str(error).strip()).strip()
+
+
+def llguidance_message(error: str) -> str:
+    """llguidance's error on one line: its caret lines and source echo dropped."""
+    lines = [line.strip() for line in error.splitlines()]
+    return " ".join(line for line in lines
+                    if line and set(line) - {"^", " "} and not re.match(r"^\d+ \|", line))
 
 
 def build_grammar(params: StructuredOutputsParams):
@@ -182,3 +201,56 @@ def _strict_json_strings(grammar):
     text = str(grammar)
     fixed = text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR).replace(_BASIC_STRING_CHAR, _BASIC_STRING_CHAR_FIXED)
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
+
+# llguidance reads a JSON schema as JSON Schema does: an object without additionalProperties
+# takes any other key. xgrammar's strict mode, which the engine uses, and OpenAI's strict
+# structured outputs allow only the listed ones; the schema given to llguidance says so.
+_OBJECT_KEYS = ("properties", "patternProperties", "required")
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` on every object schema that leaves it out."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _closed_objects(sub) for name, sub in value.items()}
+        elif key in _NOT_SCHEMAS:
+            out[key] = value
+        else:
+            out[key] = _closed_objects(value)
+    if _is_object(schema) and "additionalProperties" not in schema and "unevaluatedProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _is_object(schema: dict) -> bool:
+    kind = schema.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or any(k in schema for k in _OBJECT_KEYS)
+
+
+def build_llguidance_grammar(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar for these params (no tokenizer needed). JSON as build_grammar's:
+    whitespace between tokens of at most MAX_JSON_WHITESPACE characters, objects closed."""
+    import llguidance
+
+    kind, text = params.key
+    if kind in ("json", "json_object"):
+        schema = _closed_objects(json.loads(text)) if kind == "json" else {"type": "object"}
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False, "whitespace_pattern":
+                                               f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"}}
+        return llguidance.grammar_from("json_schema", json.dumps(schema, ensure_ascii=False))
+    if kind == "regex":
+        return llguidance.grammar_from("regex", text)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", text)
+    return llguidance.grammar_from("grammar", text)  # GBNF (xgrammar's and llama.cpp's EBNF) or Lark

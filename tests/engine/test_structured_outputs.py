@@ -23,9 +23,11 @@ import uuid
 
 import jsonschema
 import pytest
+import regex
 
 from benchmarks.parity import random_prompts
 from pagoda_daemon import LLM, SamplingParams
+from pagoda_daemon.config import STRUCTURED_OUTPUTS_BACKENDS as BACKENDS
 from pagoda_daemon.structured_outputs import (
     MAX_CHOICES,
     MAX_REGEX_CHARS,
@@ -38,11 +40,11 @@ MAX_NUM_SEQS = 64
 MAX_TOKENS = 960  # the tiny models hold 1024 positions
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_models):
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(tiny_models, request):
     # 128 blocks of 16 (2048 tokens): batches of 64 preempt, which grammar requests must survive
     return LLM(tiny_models["qwen3"], num_kv_blocks=128, max_model_len=1024, max_num_batched_tokens=512,
-               max_num_seqs=MAX_NUM_SEQS)
+               max_num_seqs=MAX_NUM_SEQS, structured_outputs_backend=request.param)
 
 
 def assert_nothing_left(llm: LLM) -> None:
@@ -247,7 +249,9 @@ def test_choice_regex_json_object_and_grammar_outputs_match(llm):
             assert done.text in CHOICES, done.text
             chosen.add(done.text)
         elif kind in ("regex", "grammar"):
-            assert re.fullmatch(want, done.text), (kind, want, done.text)
+            # `regex`, not `re`: llguidance's \d takes every Unicode digit, as its Rust regexes do,
+            # of a newer Unicode than this Python's `re` knows (U+11F58, a Kawi digit)
+            assert regex.fullmatch(want, done.text), (kind, want, done.text)
         else:
             assert isinstance(json.loads(done.text), dict), done.text
     assert len(chosen) >= 2, chosen  # seeded: a fixed set of samples, not a flaky one
@@ -315,10 +319,11 @@ def _nested(depth: int) -> dict:
     ("json", {"json": {"type": "string", "pattern": "(("}}),
     ("json", {"json": {"$ref": "#/nowhere"}}),
 ])
-def test_check_refuses_what_cannot_compile(field, kwargs):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_refuses_what_cannot_compile(field, kwargs, backend):
     params = SO(**kwargs)  # the bounds pass: only compiling finds these
     with pytest.raises(ValueError, match=rf"^structured_outputs\.{field} cannot be compiled: \S"):
-        params.check()
+        params.check(backend)
 
 
 @pytest.mark.parametrize(("prefix", "kwargs"), [
@@ -340,10 +345,11 @@ def test_bounds_are_refused_when_built(prefix, kwargs):
         SO(**kwargs)
 
 
-def test_limits_themselves_are_accepted():
-    SO(json=_nested(MAX_SCHEMA_DEPTH)).check()
-    SO(choice=[str(i) for i in range(MAX_CHOICES)]).check()
-    SO(choice=["tab\tand\nnewline"]).check()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_limits_themselves_are_accepted(backend):
+    SO(json=_nested(MAX_SCHEMA_DEPTH)).check(backend)
+    SO(choice=[str(i) for i in range(MAX_CHOICES)]).check(backend)
+    SO(choice=["tab\tand\nnewline"]).check(backend)
 
 
 def test_a_constraint_that_fails_in_the_engine_fails_alone(llm, caplog):
@@ -360,8 +366,10 @@ def test_a_constraint_that_fails_in_the_engine_fails_alone(llm, caplog):
     order = [params[0], good[0], params[1], good[1], params[2], good[2], params[3]]
     outs = llm.generate(["The capital of France is"] * len(order), order)
     failed = [outs[i].outputs[0] for i in (0, 2, 4, 6)]
-    for out, reason in zip(failed, ["Unclosed '['", 'Rule "undefined_rule" is not defined',
-                                    'Unsupported type "nonsense"', "Unclosed '['"]):
+    reasons = {"xgrammar": ["Unclosed '['", 'Rule "undefined_rule" is not defined', 'Unsupported type "nonsense"'],
+               "llguidance": ["unclosed character class", "Rule 'undefined_rule' not found", "Invalid type: nonsense"]}
+    unclosed, undefined, nonsense = reasons[llm.engine.config.structured_outputs_backend]
+    for out, reason in zip(failed, [unclosed, undefined, nonsense, unclosed]):
         assert out.finish_reason == "abort" and out.token_ids == [] and out.text == "", out
         assert out.stop_reason.startswith("structured output could not be compiled: "), out.stop_reason
         assert reason in out.stop_reason, out.stop_reason
@@ -443,3 +451,35 @@ def test_a_constraint_starts_after_its_token_and_not_before(tiny_models, async_s
                             structured_outputs_after_token_id=never)
     assert llm.generate([prompts[0]], params)[0].outputs[0].token_ids == free[0]
     assert_nothing_left(llm)
+
+
+# ---- 7. llguidance reads JSON schemas as xgrammar's strict mode does ------------------------------
+
+def test_llguidance_objects_take_only_their_properties(tiny_models):
+    """JSON Schema lets an object without additionalProperties take any other key; the engine's
+    constraints (xgrammar's strict mode, OpenAI's strict outputs) do not, under either backend."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from pagoda_daemon.structured_outputs import build_llguidance_grammar
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    vocab = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "required": {"type": "object", "properties": {"b": {"type": "string"}}}}}
+
+    def follows(text: str) -> bool:
+        matcher = llguidance.LLMatcher(vocab, build_llguidance_grammar(SO(json=schema)))
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    assert follows('{"a": 1}') and follows('{"a": 1, "required": {"b": "x"}}')
+    assert not follows('{"a": 1, "c": 2}')
+    assert not follows('{"required": {"b": "x", "c": 1}}')
+
+
+def test_every_declared_backend_is_implemented():
+    from pagoda_daemon.engine.grammar import BACKENDS as IMPLEMENTED
+
+    assert tuple(IMPLEMENTED) == BACKENDS

@@ -40,9 +40,10 @@ SCHEMAS = {tool["function"]["name"]: tool["function"].get("parameters", {"type":
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def server(tiny_models, tmp_path_factory, request):
     srv = ServerProcess(tiny_models["qwen3"], "--max-model-len", "1024", "--reasoning-parser", "qwen3",
+                        "--structured-outputs-backend", request.param,
                         log_dir=tmp_path_factory.mktemp("logs"), served_name=NAME)
     try:
         srv.wait_ready()

@@ -105,7 +105,7 @@ class EngineCore:
             self.max_model_len,
             config.enable_chunked_prefill,
             GrammarManager(self._tokenizer_loader(tokenizer), self.model_config.vocab_size,
-                           _eos_ids(self.model_config)),
+                           _eos_ids(self.model_config), config.structured_outputs_backend),
         )
         info = self.worker_info
         log.info(

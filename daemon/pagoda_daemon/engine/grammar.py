@@ -1,8 +1,9 @@
 """Constrained decoding in the engine core: compile each request's grammar off the step loop,
 track where its output stands, and write the token bitmask that the sampler applies.
 
-xgrammar does the work (a compiled grammar per constraint, a matcher per request, a packed
-int32 bitmask of the allowed tokens per row, as vLLM's xgrammar backend uses it). Compiles
+A backend does the work (a compiled grammar per constraint, a matcher per request, a packed
+int32 bitmask of the allowed tokens per row): xgrammar by default, as vLLM's default backend
+uses it, or llguidance (``--structured-outputs-backend llguidance``). Compiles
 run in a thread pool, cached by the constraint's canonical text: a request whose grammar is
 not compiled yet waits in the queue without holding up the batch. Masks are filled for a
 whole step at once by xgrammar's batch matcher (threads in C++) while the step's forward pass
@@ -25,7 +26,13 @@ from typing import Any
 import numpy as np
 
 from pagoda_daemon.engine.messages import StructuredOutputStats
-from pagoda_daemon.structured_outputs import StructuredOutputsParams, build_grammar, native_message
+from pagoda_daemon.structured_outputs import (
+    StructuredOutputsParams,
+    build_grammar,
+    build_llguidance_grammar,
+    llguidance_message,
+    native_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +59,9 @@ class RequestGrammar:
     ``starts_after`` (a token id), the output is free until that token is sampled (a reasoning
     model's end of thinking) and the constraint follows only what comes after it."""
 
-    def __init__(self, future: Future, starts_after: int | None = None) -> None:
+    def __init__(self, future: Future, backend: Callable[[], Any], starts_after: int | None = None) -> None:
         self._future = future
+        self._backend = backend
         self.matcher: Any = None
         self.error: str | None = None
         self.starts_after = starts_after
@@ -70,9 +78,7 @@ class RequestGrammar:
         if not self._future.done():
             return False
         try:
-            import xgrammar as xgr
-
-            self.matcher = xgr.GrammarMatcher(self._future.result())
+            self.matcher = self._backend().new_matcher(self._future.result())
         except Exception as e:
             self.error = native_message(e)
         return True
@@ -84,11 +90,11 @@ class RequestGrammar:
             if token == self.starts_after:
                 self.starts_after = None
             return True
-        return bool(self.matcher.accept_token(token))
+        return self._backend().accept(self.matcher, token)
 
     @property
     def terminated(self) -> bool:
-        return self.active and bool(self.matcher.is_terminated())
+        return self.active and self._backend().terminated(self.matcher)
 
 
 def _special_tokens_as_special(xgr: Any, tokenizer: Any, info: Any, vocab_size: int) -> Any:
@@ -111,42 +117,125 @@ def _special_tokens_as_special(xgr: Any, tokenizer: Any, info: Any, vocab_size: 
     return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, info.dump_metadata())
 
 
+def _stop_ids(tokenizer: Any, stop_token_ids: list[int]) -> list[int]:
+    stops = set(stop_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        stops.add(tokenizer.eos_token_id)
+    return sorted(stops)
+
+
+class XgrammarBackend:
+    """xgrammar 0.2: compiled grammars, one GrammarMatcher per request, the batch matcher's
+    threads for a step's masks."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=_stop_ids(tokenizer, stop_token_ids))
+        info = _special_tokens_as_special(xgr, tokenizer, info, vocab_size)
+        self._xgr = xgr
+        self._batch = xgr.BatchGrammarMatcher(threads)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        return self._compiler.compile_grammar(build_grammar(params))
+
+    def new_matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    @staticmethod
+    def accept(matcher: Any, token: int) -> bool:
+        return bool(matcher.accept_token(token))
+
+    @staticmethod
+    def terminated(matcher: Any) -> bool:
+        return bool(matcher.is_terminated())
+
+    def fill(self, matchers: list[Any], out: np.ndarray) -> None:
+        self._batch.batch_fill_next_token_bitmask(matchers, out)
+
+
+class LlguidanceBackend:
+    """llguidance 1.x: a constraint compiles into a matcher that each request copies; a step's
+    masks are filled by its executor's threads. Special tokens are never allowed inside a
+    constraint (llguidance lexes text, not special tokens); at the end of one the tokenizer's
+    end-of-sequence token is the stop."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+
+        stops = _stop_ids(tokenizer, stop_token_ids)
+        eos = tokenizer.eos_token_id if getattr(tokenizer, "eos_token_id", None) is not None else stops[0]
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._llg = llguidance
+        self._executor = llguidance.LLExecutor(threads)
+        self._fill = llguidance.numpy.fill_next_token_bitmask_par
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        matcher = self._llg.LLMatcher(self._tokenizer, build_llguidance_grammar(params), log_level=0)
+        if matcher.is_error():
+            raise ValueError(llguidance_message(matcher.get_error()))
+        return matcher
+
+    @staticmethod
+    def new_matcher(compiled: Any) -> Any:
+        return compiled.deep_copy()
+
+    @staticmethod
+    def accept(matcher: Any, token: int) -> bool:
+        return bool(matcher.consume_token(token))
+
+    @staticmethod
+    def terminated(matcher: Any) -> bool:
+        return bool(matcher.is_stopped())
+
+    def fill(self, matchers: list[Any], out: np.ndarray) -> None:
+        self._fill(self._executor, [(m, i) for i, m in enumerate(matchers)], out)
+
+
+BACKENDS: dict[str, type] = {"xgrammar": XgrammarBackend, "llguidance": LlguidanceBackend}
+
+
 class GrammarManager:
     """The engine core's grammars: the tokenizer's vocabulary as xgrammar sees it, a compile
     pool, a cache of compiled grammars, and the step's bitmask."""
 
-    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int],
+                 backend: str = "xgrammar") -> None:
         """``tokenizer`` is called once, in a compile thread, when the first constraint arrives:
-        an engine that never sees one never imports xgrammar (2.4 s on a busy 2-core machine)
-        nor loads a tokenizer of its own."""
+        an engine that never sees one never imports its backend (xgrammar: 2.4 s on a busy
+        2-core machine) nor loads a tokenizer of its own."""
+        if backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
         self.vocab_size = vocab_size
+        self.backend_name = backend
         self._load_tokenizer = tokenizer
         self._stop_token_ids = stop_token_ids
-        self._compiler: Any = None
-        self._batch: Any = None
-        self.fill_threads_used: int | None = None  # set with the batch matcher
+        self._backend: Any = None
+        self.fill_threads_used: int | None = None  # set with the backend
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._init_lock = threading.Lock()
         self.stats = StructuredOutputStats()
 
-    def _compiler_ready(self) -> Any:
+    def backend(self) -> Any:
+        """The backend, made on first use (in a compile thread: tokenizer and vocabulary)."""
+        if self._backend is not None:
+            return self._backend
         with self._init_lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-
-                tokenizer = self._load_tokenizer()
-                stops = set(self._stop_token_ids)
-                if getattr(tokenizer, "eos_token_id", None) is not None:
-                    stops.add(tokenizer.eos_token_id)
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=sorted(stops))
-                info = _special_tokens_as_special(xgr, tokenizer, info, self.vocab_size)
+            if self._backend is None:
                 self.fill_threads_used = fill_threads()
-                self._batch = xgr.BatchGrammarMatcher(self.fill_threads_used)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
-            return self._compiler
+                self._backend = BACKENDS[self.backend_name](self._load_tokenizer(), self.vocab_size,
+                                                            self._stop_token_ids, self.fill_threads_used)
+            return self._backend
 
     @property
     def bitmask_width(self) -> int:
@@ -172,12 +261,12 @@ class GrammarManager:
                 self._cache[key] = future
                 if len(self._cache) > CACHE_ENTRIES:
                     self._cache.popitem(last=False)
-        return RequestGrammar(future, starts_after)
+        return RequestGrammar(future, self.backend, starts_after)
 
     def _compile(self, params: StructuredOutputsParams):
         start = time.perf_counter()
         try:
-            compiled = self._compiler_ready().compile_grammar(build_grammar(params))
+            compiled = self.backend().compile(params)
         except Exception:
             with self._lock:
                 self.stats.failures += 1
@@ -194,7 +283,7 @@ class GrammarManager:
         compiled grammar, so the batch matcher exists."""
         out = np.empty((len(matchers), self.bitmask_width), dtype=np.int32)  # every row is filled
         start = time.perf_counter()
-        self._batch.batch_fill_next_token_bitmask(matchers, out)
+        self._backend.fill(matchers, out)
         seconds = time.perf_counter() - start
         with self._lock:
             if len(self.stats.mask_fill_seconds) < MAX_TIMES_RECORDED:

@@ -243,13 +243,14 @@ def _with_bad_words(client: EngineClient, params: SamplingParams, req) -> Sampli
         raise bad_request(str(e), param="bad_words") from e
 
 
-def _check_constraint(constraint: Constraint | None) -> None:
-    """A constraint that cannot compile is a 400 naming its field, before the request is queued."""
+def _check_constraint(constraint: Constraint | None, backend: str) -> None:
+    """A constraint that cannot compile (with the engine's backend) is a 400 naming its field,
+    before the request is queued."""
     if constraint is None:
         return
     param, structured = constraint
     try:
-        structured.check()
+        structured.check(backend)
     except ValueError as e:
         raise constraint_error(param, e) from e
 
@@ -272,7 +273,7 @@ def _process_prompts(client: EngineClient, prompts: list, params: SamplingParams
                      constraint: Constraint | None = None) -> tuple[Processed, SamplingParams]:
     """Tokenize and check every prompt (run in a worker thread: the tokenizer releases the GIL)."""
     _ensure_ready(client)
-    _check_constraint(constraint)
+    _check_constraint(constraint, client.config.structured_outputs_backend)
     params = _with_bad_words(client, params, req)
     return [_process_prompt(client, p, params, req) for p in prompts], params
 
@@ -281,7 +282,7 @@ def _process_chat(client: EngineClient, req: ChatCompletionRequest, params: Samp
                   constraint: Constraint | None = None) -> tuple[Processed, SamplingParams]:
     """Apply the chat template, then tokenize and check (run in a worker thread)."""
     _ensure_ready(client)
-    _check_constraint(constraint)
+    _check_constraint(constraint, client.config.structured_outputs_backend)
     params = _with_bad_words(client, params, req)
     return [_process_prompt(client, render_chat(client.tokenizer, req), params, req)], params
 
