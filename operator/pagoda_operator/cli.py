@@ -235,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pagoda_operator.kube import Kube, load_configuration
     from pagoda_operator.leader import LeaderElector, default_identity
     from pagoda_operator.reconcile import Context
+    from pagoda_operator.watch_cache import CachedKube
 
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
@@ -282,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         network_policy=args.network_policy,
         http_from=tuple(args.network_policy_http_from) or builders.ALL_NAMESPACES,
     )
-    ctx = Context(kube=kube, settings=settings, scrape_timeout=args.scrape_timeout)
+    # Passes read from watch-fed caches (watch_cache.py); the elector above reads its Lease live.
+    ctx = Context(kube=CachedKube(kube), settings=settings, scrape_timeout=args.scrape_timeout)
     registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)
     logging.getLogger("pagoda_operator").info(
         "operator running: %s, interval %.1fs, daemon image %s",

@@ -36,6 +36,7 @@ from pagoda_operator.kube import ApiError, Kube, in_cluster_server
 from pagoda_operator.placement import NVLINK_LABEL, node_labels
 from pagoda_operator.reconcile import Context, Result, Retry, reconcile
 from pagoda_operator.telemetry import forget
+from pagoda_operator.watch_cache import CachedKube
 
 log = logging.getLogger("pagoda_operator")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRESENT}
@@ -187,34 +188,59 @@ def build_registry(
     @kopf.on.resume(**res, id="reconcile")
     @kopf.on.create(**res, id="reconcile")
     @kopf.on.update(**res, id="reconcile")
-    def on_change(namespace: str, name: str, reason: str, **_: Any) -> None:
+    def on_change(namespace: str, name: str, reason: str, body: kopf.Body, **_: Any) -> None:
+        _observe(ctx, "InferenceService", {"object": body})  # the spec this change is about, whatever ran first
         _run(ctx, namespace, name, str(getattr(reason, "value", reason)))
 
     @kopf.on.event(**res, id="forget")
     def on_gone(event: Mapping[str, Any], namespace: str, name: str, **_: Any) -> None:
+        _observe(ctx, "InferenceService", event)
         if event.get("type") == "DELETED":
             forget(namespace, name)
             ctx.forget(namespace, name)
 
     @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry, id="deployment")
     def on_deployment(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+        _observe(ctx, "Deployment", event)
         _child_event(ctx, namespace, labels[INSTANCE_LABEL], "deployment")
 
     @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED, registry=registry, id="statefulset")
     def on_stateful_set(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+        _observe(ctx, "StatefulSet", event)
         _child_event(ctx, namespace, labels[INSTANCE_LABEL], "statefulset")
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="pod")
     def on_pod(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+        _observe(ctx, "Pod", event)
         _child_event(ctx, namespace, labels[INSTANCE_LABEL], "pod")
+
+    # Children no status depends on: watched only to keep the passes' reads of them current.
+    @kopf.on.event("", "v1", "services", labels=MANAGED, registry=registry, id="service")
+    def on_service(event: Mapping[str, Any], **_: Any) -> None:
+        _observe(ctx, "Service", event)
+
+    @kopf.on.event("", "v1", "configmaps", labels=MANAGED, registry=registry, id="configmap")
+    def on_config_map(event: Mapping[str, Any], **_: Any) -> None:
+        _observe(ctx, "ConfigMap", event)
+
+    if ctx.settings.network_policy:
+        @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED, registry=registry,
+                       id="networkpolicy")
+        def on_network_policy(event: Mapping[str, Any], **_: Any) -> None:
+            _observe(ctx, "NetworkPolicy", event)
 
     @kopf.on.event(GROUP, VERSION, TOPOLOGY_PLURAL, registry=registry, id="node-labels")
     def on_topology(event: Mapping[str, Any], body: kopf.Body, name: str, **_: Any) -> None:
-        current = None if event.get("type") == "DELETED" else body
-        ctx.topologies.observe(name, current)  # what reconcile passes read instead of a list
-        sync_node_labels(ctx, name, current)
+        _observe(ctx, "NodeTopology", event)  # what reconcile passes read instead of a list
+        sync_node_labels(ctx, name, None if event.get("type") == "DELETED" else body)
 
     return registry
+
+
+def _observe(ctx: Context, kind: str, event: Mapping[str, Any]) -> None:
+    """A watch event into the passes' cache (where ctx.kube keeps one)."""
+    if isinstance(ctx.kube, CachedKube) and isinstance(event.get("object"), Mapping):
+        ctx.kube.cache.observe(kind, event["object"], deleted=event.get("type") == "DELETED")
 
 
 def _child_event(ctx: Context, namespace: str, owner: str, trigger: str) -> None:

@@ -17,7 +17,7 @@ from urllib.parse import quote, urlencode
 import urllib3
 
 from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION
-from pagoda_operator.telemetry import WRITES
+from pagoda_operator.telemetry import API_REQUESTS, WRITES
 
 # kind -> (API prefix, plural, namespaced)
 RESOURCES = {
@@ -136,6 +136,7 @@ class Kube:
         if query:
             url += "?" + urlencode({k: v for k, v in query.items() if v is not None})
         data = json.dumps(body).encode() if body is not None else None
+        API_REQUESTS.labels(method).inc()
         resp = self.pool.request(
             method, url, body=data, headers=self._headers(content_type if data else None)
         )
@@ -156,6 +157,10 @@ class Kube:
             if e.status == 404:
                 return None
             raise
+
+    def get_live(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """From the API server, whatever a subclass caches."""
+        return Kube.get(self, kind, namespace, name)
 
     def list(
         self, kind: str, namespace: str | None = None, selector: str | None = None

@@ -4,8 +4,8 @@ Every trigger (create, update, resume, the periodic ticker, events of the childr
 level-triggered pass, so the order and number of triggers never matter:
 
 1. ``observe()`` reads everything the pass needs into one ``Observed``: the InferenceService
-   (with its spec parsed and validated once, ``spec``), the NodeTopologies (from the watch-fed
-   ``TopologyCache``), its Deployment, pods and other children, the pods' ``/metrics`` on
+   (with its spec parsed and validated once, ``spec``), the NodeTopologies, its Deployment, pods
+   and other children (all from the watch-fed ``watch_cache``), the pods' ``/metrics`` on
    autoscaling passes, Warning Events when a pod is stuck before starting;
 2. ``decide()`` is pure: block on an invalid spec, check capacity and placement
    (``placement``), take one autoscaler step, build the desired children (``builders``); a
@@ -33,7 +33,6 @@ from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
 from pagoda_operator.spec import InvalidSpec, ServiceSpec, Supports, desired_replicas, parse
 from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL, autoscaled
-from pagoda_operator.topology_cache import TopologyCache
 
 log = logging.getLogger("pagoda_operator")
 
@@ -127,7 +126,6 @@ class Context:
     ready_fetcher: Callable[[str, float], str] = scrape_mod.fetch_ready
     # the daemon capabilities a spec may ask for (pagoda_daemon.capabilities; tests widen it)
     supports: Supports = supported
-    topologies: TopologyCache = field(default_factory=TopologyCache)
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     locks_guard: threading.Lock = field(default_factory=threading.Lock)
     backoff: WriteBackoff = field(default_factory=WriteBackoff)
@@ -239,7 +237,7 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         spec = parse(name, namespace, body.get("spec") or {}, ctx.supports)
     except InvalidSpec as e:
         spec_error = str(e)  # decide() reports it; nothing more to read for this spec
-    topologies = ctx.topologies.get(kube.topologies)
+    topologies = kube.topologies()  # from the watch cache where ctx.kube is a CachedKube
     deployment = kube.get("Deployment", namespace, name)
     # Read in either layout, so that a change of podsPerReplica removes the other one's objects.
     stateful_sets = list(kube.list("StatefulSet", namespace, builders.selector_string(name)))
@@ -530,7 +528,7 @@ def _apply(
         except ApiError as e:
             if e.status != 409:
                 raise
-            actual = kube.get(kind, meta["namespace"], meta["name"])
+            actual = kube.get_live(kind, meta["namespace"], meta["name"])  # perhaps not one of ours
             if actual is None:
                 raise Retry(f"{kind} {meta['name']} vanished during create") from e
     if not _controlled_by(actual, owner_uid):

@@ -27,6 +27,17 @@ DURATION = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     registry=REGISTRY,
 )
+API_REQUESTS = Counter(
+    "pagoda_operator_api_requests_total",
+    "Requests to the Kubernetes API server (reads served by the watch cache are not), by HTTP method.",
+    ["method"],
+    registry=REGISTRY,
+)
+CACHED_OBJECTS = Gauge(
+    "pagoda_operator_watch_cache_objects", "Objects the passes' watch cache holds, by kind.", ["kind"], registry=REGISTRY)
+CACHED_BYTES = Gauge(
+    "pagoda_operator_watch_cache_bytes", "JSON bytes of the objects the passes' watch cache holds, by kind.", ["kind"],
+    registry=REGISTRY)
 WRITES = Counter(
     "pagoda_operator_writes_total",
     "Objects the operator created, replaced or patched, by kind and verb.",

@@ -92,6 +92,9 @@ class FakeKube:
         obj = self.objects.get(self._key(kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
+    def get_live(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        return self.get(kind, namespace, name)
+
     def list(
         self, kind: str, namespace: str | None = None, selector: str | None = None
     ) -> list[dict[str, Any]]:

@@ -54,7 +54,7 @@ def test_registry_has_no_finalizer_handlers(fake_kube):
     ids = {h.id for h in registry._changing.get_all_handlers()}
     assert ids == {"reconcile"}
     watching = {h.id for h in registry._watching.get_all_handlers()}
-    assert watching == {"forget", "deployment", "statefulset", "pod", "node-labels"}
+    assert watching == {"forget", "deployment", "statefulset", "pod", "service", "configmap", "node-labels"}
 
 
 def test_operator_settings_keep_kopf_out_of_status():
