@@ -206,11 +206,9 @@ def _strict_json_strings(grammar):
 # llguidance reads a JSON schema as JSON Schema does: an object without additionalProperties
 # takes any other key. xgrammar's strict mode, which the engine uses, and OpenAI's strict
 # structured outputs allow only the listed ones; the schema given to llguidance says so.
-_OBJECT_KEYS = ("properties", "patternProperties", "required")
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")
+_OBJECT_KEYS = ("properties", "patternProperties", "required")  # any of them: an object schema
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")  # values, not schemas
 
 
 def _closed_objects(schema: Any) -> Any:

@@ -54,9 +54,8 @@ Lister = Callable[[str, "str | None", "str | None"], list[dict[str, Any]]]
 
 @dataclass(frozen=True)
 class _Entry:
-    """One object as JSON text: a third of the memory of the parsed dicts (at 200
-    InferenceServices the parsed copies cost the operator 37 MiB per 100 objects), and every
-    read gets a fresh copy, which a pass may change freely."""
+    """One object as JSON text: every read parses a fresh copy, which a pass may change freely
+    (4.9 MiB of text at 200 InferenceServices, docs/benchmarks/2026-11-25-operator-scale.md)."""
 
     version: int | None
     labels: dict[str, str]

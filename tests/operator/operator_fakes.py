@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 from pagoda_operator.kube import ApiError
+from pagoda_operator.watch_cache import matches
 
 
 def isvc(name: str = "llama", namespace: str = "default", generation: int = 1, **spec: Any) -> dict[str, Any]:
@@ -55,16 +56,6 @@ def topology(
     }
 
 
-def _matches(labels: dict[str, str], selector: str | None) -> bool:
-    if not selector:
-        return True
-    for term in selector.split(","):
-        k, v = term.split("=", 1)
-        if labels.get(k) != v:
-            return False
-    return True
-
-
 KEY_KINDS = {"NodeTopology", "Node"}
 
 
@@ -103,7 +94,7 @@ class FakeKube:
             for (k, ns, _), o in sorted(self.objects.items(), key=lambda kv: str(kv[0]))
             if k == kind
             and (namespace is None or ns == namespace)
-            and _matches(o["metadata"].get("labels") or {}, selector)
+            and matches(o["metadata"].get("labels") or {}, selector)
         ]
 
     def topologies(self) -> list[dict[str, Any]]:

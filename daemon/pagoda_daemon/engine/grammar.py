@@ -6,7 +6,7 @@ int32 bitmask of the allowed tokens per row): xgrammar by default, as vLLM's def
 uses it, or llguidance (``--structured-outputs-backend llguidance``). Compiles
 run in a thread pool, cached by the constraint's canonical text: a request whose grammar is
 not compiled yet waits in the queue without holding up the batch. Masks are filled for a
-whole step at once by xgrammar's batch matcher (threads in C++) while the step's forward pass
+whole step at once by the backend's threads (in C++ or Rust) while the step's forward pass
 runs on the device: the engine core launches the forward pass, accepts the previous step's
 tokens, fills the masks and only then has the worker sample (Executor.sample_tokens), so
 scheduling ahead stays on with constrained requests in the batch.
@@ -172,7 +172,9 @@ class LlguidanceBackend:
         import llguidance.numpy
 
         stops = _stop_ids(tokenizer, stop_token_ids)
-        eos = tokenizer.eos_token_id if getattr(tokenizer, "eos_token_id", None) is not None else stops[0]
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None and stops:
+            eos = stops[0]
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self._llg = llguidance
         self._executor = llguidance.LLExecutor(threads)
@@ -200,11 +202,11 @@ class LlguidanceBackend:
         self._fill(self._executor, [(m, i) for i, m in enumerate(matchers)], out)
 
 
-BACKENDS: dict[str, type] = {"xgrammar": XgrammarBackend, "llguidance": LlguidanceBackend}
+BACKENDS: dict[str, type] = {backend.name: backend for backend in (XgrammarBackend, LlguidanceBackend)}
 
 
 class GrammarManager:
-    """The engine core's grammars: the tokenizer's vocabulary as xgrammar sees it, a compile
+    """The engine core's grammars: a backend (made from the tokenizer on first use), a compile
     pool, a cache of compiled grammars, and the step's bitmask."""
 
     def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int],
@@ -279,8 +281,8 @@ class GrammarManager:
 
     def bitmask(self, matchers: list[Any]) -> np.ndarray:
         """The allowed next tokens of each matcher, one packed int32 row each (bit t of row i:
-        token t allowed), filled by the batch matcher's threads. Every matcher comes from a
-        compiled grammar, so the batch matcher exists."""
+        token t allowed), filled by the backend's threads. Every matcher comes from a compiled
+        grammar, so the backend exists."""
         out = np.empty((len(matchers), self.bitmask_width), dtype=np.int32)  # every row is filled
         start = time.perf_counter()
         self._backend.fill(matchers, out)
