@@ -216,8 +216,10 @@ fi
 if has multi-gpu || has multi-gpu-tests; then
   step "two GPUs: tensor and expert parallelism (NCCL), float32 parity with transformers, pagoda serve"
   nvidia-smi topo -m | head -5 | tee "$OUT/topo.txt"
-  timeout "${MG_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py 2>&1 \
-    | tail -15 | tee "$OUT/multi-gpu-pytest.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # Written to a file first: a pipe cut by the timeout loses what the tests printed.
+  timeout "${MG_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py \
+    >"$OUT/multi-gpu-pytest.txt" 2>&1 || status=1
+  tail -40 "$OUT/multi-gpu-pytest.txt"
 fi
 if has vllm-moe-stash; then
   step "vLLM anchor, MoE kernels: stash moe.tar.xz"

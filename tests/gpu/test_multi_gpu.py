@@ -8,6 +8,7 @@ by `benchmarks/run_gpu.sh multi-gpu`.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 
 import pytest
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 
 from tests.distributed.test_tensor_parallel import CASES, _run_cases, check_against_transformers
 
+JOIN_TIMEOUT_S = 60 + 30 * len(CASES)
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
@@ -24,6 +26,8 @@ pytestmark = [
 
 def _main(path: str, tensor: int, expert: int, seed: int, out: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
+    faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 5)  # where it hangs, if it does
+
 
     def record(case: str, result: dict) -> None:  # before the engine shuts down: a hung teardown keeps it
         with open(out, "a") as f:
@@ -43,7 +47,7 @@ def test_float32_on_two_gpus_matches_transformers(tiny_models, tmp_path, arch, t
     out = tmp_path / "result.jsonl"
     proc = mp.get_context("spawn").Process(target=_main, args=(path, tensor, expert, seed, str(out)))
     proc.start()
-    proc.join(timeout=60 + 30 * len(CASES))
+    proc.join(timeout=JOIN_TIMEOUT_S)
     hung = proc.is_alive()
     if hung:
         proc.kill()
@@ -60,6 +64,7 @@ def test_pagoda_serve_on_two_gpus_reports_both(tiny_models, tmp_path):
     from tests.server.conftest import ServerProcess
 
     srv = ServerProcess(tiny_models["qwen3_moe"], "--max-model-len", "256", "--tensor-parallel-size", "2",
+                        "--device", "cuda", "--numa-policy", "auto",
                         log_dir=tmp_path, served_name="tiny")
     try:
         srv.wait_ready(timeout=300)
@@ -69,5 +74,8 @@ def test_pagoda_serve_on_two_gpus_reports_both(tiny_models, tmp_path):
         placement = [line for line in httpx.get(srv.url + "/metrics").text.splitlines()
                      if line.startswith("pagoda:placement_info{")]
         assert len(placement) == 1 and 'gpus="0,1"' in placement[0], placement
+    except BaseException:
+        print(srv.log_path.read_text()[-8000:])  # the server's own account, into the test's output
+        raise
     finally:
         assert srv.stop() == 0

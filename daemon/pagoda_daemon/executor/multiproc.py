@@ -60,6 +60,8 @@ STARTUP_TIMEOUT_S = 600.0
 # Across pods: every rank bumps its counter in node 0's store this often; a peer whose counter
 # has not moved for HEARTBEAT_TIMEOUT_S is taken for dead (an idle engine runs no collective
 # that would notice).
+# How long the ranks may take to leave the world together at shutdown.
+LEAVE_TIMEOUT_S = 30.0
 HEARTBEAT_S = 2.0
 HEARTBEAT_TIMEOUT_S = 20.0
 # A node other than 0 is ready once its ranks are in the world with their KV caches: its first
@@ -212,25 +214,32 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
                 raise RuntimeError(f"rank 0 sent {type(masks).__name__} where the step's grammar masks belong")
             launched = worker.sample_tokens(mirrors.grammar_bitmask(masks))
         launched.result()
-    _leave_world()
+    _leave_world(worker)
 
 
-def _leave_world() -> None:
-    """Leave the world at shutdown. Gloo tears down locally. NCCL's teardown is collective and
-    waited forever on 2 × H100 (2026-11-25, torch 2.11, NCCL 2.28) whether the ranks destroyed
-    their groups together or one after the other: a worker of an NCCL world exits without it
-    (the driver frees what the process held), and rank 0, once the workers are gone, aborts its
-    communicators instead of destroying them (not yet run on GPUs:
-    docs/benchmarks/2026-11-25-multi-gpu-h100-x2.md)."""
+def _leave_world(worker: Worker) -> None:
+    """Leave the world at shutdown, every rank together (rank 0 once it has sent Stop). The
+    captured CUDA graphs go first: NCCL's teardown waited forever while they held collectives
+    (2 × H100, 2026-11-25; 2 × H200, 2026-11-26, torch 2.11, NCCL 2.28), and an abort instead
+    timed out after 120 s. Should the teardown still hang, a worker exits without it (the driver
+    frees what the process held) and rank 0 goes on with a warning."""
     if not dist.is_initialized():
         return
-    if dist.get_backend() != "nccl":
+    rank = dist.get_rank()
+    worker.release_cuda_graphs()
+    left = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
-    elif dist.get_rank() != 0:
+        left.set()
+
+    threading.Thread(target=destroy, name="leave-world", daemon=True).start()
+    if left.wait(LEAVE_TIMEOUT_S):
+        return
+    log.warning("rank %d: leaving the world took more than %.0f s; going on without it", rank, LEAVE_TIMEOUT_S)
+    if rank != 0:
         logging.shutdown()
         os._exit(0)
-    else:
-        dist.distributed_c10d._abort_process_group()
 
 
 def _device_type(config: EngineConfig) -> str:
@@ -415,8 +424,8 @@ class MultiprocExecutor(Executor):
                 _broadcast(step_plan.encode(step_plan.Stop()), self.control)
             except RuntimeError as e:
                 log.warning("could not tell the workers to stop: %s", e)
+        _leave_world(self.worker)
         _stop(self.procs)
-        _leave_world()
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
 

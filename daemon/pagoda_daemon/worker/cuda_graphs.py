@@ -112,6 +112,14 @@ class CudaGraphRunner:
         log.info("captured %d CUDA graphs for decode batches of %d..%d sequences in %.1f s",
                  len(self.graphs), self.sizes[0], self.sizes[-1], self.capture_seconds)
 
+    def release(self) -> None:
+        """Free every graph (and with the last one their memory pool). Graphs that captured NCCL
+        collectives must be gone before the process group is destroyed: destroy waits on them
+        forever otherwise (PyTorch issue 115388; seen on 2 × H200, 2026-11-26)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def current_input_addresses(self) -> dict[str, int]:
         b = self.buffers
         names = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")

@@ -208,6 +208,12 @@ class ModelRunner:
         graphs.capture(self.kv_caches)
         self.cuda_graphs = graphs
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs; later decode steps run eagerly."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
+
     def graph_size(self, sched: SchedulerOutput) -> int | None:
         """The captured batch size this step replays, or None when it runs eagerly."""
         if self.cuda_graphs is None or any(s.num_new_tokens != 1 or _scores_prompt(s) for s in sched.scheduled):

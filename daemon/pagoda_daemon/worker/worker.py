@@ -112,7 +112,8 @@ class Worker:
         pin = self.cpu_pin
         return WorkerInfo(
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            gpu=None if pin is None else pin.gpu, numa_node=None if pin is None else pin.numa_node,
+            gpu=None if pin is None or self.device.type != "cuda" else pin.gpu,
+            numa_node=None if pin is None else pin.numa_node,
             attention_backend=self.backend.name, uses_cuda_graphs=self.uses_cuda_graphs,
         )
 
@@ -181,3 +182,7 @@ class Worker:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def release_cuda_graphs(self) -> None:
+        self.synchronize()
+        self.runner.release_cuda_graphs()
