@@ -72,6 +72,18 @@ def test_batches_past_the_largest_graph_run_eagerly(tiny_models):
     assert small == eager
 
 
+def test_released_graphs_leave_decode_eager_and_the_same(tiny_models):
+    """What a rank does before it leaves its NCCL world: the graphs go, decoding goes on eagerly."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = _prompts(500, [7, 3, 25], seed=11)
+    llm, graphed = _generate(tiny_models["qwen3"], prompts, "float32")
+    worker = llm.engine.core.executor.worker
+    worker.release_cuda_graphs()
+    assert worker.runner.cuda_graphs is None
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == graphed
+
+
 def test_torch_backend_and_enforce_eager_capture_nothing(tiny_models):
     for kwargs in (dict(attention_backend="torch"), dict(enforce_eager=True)):
         llm = LLM(tiny_models["llama"], dtype="bfloat16", device="cuda", num_kv_blocks=32, max_model_len=128,
