@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     topo.set_defaults(func=None, delegate="pagoda_daemon.topology.cli")
     op = sub.add_parser("operator", help="run the Kubernetes operator", add_help=False)
     op.set_defaults(func=None, delegate="pagoda_operator.cli")
+    bench = sub.add_parser("bench", help="serving benchmark of any OpenAI-compatible endpoint (serve, sweep)",
+                           add_help=False)
+    bench.set_defaults(func=None, delegate="pagoda_daemon.bench.cli")
     return parser
 
 
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     # Delegated subcommands own their flags: pass everything after the name through.
-    for name in ("topology", "operator"):
+    for name in ("topology", "operator", "bench"):
         if name in argv:
             i = argv.index(name)
             head = parser.parse_args(argv[: i + 1])

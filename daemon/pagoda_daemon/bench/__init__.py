@@ -1,0 +1,1 @@
+"""A serving benchmark for OpenAI-compatible endpoints (`pagoda bench serve|sweep`)."""

@@ -1,0 +1,153 @@
+"""`pagoda bench serve` (one point) and `pagoda bench sweep` (a workload variable swept over
+one or several servers, resumable, plotted): a serving benchmark for any OpenAI-compatible
+endpoint — Pagoda, vLLM, SGLang — so that two servers are measured by the same client."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from pagoda_daemon.bench import datasets
+from pagoda_daemon.bench.run import ENDPOINTS, PointConfig, run_point
+from pagoda_daemon.bench.sweep import WORKLOAD_VARS, parse_values, plot, run_sweep
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0 (inf for all at once)")
+    return value
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError("must be in [0, 1)")
+    return value
+
+
+def _slo(text: str) -> tuple[str, float]:
+    name, _, ms = text.partition(":")
+    value = float(ms) if ms else math.nan
+    if name not in ("ttft", "tpot", "e2el") or not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError("an SLO is ttft:MS, tpot:MS or e2el:MS")
+    return name, value
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument("--endpoint", choices=ENDPOINTS, default="completions")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token")
+    p.add_argument("--dataset", choices=datasets.DATASETS, default="random")
+    p.add_argument("--dataset-path", help="the JSONL file for --dataset jsonl")
+    p.add_argument("--vocab-size", type=_positive_int, default=None,
+                   help="token ids of random prompts are drawn below this (the model's vocabulary size)")
+    p.add_argument("--num-prompts", type=_positive_int, default=200)
+    p.add_argument("--input-len", type=_positive_int, default=1024)
+    p.add_argument("--output-len", type=_positive_int, default=128)
+    p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths drawn in len·[1-r, 1+r]")
+    p.add_argument("--num-prefixes", type=_positive_int, default=8, help="shared-prefix: distinct prefixes")
+    p.add_argument("--prefix-len", type=_positive_int, default=512, help="shared-prefix: tokens per prefix")
+    p.add_argument("--turns", type=_positive_int, default=4, help="multi-turn: user turns per conversation")
+    p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf: all at once)")
+    p.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None)
+    p.add_argument("--goodput", type=_slo, action="append", default=[], metavar="NAME:MS",
+                   help="an SLO for goodput (ttft, tpot, e2el in ms); repeatable")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=_rate, default=600.0, help="seconds per request")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="one benchmark point against one server")
+    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    serve.add_argument("--result-file", type=Path, help="write the summary JSON here (also printed)")
+    _add_workload_args(serve)
+    sweep = sub.add_parser("sweep", help="sweep a workload variable over one or several servers")
+    sweep.add_argument("--server", action="append", required=True, metavar="LABEL=URL",
+                       help="a server to benchmark, e.g. pagoda=http://127.0.0.1:8000; repeatable")
+    sweep.add_argument("--workload-var", required=True, choices=list(WORKLOAD_VARS))
+    sweep.add_argument("--values", required=True, help="comma-separated values of the variable")
+    sweep.add_argument("--iterations", type=_positive_int, default=1)
+    sweep.add_argument("--experiment-name", required=True)
+    sweep.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    sweep.add_argument("--resume", action="store_true", help="skip the points an earlier run finished")
+    _add_workload_args(sweep)
+    return parser
+
+
+def make_requests(args: argparse.Namespace, overrides: dict, seed: int) -> list[datasets.BenchRequest]:
+    a = {**vars(args), **overrides}
+    if a["dataset"] in ("random", "shared-prefix") and a["vocab_size"] is None:
+        raise ValueError(f"--dataset {a['dataset']} needs --vocab-size (the model's vocabulary size)")
+    if a["dataset"] == "random":
+        return datasets.random_requests(a["num_prompts"], a["input_len"], a["output_len"], a["vocab_size"],
+                                        range_ratio=a["range_ratio"], seed=seed)
+    if a["dataset"] == "shared-prefix":
+        return datasets.shared_prefix_requests(a["num_prompts"], a["num_prefixes"], a["prefix_len"], a["input_len"],
+                                               a["output_len"], a["vocab_size"], range_ratio=a["range_ratio"],
+                                               seed=seed)
+    if a["dataset"] == "jsonl":
+        if not a["dataset_path"]:
+            raise ValueError("--dataset jsonl needs --dataset-path")
+        return datasets.jsonl_requests(a["dataset_path"], a["num_prompts"], a["output_len"], seed=seed)
+    if a["endpoint"] != "chat":
+        raise ValueError("--dataset multi-turn runs on --endpoint chat")
+    return datasets.multi_turn_requests(a["num_prompts"], a["turns"], max(1, a["input_len"] // 4), a["output_len"],
+                                        seed=seed)
+
+
+def _config(args: argparse.Namespace, base_url: str) -> PointConfig:
+    return PointConfig(base_url=base_url.rstrip("/"), model=args.model, endpoint=args.endpoint, api_key=args.api_key,
+                       request_rate=args.request_rate, burstiness=args.burstiness,
+                       max_concurrency=args.max_concurrency, timeout_s=args.timeout, seed=args.seed,
+                       goodput_slo_ms=dict(args.goodput))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            result = run_point(_config(args, args.base_url), make_requests(args, {}, args.seed),
+                               progress=not args.no_progress)
+            text = json.dumps(result, indent=1)
+            if args.result_file:
+                args.result_file.parent.mkdir(parents=True, exist_ok=True)
+                args.result_file.write_text(text)
+            print(text)
+            return 0 if result["completed"] else 1
+        servers = []
+        for entry in args.server:
+            label, eq, url = entry.partition("=")
+            if not eq or not url.startswith(("http://", "https://")):
+                raise ValueError(f"--server {entry!r}: LABEL=http(s)://host:port")
+            servers.append((label, _config(args, url)))
+        values = parse_values(args.workload_var, args.values)
+        points = run_sweep(servers, args.workload_var, values, args.iterations,
+                           lambda overrides, seed: make_requests(args, overrides, seed), args.output_dir,
+                           args.experiment_name, resume=args.resume, progress=not args.no_progress,
+                           log=lambda line: print(line, file=sys.stderr))
+        base = args.output_dir / args.experiment_name / "throughput_vs_ttft"
+        for path in plot(points, base, title=f"{args.experiment_name}: {args.workload_var} swept"):
+            print(path)
+        return 0
+    except (ValueError, FileExistsError) as e:
+        print(f"pagoda bench: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

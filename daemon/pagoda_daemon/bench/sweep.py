@@ -1,0 +1,127 @@
+"""A sweep: the same workload at several values of one variable (request rate, concurrency,
+lengths), repeated, against one or several servers, each point saved as it finishes so that an
+interrupted sweep resumes where it stopped; then throughput against median TTFT on one chart."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pagoda_daemon.bench.datasets import BenchRequest
+from pagoda_daemon.bench.run import PointConfig, run_point
+
+# The variables a sweep may move: those of the point config and those of the dataset.
+POINT_VARS = {"request_rate": float, "max_concurrency": int, "burstiness": float}
+DATASET_VARS = {"input_len": int, "output_len": int, "num_prompts": int}
+WORKLOAD_VARS = {**POINT_VARS, **DATASET_VARS}
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Names become directories: letters, digits, '.', '_' and '-', 1-100 of them, no dot first."""
+    if not name or len(name) > 100 or name.startswith(".") or not set(name) <= _NAME_CHARS:
+        raise ValueError(f"{kind} {name!r}: use 1-100 letters, digits, '.', '_' or '-', not starting with '.'")
+    return name
+
+
+def parse_values(var: str, text: str) -> list[float | int]:
+    if var not in WORKLOAD_VARS:
+        raise ValueError(f"--workload-var must be one of {', '.join(WORKLOAD_VARS)}")
+    kind = WORKLOAD_VARS[var]
+    values = [kind(v) for v in text.split(",") if v.strip()]
+    if not values or any(not (v > 0) or (kind is int and math.isinf(v)) for v in values):
+        raise ValueError(f"--values: positive numbers for {var}, comma-separated")
+    return values
+
+
+def point_path(out_dir: Path, experiment: str, server: str, var: str, value: float | int, iteration: int) -> Path:
+    return out_dir / experiment / server / f"{var}={value}" / f"iter-{iteration}.json"
+
+
+def run_sweep(
+    servers: Sequence[tuple[str, PointConfig]],
+    var: str,
+    values: Sequence[float | int],
+    iterations: int,
+    make_requests: Callable[[dict, int], list[BenchRequest]],
+    out_dir: Path,
+    experiment: str,
+    *,
+    resume: bool = False,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Every (server, value, iteration) point; `make_requests(dataset_overrides, seed)` builds
+    the requests. A point whose file exists is loaded with `resume`, and refused without it."""
+    check_name("experiment name", experiment)
+    points = []
+    for label, base in servers:
+        check_name("server label", label)
+        for value in values:
+            for iteration in range(iterations):
+                path = point_path(out_dir, experiment, label, var, value, iteration)
+                if path.exists():
+                    if not resume:
+                        raise FileExistsError(f"{path} exists: pass --resume, or another --experiment-name")
+                    log(f"{label} {var}={value} iteration {iteration}: done before, skipped")
+                    points.append(json.loads(path.read_text()))
+                    continue
+                seed = base.seed + iteration  # the same requests for every server and value
+                point: dict[str, Any] = {var: value} if var in POINT_VARS else {}
+                config = dataclasses.replace(base, seed=seed, **point)
+                requests = make_requests({var: value} if var in DATASET_VARS else {}, seed)
+                result = run_point(config, requests, progress=progress)
+                result.update(server=label, workload_var=var, value=value, iteration=iteration)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(result, indent=1))
+                os.replace(tmp, path)  # a point interrupted half-way is not counted as done
+                log(f"{label} {var}={value} iteration {iteration}: {result['output_throughput']} output tok/s, "
+                    f"median TTFT {result['ttft_ms']['p50']} ms, {result['failed']} failed")
+                points.append(result)
+    return points
+
+
+def plot(points: Sequence[dict], out_base: Path, title: str = "") -> list[Path]:
+    """Output throughput against median TTFT, one line per server (mean over iterations at each
+    value), as PNG and SVG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_server: dict[str, dict] = {}
+    for p in points:
+        if p["ttft_ms"]["p50"] is None or p["output_throughput"] is None:
+            continue
+        by_server.setdefault(p["server"], {}).setdefault(p["value"], []).append(p)
+    for server, by_value in by_server.items():
+        xs, ys, labels = [], [], []
+        for value in sorted(by_value):
+            runs = by_value[value]
+            xs.append(sum(r["ttft_ms"]["p50"] for r in runs) / len(runs))
+            ys.append(sum(r["output_throughput"] for r in runs) / len(runs))
+            labels.append(value)
+        ax.plot(xs, ys, marker="o", label=server)
+        for x, y, v in zip(xs, ys, labels):
+            ax.annotate(str(v), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    var = points[0]["workload_var"] if points else ""
+    ax.set_xlabel("median TTFT (ms)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title or f"throughput against median TTFT (points labelled by {var})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out_base.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    for ext in ("png", "svg"):
+        path = out_base.with_suffix(f".{ext}")
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        written.append(path)
+    plt.close(fig)
+    return written

@@ -1,0 +1,142 @@
+"""`pagoda bench serve|sweep` against a real `pagoda serve` on loopback (a tiny random Llama on
+CPU): every request streamed and counted, latencies summarized, a sweep plotted and resumed."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import httpx
+import pytest
+
+from pagoda_daemon.bench import datasets
+from pagoda_daemon.bench.cli import main
+from pagoda_daemon.bench.run import arrival_gaps
+from tests.server.conftest import MODEL_NAME
+
+VOCAB = "512"  # the tiny models' vocabulary
+
+
+def _served(url: str) -> float:
+    """Requests the server has finished (all reasons), from its own metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def _common(*extra: str) -> list[str]:
+    return ["--model", MODEL_NAME, "--vocab-size", VOCAB, "--no-progress", *extra]
+
+
+def test_one_point_streams_every_request_and_summarizes_latencies(server, tmp_path):
+    out = tmp_path / "point.json"
+    before = _served(server.url)
+    rc = main(["serve", "--base-url", server.url, "--num-prompts", "6", "--input-len", "24", "--output-len", "5",
+               "--range-ratio", "0.5", "--max-concurrency", "3", "--goodput", "ttft:600000", "--result-file", str(out),
+               *_common()])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert _served(server.url) - before == 6
+    expected = sum(r.output_len for r in datasets.random_requests(6, 24, 5, 512, range_ratio=0.5, seed=0))
+    assert result["output_tokens"] == expected  # ignore_eos: every asked token came back
+    ttft, e2el = result["ttft_ms"], result["e2el_ms"]
+    assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] and ttft["p99"] <= e2el["p99"]
+    assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["p50"] is not None
+    assert result["goodput"] == pytest.approx(result["request_throughput"], rel=1e-3)  # a lenient SLO: all meet it
+    assert result["config"]["request_rate"] == "inf" and "api_key" not in result["config"]
+
+
+def test_a_tight_slo_counts_no_goodput_and_refused_requests_are_failures(server, tmp_path):
+    out = tmp_path / "point.json"
+    # 600 prompt tokens do not fit the server's max_model_len of 512: every request gets a 400
+    rc = main(["serve", "--base-url", server.url, "--num-prompts", "2", "--input-len", "600", "--output-len", "4",
+               "--result-file", str(out), *_common()])
+    result = json.loads(out.read_text())
+    assert rc == 1 and result["completed"] == 0 and result["failed"] == 2
+    assert all(e.startswith("RuntimeError: HTTP 400") for e in result["errors"]), result["errors"]
+    main(["serve", "--base-url", server.url, "--num-prompts", "3", "--input-len", "8", "--output-len", "3",
+          "--goodput", "ttft:0.001", "--result-file", str(out), *_common()])
+    result = json.loads(out.read_text())
+    assert result["completed"] == 3 and result["goodput"] == 0
+
+
+def test_multi_turn_conversations_run_on_the_chat_endpoint(server, tmp_path):
+    out = tmp_path / "chat.json"
+    rc = main(["serve", "--base-url", server.url, "--endpoint", "chat", "--dataset", "multi-turn", "--turns", "3",
+               "--num-prompts", "2", "--input-len", "12", "--output-len", "4", "--result-file", str(out),
+               *_common()])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["completed"] == 6 and result["failed"] == 0, result["errors"]
+    assert result["output_tokens"] == 24
+
+
+def test_sweep_plots_and_resumes_only_the_unfinished_points(server, tmp_path):
+    args = ["sweep", "--server", f"pagoda={server.url}", "--workload-var", "max_concurrency", "--values", "1,3",
+            "--experiment-name", "conc", "--output-dir", str(tmp_path), "--num-prompts", "3", "--input-len", "16",
+            "--output-len", "3", *_common()]
+    assert main(args) == 0
+    root = tmp_path / "conc"
+    points = sorted(root.glob("pagoda/*/iter-0.json"))
+    assert [p.parent.name for p in points] == ["max_concurrency=1", "max_concurrency=3"]
+    for ext in ("png", "svg"):
+        assert (root / f"throughput_vs_ttft.{ext}").stat().st_size > 1000
+    assert main(args) == 2  # the points exist: no silent overwrite without --resume
+
+    points[1].unlink()  # as if the sweep had been interrupted before its last point
+    before = _served(server.url)
+    assert main([*args, "--resume"]) == 0
+    assert _served(server.url) - before == 3  # only the missing point's requests were sent
+    assert json.loads(points[1].read_text())["completed"] == 3
+
+
+@pytest.mark.parametrize("argv", [
+    ["sweep", "--server", "no-url", "--workload-var", "request_rate", "--values", "1", "--experiment-name", "x"],
+    ["sweep", "--server", "a=http://127.0.0.1:1", "--workload-var", "request_rate", "--values=-1,2",
+     "--experiment-name", "x"],
+    ["sweep", "--server", "a=http://127.0.0.1:1", "--workload-var", "request_rate", "--values", "1",
+     "--experiment-name", "../up"],
+    ["serve", "--base-url", "http://127.0.0.1:1", "--dataset", "jsonl"],
+])
+def test_bad_arguments_exit_2_with_a_message(argv, tmp_path, capsys):
+    rc = main([*argv, *(["--output-dir", str(tmp_path)] if argv[0] == "sweep" else []), "--model", "m",
+               "--vocab-size", VOCAB, "--no-progress"])
+    assert rc == 2 and "pagoda bench:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--request-rate=0", "--request-rate=nan", "--range-ratio=1", "--num-prompts=0",
+                                  "--goodput=ttft:-1", "--goodput=latency:5"])
+def test_out_of_bounds_flags_are_refused_by_the_parser(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--base-url", "http://127.0.0.1:1", flag, *_common()])
+    assert e.value.code == 2
+
+
+def test_jsonl_prompts_are_checked_line_by_line(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "hello"}\n\n{"prompt": [5, 6, 7], "output_len": 9}\n')
+    requests = datasets.jsonl_requests(good, 5, 4, seed=1)
+    assert len(requests) == 5 and {r.output_len for r in requests} == {4, 9}
+    for bad in ('{"prompt": ""}', '{"prompt": [1, -2]}', '{"prompt": "x", "output_len": 0}', '[1, 2]'):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+            datasets.jsonl_requests(path, 1, 4)
+
+
+def test_arrivals_are_poisson_at_burstiness_one_and_burstier_below():
+    rate = 20.0
+    poisson = arrival_gaps(20000, rate, 1.0, seed=3)
+    assert statistics.fmean(poisson) == pytest.approx(1 / rate, rel=0.03)
+    assert statistics.stdev(poisson) == pytest.approx(1 / rate, rel=0.05)  # exponential: sd = mean
+    bursty = arrival_gaps(20000, rate, 0.25, seed=3)
+    assert statistics.fmean(bursty) == pytest.approx(1 / rate, rel=0.05)
+    assert statistics.stdev(bursty) > 1.8 * statistics.stdev(poisson)  # gamma(k): sd = mean / sqrt(k)
+    assert arrival_gaps(4, math.inf, 1.0, seed=0) == [0.0] * 4
+
+
+def test_shared_prefix_requests_share_their_prefixes():
+    requests = datasets.shared_prefix_requests(6, 2, 10, 5, 3, 512, seed=0)
+    assert requests[0].prompt[:10] == requests[2].prompt[:10] != requests[1].prompt[:10]
+    assert all(len(r.prompt) == 15 and min(r.prompt) >= datasets.FIRST_ORDINARY_TOKEN for r in requests)
