@@ -27,7 +27,7 @@ CAPABILITIES: dict[str, Capability] = {
         Capability("elastic_expert_parallel", False, "elastic expert parallelism"),
         Capability("kv_cache_fp8", False, "an fp8 KV cache"),
         Capability("kv_offload", False, "KV cache offload to host memory or disk"),
-        Capability("model_uri", False, "fetching the model from a URI (mount it from a PVC or host path)"),
+        Capability("model_uri", True, "fetching the model from a URI (hf://, s3://)"),
     )
 }
 

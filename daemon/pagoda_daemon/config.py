@@ -19,6 +19,8 @@ class EngineConfig:
     """Everything the engine needs to start."""
 
     model: str = option("", "a Hugging Face-format model directory", cli=False)
+    model_cache_dir: str | None = option(
+        None, "where hf:// and s3:// models are fetched to (default: $PAGODA_CACHE_DIR, else ~/.cache/pagoda/models)")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model's)")
     dtype: str = option("auto", "weights and activations; auto: the checkpoint's dtype on GPU, float32 on CPU",
                         choices=ALLOWED_DTYPES)

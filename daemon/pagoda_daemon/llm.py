@@ -19,6 +19,9 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known - {'model'})}")
+        from pagoda_daemon.models.fetch import resolve_model
+
+        model = resolve_model(model, engine_args.get("model_cache_dir"))  # hf:// and s3:// are fetched first
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     @property

@@ -11,7 +11,8 @@ with the access that would justify it; :func:`review` keeps those the requester 
   (:class:`Policy`, from the chart's ``admission.policy`` values) needs ``create pods`` in the namespace:
   such a user could create that pod directly, and the namespace's pod security admission governs
   both paths equally;
-- a reference to a Secret or ConfigMap needs ``get`` on that object, whoever asks;
+- a reference to a Secret or ConfigMap needs ``get`` on that object, whoever asks (the pod's env
+  from it, the API key, the model's credentials);
 - a kvOffload disk path over a system directory is refused for everyone.
 
 Pure: the requester's access is a function passed in (a SubjectAccessReview in the operator).
@@ -346,6 +347,16 @@ def findings(policy: Policy, spec: Mapping[str, Any]) -> list[Violation]:
         references.append(
             Violation(
                 "spec.server.apiKeySecretRef", f"reads secret {name!r}", needs=Access("get", "secrets", name)
+            )
+        )
+    credentials = _map(_map(spec.get("model")).get("credentials"))
+    if credentials:
+        name = str(credentials.get("secretName") or "")
+        references.append(
+            Violation(
+                "spec.model.credentials.secretName",
+                f"reads secret {name!r}",
+                needs=Access("get", "secrets", name),
             )
         )
     if len({v.needs for v in references}) > MAX_REFERENCES:

@@ -211,6 +211,7 @@ def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
     ]
     if spec.model.source == "uri":
         env.append({"name": "PAGODA_CACHE_DIR", "value": CACHE_DIR})
+        env += model_source_env(spec)
     key = spec.api_key_secret
     if key is not None:
         env.append(
@@ -230,6 +231,35 @@ def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
     user = [dict(e) for e in spec.pod.env]
     overridden = {e["name"] for e in user}
     return [e for e in env if e["name"] not in overridden] + user
+
+
+# The standard variables of each remote source's client: the keys of spec.model.credentials'
+# Secret, read by the pod (optional: a public model needs none), and where its endpoint and
+# region go.
+CREDENTIAL_KEYS = {"hf": ("HF_TOKEN",), "s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")}
+ENDPOINT_ENV = {"hf": "HF_ENDPOINT", "s3": "AWS_ENDPOINT_URL"}
+REGION_ENV = "AWS_REGION"
+
+
+def model_source_env(spec: ServiceSpec) -> list[dict[str, Any]]:
+    """What the daemon needs to fetch an hf:// or s3:// model: the credentials as references to
+    the user's Secret (the kubelet reads it, never the operator), the endpoint, the region."""
+    m = spec.model
+    scheme = m.scheme or ""
+    env: list[dict[str, Any]] = []
+    if m.credentials_secret:
+        env += [
+            {
+                "name": key,
+                "valueFrom": {"secretKeyRef": {"name": m.credentials_secret, "key": key, "optional": True}},
+            }
+            for key in CREDENTIAL_KEYS.get(scheme, ())
+        ]
+    if m.endpoint and scheme in ENDPOINT_ENV:
+        env.append({"name": ENDPOINT_ENV[scheme], "value": m.endpoint})
+    if m.region and scheme == "s3":
+        env.append({"name": REGION_ENV, "value": m.region})
+    return env
 
 
 def cache_env() -> list[dict[str, str]]:
@@ -262,7 +292,8 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
         {"name": "config", "configMap": {"name": config_map_name(spec)}},
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
+        # Per pod: a fetched model (hf://, s3://) is downloaded again by every pod.
+        {"name": "cache", "emptyDir": {"sizeLimit": spec.model.cache_size} if spec.model.cache_size else {}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},

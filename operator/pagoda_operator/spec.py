@@ -12,10 +12,11 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 # Standard library only (the operator image has no torch): the daemon's declared options and
 # capabilities, so both sides refuse the same things.
-from pagoda_daemon import capabilities
+from pagoda_daemon import capabilities, model_uri
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.options import refusals
 
@@ -35,6 +36,18 @@ MODEL_NAME = r"^[^-]"
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 DEFAULT_API_KEY_KEY = "api-key"
+# spec.model.uri: the schemes the daemon's parser (pagoda_daemon.model_uri) reads, no whitespace.
+MODEL_URI = r"^(hf|s3|pvc)://\S+$"
+# spec.model.endpoint: an http(s) URL whose authority holds no userinfo ("user:pass@").
+ENDPOINT = r"^https?://[^/?#@\s]+([/?#]\S*)?$"
+MAX_ENDPOINT = 2048
+# spec.model.region (s3).
+REGION = r"^[a-z0-9-]{1,32}$"
+# spec.model.cacheSize: a Kubernetes quantity without sign or exponent (the cache emptyDir's sizeLimit).
+QUANTITY = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$"
+MAX_QUANTITY = 32
+# The options of a model fetched over the network (hf://, s3://), under spec.model.
+REMOTE_OPTIONS = ("credentials", "endpoint", "region", "cacheSize")
 
 METRICS = ("kvCacheUsage", "requestsWaiting", "requestsRunning")
 DEFAULT_TARGETS = {"kvCacheUsage": 0.8, "requestsWaiting": 2.0, "requestsRunning": 16.0}
@@ -47,11 +60,20 @@ class InvalidSpec(ValueError):
 @dataclass(frozen=True)
 class Model:
     name: str
-    source: str  # "pvc" | "hostPath" | "uri"
+    # "pvc" (spec.model.pvc, or a pvc:// uri: mounted like one) | "hostPath" | "uri" (hf://, s3://:
+    # the daemon fetches it into the cache volume)
+    source: str
     claim_name: str | None = None
     path: str = ""
     read_only: bool = True
-    uri: str | None = None
+    uri: str | None = None  # spec.model.uri as written
+    scheme: str | None = None  # of the uri: "hf" | "s3" | "pvc"
+    # Remote sources only (hf, s3): a Secret of the namespace the pod reads its credentials from,
+    # the store's endpoint, the S3 region, the cache emptyDir's sizeLimit.
+    credentials_secret: str | None = None
+    endpoint: str | None = None
+    region: str | None = None
+    cache_size: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +208,9 @@ def parse(
             f"spec.model needs exactly one source of weights (pvc, hostPath or uri); got {sources or 'none'}"
         )
     source = sources[0]
+    errors = model_source_errors(m)
+    if errors:
+        raise InvalidSpec("; ".join(errors))
     if source == "pvc":
         model = Model(
             name=_get(m, "name", name),
@@ -197,7 +222,23 @@ def parse(
     elif source == "hostPath":
         model = Model(name=_get(m, "name", name), source="hostPath", path=m["hostPath"]["path"])
     else:
-        model = Model(name=_get(m, "name", name), source="uri", uri=m["uri"])
+        ref = model_uri.parse(m["uri"])
+        if ref.scheme == "pvc":  # mounted exactly like spec.model.pvc, read-only
+            model = Model(
+                name=_get(m, "name", name), source="pvc", claim_name=ref.location, path=ref.path,
+                read_only=True, uri=m["uri"], scheme="pvc",
+            )  # fmt: skip
+        else:
+            model = Model(
+                name=_get(m, "name", name),
+                source="uri",
+                uri=m["uri"],
+                scheme=ref.scheme,
+                credentials_secret=_get(_get(m, "credentials", {}), "secretName"),
+                endpoint=_get(m, "endpoint"),
+                region=_get(m, "region"),
+                cache_size=_get(m, "cacheSize"),
+            )
 
     r = _get(spec, "resources", {})
     p = _get(spec, "parallelism", {})
@@ -293,6 +334,82 @@ def parse(
     validate(parsed, supports)
     return parsed
 
+def model_source_errors(model: Any) -> list[str]:
+    """What is wrong with ``spec.model.uri`` and the options of a remote source (credentials,
+    endpoint, region, cacheSize), read from the raw spec: :func:`parse` refuses them, and so does
+    the admission webhook at apply time. The URI is read by the daemon's own parser."""
+    if not isinstance(model, Mapping):
+        return []
+    errors: list[str] = []
+    ref: model_uri.ModelUri | None = None
+    uri = model.get("uri")
+    if uri is not None:
+        try:
+            ref = model_uri.parse(uri)
+        except model_uri.InvalidModelUri as e:
+            return [f"spec.model.uri: {e}"]
+        if ref.scheme == "path":
+            return [
+                f"spec.model.uri: {uri!r} is a local path: use spec.model.hostPath, or spec.model.pvc "
+                "(or a pvc://claim/path URI) for a volume"
+            ]
+    given = [k for k in REMOTE_OPTIONS if model.get(k) is not None]
+    if ref is None or not ref.remote:
+        return [f"spec.model.{k}: only for a model fetched over the network (an hf:// or s3:// uri)" for k in given]
+    creds = model.get("credentials")
+    if creds is not None:
+        secret = creds.get("secretName") if isinstance(creds, Mapping) else None
+        if not isinstance(secret, str) or len(secret) > 253 or not re.search(DNS1123_SUBDOMAIN, secret):
+            errors.append(
+                f"spec.model.credentials.secretName {secret!r} is not a Secret name (DNS-1123 subdomain, "
+                "at most 253 characters)"
+            )
+    endpoint = model.get("endpoint")
+    if endpoint is not None:
+        why = _endpoint_error(endpoint)
+        if why:
+            errors.append(f"spec.model.endpoint: {why}")
+    region = model.get("region")
+    if region is not None:
+        if ref.scheme != "s3":
+            errors.append("spec.model.region: only for an s3:// uri")
+        elif not isinstance(region, str) or not re.search(REGION, region):
+            errors.append(f"spec.model.region {region!r} is not a region (1 to 32 lowercase letters, digits and '-')")
+    size = model.get("cacheSize")
+    if size is not None and (
+        not isinstance(size, str)
+        or len(size) > MAX_QUANTITY
+        or not re.search(QUANTITY, size)
+        or not float(re.sub(r"[A-Za-z]+$", "", size)) > 0
+    ):
+        errors.append(f"spec.model.cacheSize {size!r} is not a positive quantity of bytes (e.g. 100Gi)")
+    return errors
+
+
+def _endpoint_error(endpoint: Any) -> str | None:
+    if not isinstance(endpoint, str):
+        return f"an endpoint is a string, not {type(endpoint).__name__}"
+    if not endpoint or len(endpoint) > MAX_ENDPOINT:
+        return f"an endpoint has 1 to {MAX_ENDPOINT} characters; got {len(endpoint)}"
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in endpoint):
+        return f"{endpoint!r} contains whitespace or control characters"
+    try:
+        url = urlsplit(endpoint)
+        url.port  # noqa: B018 (raises on a port that is not a number in range)
+    except ValueError as e:
+        return f"{endpoint!r} is not a URL: {e}"
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return f"{endpoint!r} is not an http:// or https:// URL with a host"
+    if "@" in url.netloc:
+        return (
+            f"{endpoint!r} carries user information ('user:password@'): credentials belong in the Secret "
+            "of spec.model.credentials"
+        )
+    if not re.search(ENDPOINT, endpoint):
+        return f"{endpoint!r} is not an http:// or https:// URL"
+    return None
+
+
 # StatefulSet names end up in their pods' controller-revision-hash label (at most 63 characters,
 # 11 of them the hash): a grouped InferenceService's name leaves room for "-<group>".
 MAX_GROUPED_NAME = 40
@@ -355,7 +472,7 @@ def capability_errors(s: ServiceSpec, supports: Supports = capabilities.supporte
         f"{CRD_FIELD_OF_OPTION.get(option, option)}: {capabilities.refusal(capability)}"
         for option, capability in refusals(daemon_config(s), EngineConfig, supports).items()
     ]
-    if s.model.source == "uri" and not supports("model_uri"):
+    if s.model.source == "uri" and not supports("model_uri"):  # hf://, s3:// (pvc:// is mounted)
         errors.append(f"spec.model.uri: {capabilities.refusal('model_uri')}")
     if s.parallelism.elastic and not supports("elastic_expert_parallel"):
         errors.append(f"spec.parallelism.elastic: {capabilities.refusal('elastic_expert_parallel')}")

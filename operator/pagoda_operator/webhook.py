@@ -23,6 +23,7 @@ import kopf
 
 from pagoda_operator import GROUP, KIND
 from pagoda_operator.admission import Access, Policy, refusal, review
+from pagoda_operator.spec import model_source_errors
 
 log = logging.getLogger("pagoda_operator.webhook")
 
@@ -37,7 +38,8 @@ def _map(value: Any) -> Mapping[str, Any]:
 def decide(request: Any, policy: Policy, user_can: UserCan) -> dict[str, Any]:
     """The AdmissionReview response for an AdmissionReview request.
 
-    Only a change of ``spec`` is reviewed: metadata-only updates (kopf's bookkeeping annotations,
+    A malformed ``spec.model.uri`` (or remote-source option) is refused as invalid (422) naming
+    the field. Only a change of ``spec`` is reviewed: metadata-only updates (kopf's bookkeeping annotations,
     labels) change no pod. An error while asking for the requester's access refuses the request
     (fail closed) with the error in the message.
     """
@@ -47,7 +49,7 @@ def decide(request: Any, policy: Policy, user_can: UserCan) -> dict[str, Any]:
     def answer(allowed: bool, message: str = "", code: int = 403) -> dict[str, Any]:
         response: dict[str, Any] = {"uid": str(req.get("uid") or ""), "allowed": allowed}
         if not allowed:
-            reason = "Forbidden" if code == 403 else "InternalError"
+            reason = {403: "Forbidden", 422: "Invalid"}.get(code, "InternalError")
             response["status"] = {"code": code, "reason": reason, "message": message}
         return {
             "apiVersion": str(request.get("apiVersion") or "admission.k8s.io/v1"),
@@ -67,6 +69,11 @@ def decide(request: Any, policy: Policy, user_can: UserCan) -> dict[str, Any]:
     meta = _map(obj.get("metadata"))
     namespace = str(req.get("namespace") or meta.get("namespace") or "")
     name = str(meta.get("name") or meta.get("generateName") or "")
+    # A model reference the daemon cannot read (the daemon's own parser says why), refused here
+    # rather than by a Degraded status after the apply.
+    invalid = model_source_errors(spec.get("model"))
+    if invalid:
+        return answer(False, f"InferenceService {namespace}/{name} is invalid: " + "; ".join(invalid), 422)
     user = _map(req.get("userInfo"))
     try:
         violations = review(policy, spec, lambda access: user_can(user, namespace, access))

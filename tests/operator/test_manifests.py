@@ -133,6 +133,10 @@ def validate(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
         errors.append(f"{path}: below minimum")
     if "maximum" in schema and value > schema["maximum"]:
         errors.append(f"{path}: above maximum")
+    if "maxLength" in schema and len(value) > schema["maxLength"]:
+        errors.append(f"{path}: longer than {schema['maxLength']}")
+    if "minLength" in schema and len(value) < schema["minLength"]:
+        errors.append(f"{path}: shorter than {schema['minLength']}")
     if "pattern" in schema and not re.search(schema["pattern"], value):
         errors.append(f"{path}: does not match {schema['pattern']}")
     if t == "object":
@@ -197,6 +201,26 @@ def test_example_is_valid_and_fully_known():
             {"model": {"name": "m", "uri": "hf://a"}, "server": {"apiKeySecretRef": {"name": "UP"}}},
             ".spec.server.apiKeySecretRef.name: does not match",
         ),
+        ({"model": {"name": "m", "uri": "ftp://x/y"}}, ".spec.model.uri: does not match"),
+        ({"model": {"name": "m", "uri": "hf://a b"}}, ".spec.model.uri: does not match"),
+        ({"model": {"name": "m", "uri": "/models/x"}}, ".spec.model.uri: does not match"),
+        ({"model": {"name": "m", "uri": 7}}, ".spec.model.uri: expected string"),
+        ({"model": {"name": "m", "uri": "hf://" + "a" * 1020}}, ".spec.model.uri: longer than 1024"),
+        (
+            {"model": {"name": "m", "uri": "s3://b/m", "endpoint": "https://k:s@s3.example"}},
+            ".spec.model.endpoint: does not match",
+        ),
+        (
+            {"model": {"name": "m", "uri": "s3://b/m", "endpoint": "https://s3/" + "a" * 2048}},
+            ".spec.model.endpoint: longer than 2048",
+        ),
+        ({"model": {"name": "m", "uri": "s3://b/m", "region": "EU"}}, ".spec.model.region: does not match"),
+        ({"model": {"name": "m", "uri": "s3://b/m", "cacheSize": "-1Gi"}}, ".spec.model.cacheSize: does not match"),
+        ({"model": {"name": "m", "uri": "s3://b/m", "credentials": {}}}, ".spec.model.credentials.secretName: required"),
+        (
+            {"model": {"name": "m", "uri": "s3://b/m", "credentials": {"secretName": "s", "key": "k"}}},
+            ".spec.model.credentials.key: unknown field",
+        ),
     ],
 )
 def test_schema_rejects(spec, fragment):
@@ -212,6 +236,22 @@ def test_schema_rejects(spec, fragment):
     assert any(fragment in e for e in errors), errors
 
 
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"name": "m", "uri": "hf://Qwen/Qwen3-0.6B@main", "credentials": {"secretName": "hf-token"},
+         "endpoint": "https://hf-mirror.internal", "cacheSize": "40Gi"},
+        {"name": "m", "uri": "s3://models/qwen3", "credentials": {"secretName": "s3-creds"},
+         "endpoint": "http://minio.storage.svc:9000", "region": "us-east-1", "cacheSize": "1.5Ti"},
+        {"name": "m", "uri": "pvc://weights/qwen3"},
+    ],
+)  # fmt: skip
+def test_schema_admits_each_model_source(model):
+    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "x"},
+            "spec": {"model": model}}  # fmt: skip
+    assert validate(body, isvc_schema()) == []
+
+
 def test_crd_patterns_are_the_operators_patterns():
     """The schema refuses at apply time what spec.validate refuses later: the same regexes."""
     from pagoda_operator import spec
@@ -222,6 +262,15 @@ def test_crd_patterns_are_the_operators_patterns():
     assert model["pvc"]["properties"]["path"]["pattern"] == spec.RELATIVE_PATH
     assert model["hostPath"]["properties"]["path"]["pattern"] == spec.ABSOLUTE_PATH
     assert props["kvOffload"]["properties"]["disk"]["properties"]["path"]["pattern"] == spec.ABSOLUTE_PATH
+    assert model["uri"]["pattern"] == spec.MODEL_URI
+    assert model["endpoint"]["pattern"] == spec.ENDPOINT and model["endpoint"]["maxLength"] == spec.MAX_ENDPOINT
+    assert model["region"]["pattern"] == spec.REGION
+    assert model["cacheSize"]["pattern"] == spec.QUANTITY and model["cacheSize"]["maxLength"] == spec.MAX_QUANTITY
+    assert model["credentials"]["properties"]["secretName"]["pattern"] == spec.DNS1123_SUBDOMAIN
+    assert set(spec.REMOTE_OPTIONS) <= set(model)
+    from pagoda_daemon import model_uri
+
+    assert model["uri"]["maxLength"] == model_uri.MAX_URI_LENGTH
     ref = props["server"]["properties"]["apiKeySecretRef"]
     assert ref["required"] == ["name"]
     assert ref["properties"]["name"]["pattern"] == spec.DNS1123_SUBDOMAIN

@@ -222,9 +222,13 @@ def test_tensor_and_expert_parallelism_are_accepted_by_this_build():
     assert daemon_config(spec)["tensor_parallel_size"] == 2 and daemon_config(spec)["expert_parallel_size"] == 2
 
 
-def test_a_model_uri_is_refused_until_the_daemon_fetches_models():
+def test_a_model_uri_is_accepted_when_the_daemon_fetches_models_and_refused_otherwise():
+    uri = {"model": {"name": "m", "uri": "hf://Qwen/Qwen3-0.6B"}}
+    s = parse("svc", "ns", uri, supports=lambda capability: capability == "model_uri")
+    assert (s.model.source, s.model.scheme, s.model.uri) == ("uri", "hf", "hf://Qwen/Qwen3-0.6B")
+    # a daemon that does not fetch (the capability the daemon declares, read by default)
     with pytest.raises(InvalidSpec, match=r"spec\.model\.uri: fetching the model from a URI"):
-        parse("svc", "ns", {"model": {"name": "m", "uri": "hf://Qwen/Qwen3-0.6B"}})
+        parse("svc", "ns", uri, supports=lambda capability: capability != "model_uri")
 
 
 def test_eplb_renders_the_daemons_eplb_options():

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 # command's flags too, in an image without the server's packages (uvicorn, fastapi, zmq).
 from pagoda_daemon import capabilities
 from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.model_uri import is_uri
 from pagoda_daemon.options import check_value, declared, refusal_message, values_from_args
 from pagoda_daemon.server.auth import API_KEY_ENV, DEFAULT_EXEMPT_PATHS, APIKeys, split_list
 from pagoda_daemon.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits, RequestLimits
@@ -33,7 +35,8 @@ SHUTDOWN_GRACE_S = 3  # after the drain: for responses already ended to reach th
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from pagoda_daemon.cli import add_engine_args
 
-    p.add_argument("model", help="a Hugging Face-format model directory")
+    p.add_argument("model", help="a Hugging Face-format model directory, hf://org/name[@revision] or "
+                                 "s3://bucket/prefix (fetched into --model-cache-dir first)")
     p.add_argument("--config", help="YAML/JSON file of options (snake_case names); flags override it")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -122,9 +125,37 @@ def resolve_options(args: argparse.Namespace, explicit: set[str]) -> dict:
         from pagoda_daemon.telemetry.kv_events import DEFAULT_ENDPOINT
 
         options["kv_events_endpoint"] = str(options["kv_events_endpoint"]) or DEFAULT_ENDPOINT
-    if "://" in str(options["model"]) and not capabilities.supported("model_uri"):
-        raise ValueError(f"model {options['model']!r}: {capabilities.refusal('model_uri')}")
+    if is_uri(str(options["model"])):
+        if not capabilities.supported("model_uri"):
+            raise ValueError(f"model {options['model']!r}: {capabilities.refusal('model_uri')}")
+        from pagoda_daemon.models.fetch import check_reference
+
+        check_reference(str(options["model"]))  # malformed, unknown scheme or pvc://: exit 2 before any fetch
     return options
+
+
+def _served_name_of(reference: str) -> str:
+    """The name clients use for a fetched model: the repository id (as vLLM), or the prefix's last part."""
+    from pagoda_daemon.model_uri import parse
+
+    uri = parse(reference)
+    if uri.scheme == "hf":
+        return uri.location
+    return uri.path.rsplit("/", 1)[-1] if uri.path else uri.location
+
+
+_last_progress_log = [0.0]
+
+
+def _log_progress(p) -> None:
+    """Fetch progress in the log: at most one line every 10 s, and the last file."""
+    now = time.monotonic()
+    if p.files_done not in (0, p.files_total) and now - _last_progress_log[0] < 10:
+        return
+    _last_progress_log[0] = now
+    eta = f", about {p.eta_s:.0f} s left" if p.eta_s is not None and p.files_done < p.files_total else ""
+    log.info("downloading model: %d/%d files, %.1f/%.1f MB, %.1f MB/s%s", p.files_done, p.files_total,
+             p.bytes_done / 1e6, p.bytes_total / 1e6, p.rate_bytes_per_s / 1e6, eta)
 
 
 def node_rank_from_hostname(hostname: str) -> int:
@@ -138,6 +169,29 @@ def node_rank_from_hostname(hostname: str) -> int:
 def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     try:
         options = resolve_options(args, explicit)
+    except ValueError as e:
+        print(f"pagoda serve: {e}", file=sys.stderr)
+        return 2
+    reference = str(options["model"])
+    if is_uri(reference):  # fetched into the node's cache before anything starts; then a local directory
+        from pagoda_daemon.models.fetch import FetchProgress, ModelFetchError, resolve_model
+        from pagoda_daemon.server.download_status import DownloadStatus
+
+        status = DownloadStatus(options["host"], options["port"])
+
+        def progress(p: FetchProgress) -> None:
+            status.update(p)
+            _log_progress(p)
+
+        try:  # node 0 answers the probes on its API port meanwhile (a big model outlasts a startup probe)
+            with status if options["node_rank"] == 0 else contextlib.nullcontext():
+                options["model"] = resolve_model(reference, options["model_cache_dir"], on_progress=progress)
+        except (ModelFetchError, OSError) as e:
+            print(f"pagoda serve: cannot fetch the model: {e}", file=sys.stderr)
+            return 1
+        if not options["served_model_name"]:
+            options["served_model_name"] = _served_name_of(reference)
+    try:
         config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]),
                               **values_from_args(options, EngineConfig))
         from pagoda_daemon.distributed.parallel_state import check_layout
