@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import posixpath
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -277,6 +279,17 @@ def cache_env() -> list[dict[str, str]]:
     ]
 
 
+_BYTES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity_bytes(quantity: Any) -> int | None:
+    """A memory quantity ("16Gi", "500M", 2**30) in bytes; None for a form this does not read
+    (an exponent, milli-bytes), which is then left as the user wrote it."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[kMGTPE])?", str(quantity).strip())
+    return None if m is None else math.ceil(float(m.group(1)) * _BYTES[m.group(2) or ""])
+
+
 def _resources(spec: ServiceSpec) -> dict[str, Any]:
     out: dict[str, dict[str, Any]] = {
         k: dict(v) for k, v in spec.pod.resources.items() if k in ("requests", "limits")
@@ -284,6 +297,13 @@ def _resources(spec: ServiceSpec) -> dict[str, Any]:
     if spec.gpus > 0:
         for k in ("requests", "limits"):
             out.setdefault(k, {})[spec.gpu_resource] = spec.gpus_per_pod
+    # The host-memory KV tier is allocated up front (pinned on GPUs, never swapped): a memory
+    # request or limit the user gave is for the engine without it, so the pool is added on top.
+    pool = int((spec.kv_offload.cpu_gib or 0) * 2**30)
+    for k in ("requests", "limits"):
+        given = quantity_bytes(out.get(k, {}).get("memory")) if "memory" in out.get(k, {}) else None
+        if pool and given is not None:
+            out[k]["memory"] = f"{math.ceil((given + pool) / 2**20)}Mi"
     return out
 
 

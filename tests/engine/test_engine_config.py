@@ -33,7 +33,9 @@ from pagoda_daemon.options import declared
     ("eplb_step_interval", 0, "at least 1"),
     ("data_parallel_size", 2, "--data-parallel-size=2: data parallelism"),
     ("kv_cache_dtype", "fp8", "--kv-cache-dtype=fp8: an fp8 KV cache"),
-    ("kv_offload_disk_path", "/kv", "--kv-offload-disk-path=/kv: KV cache offload"),
+    ("kv_offload_cpu_gib", math.nan, "finite"),
+    ("kv_offload_disk_gib", math.inf, "finite"),
+    ("kv_offload_disk_gib", -0.5, "at least 0.0"),
 ])
 def test_out_of_bounds_and_unsupported_values_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message):

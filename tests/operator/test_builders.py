@@ -103,6 +103,18 @@ def test_pod_resource_overrides_merge_with_gpus():
     }
 
 
+@pytest.mark.parametrize(("given", "expected"), [
+    ({"requests": {"memory": "64Gi"}, "limits": {"memory": "64Gi"}},
+     {"requests": {"memory": "73728Mi"}, "limits": {"memory": "73728Mi"}}),
+    ({"limits": {"memory": "1000M"}}, {"limits": {"memory": "9146Mi"}}),  # 953.7 Mi + 8 GiB, rounded up
+    ({"requests": {"cpu": "4"}}, {"requests": {"cpu": "4"}}),  # no memory given: none invented
+    ({"limits": {"memory": "1e9"}}, {"limits": {"memory": "1e9"}}),  # a form not read: left as written
+])
+def test_the_host_memory_kv_pool_is_added_to_the_memory_the_user_gave(given, expected):
+    _, kids = build(resources={"gpusPerReplica": 0}, pod={"resources": given}, kvOffload={"cpuGiB": 8})
+    assert container(kids)["resources"] == expected
+
+
 def test_engine_config_in_the_config_map():
     _, kids = build(
         resources={"gpusPerReplica": 8},

@@ -205,8 +205,6 @@ def test_desired_replicas(replicas, autoscaling, autoscaled, expected):
             "spec.parallelism.elastic",
         ),
         ({"engine": {"kvCacheDtype": "fp8"}}, "spec.engine.kvCacheDtype"),
-        ({"kvOffload": {"cpuGiB": 8}}, "spec.kvOffload.cpuGiB"),
-        ({"kvOffload": {"disk": {"path": "/kv", "sizeGiB": 1}}}, "spec.kvOffload.disk.path"),
     ],
 )
 def test_what_the_daemon_cannot_do_is_refused_naming_the_field(extra, field):
@@ -214,6 +212,17 @@ def test_what_the_daemon_cannot_do_is_refused_naming_the_field(extra, field):
     with pytest.raises(InvalidSpec, match=f"{field}: .* is not supported by this Pagoda build yet"):
         parse("svc", "ns", {"model": MODEL, **extra})
     parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)  # valid otherwise
+
+
+def test_kv_offload_is_accepted_and_refused_naming_the_field_by_a_build_without_it():
+    spec = parse("svc", "ns", {"model": MODEL, "kvOffload": {"cpuGiB": 8, "disk": {"path": "/kv", "sizeGiB": 1}}})
+    config = daemon_config(spec)
+    assert (config["kv_offload_cpu_gib"], config["kv_offload_disk_path"], config["kv_offload_disk_gib"]) == (
+        8, "/kv", 1)
+    for extra, field in (({"cpuGiB": 8}, "spec.kvOffload.cpuGiB"),
+                         ({"disk": {"path": "/kv", "sizeGiB": 1}}, "spec.kvOffload.disk.path")):
+        with pytest.raises(InvalidSpec, match=f"{field}: KV cache offload .* is not supported by this Pagoda build"):
+            parse("svc", "ns", {"model": MODEL, "kvOffload": extra}, supports=lambda c: c != "kv_offload")
 
 
 def test_tensor_and_expert_parallelism_are_accepted_by_this_build():

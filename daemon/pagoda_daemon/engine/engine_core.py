@@ -83,6 +83,9 @@ class EngineCore:
             )
         check_layout(self.model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts)
+        from pagoda_daemon.kv_offload import tiered
+
+        tiered.check_options(config)  # a disk path that cannot work fails the start before anything loads
         enter(STARTUP_PHASES[0])
         self.executor = executor or default_executor(config, self.model_config, self.max_model_len,
                                                      exit_on_worker_death)
@@ -98,6 +101,8 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        record_events=config.enable_kv_events)
+        self.connector = tiered.build_connector(config, self.worker_info.dtype,
+                                                max(i.kv_block_bytes for i in self.executor.worker_infos()))
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_seqs,
@@ -106,6 +111,7 @@ class EngineCore:
             config.enable_chunked_prefill,
             GrammarManager(self._tokenizer_loader(tokenizer), self.model_config.vocab_size,
                            _eos_ids(self.model_config), config.structured_outputs_backend),
+            self.connector,
         )
         info = self.worker_info
         log.info(
@@ -143,7 +149,15 @@ class EngineCore:
         is compiled before the engine reports ready: a prefill-only step, decodes, and a
         step that mixes a decode with a prefill (the paged extend path). Then forget them:
         no cached blocks, no counted steps. (tests/gpu/test_warm_up.py checks that serving
-        afterwards compiles no kernel.)"""
+        afterwards compiles no kernel.) KV offload is off meanwhile: nothing is looked up,
+        loaded or saved for them."""
+        self.scheduler.connector = None  # no offload traffic for made-up requests
+        try:
+            self._warm_up_steps()
+        finally:
+            self.scheduler.connector = self.connector
+
+    def _warm_up_steps(self) -> None:
         from pagoda_daemon.sampling_params import SamplingParams
 
         bs = self.config.block_size
@@ -289,4 +303,14 @@ class EngineCore:
             step_tokens=s.step_tokens,
             balancer=None if balancer is None else BalancerStats(*balancer.take_stats()),
             structured_outputs=None if self.scheduler.grammars is None else self.scheduler.grammars.make_stats(),
+            kv_offload=self._offload_stats(),
         )
+
+    def _offload_stats(self):
+        if self.connector is None:
+            return None
+        stats = self.connector.take_stats()
+        offload = getattr(getattr(self.executor, "worker", None), "offload", None)  # rank 0's worker half
+        if offload is not None:
+            stats.transfer_seconds += offload.take_transfer_seconds()
+        return stats

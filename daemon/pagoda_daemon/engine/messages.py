@@ -114,6 +114,29 @@ class StructuredOutputStats(msgspec.Struct, array_like=True, gc=False):
                                      self.cache_hits + later.cache_hits, self.failures + later.failures)
 
 
+class KVOffloadStats(msgspec.Struct, array_like=True, gc=False):
+    """KV offload (kv_offload/) since the previous stats: tokens looked up in the offload tiers
+    and tokens found there (vLLM's external prefix cache counters), bytes copied back to the GPU
+    and saved, per tier (``cpu``, ``disk``; summed over the ranks), and the seconds rank 0 spent
+    copying."""
+
+    queries: int = 0
+    hits: int = 0
+    loaded_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    saved_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    transfer_seconds: float = 0.0
+
+    def add(self, later: KVOffloadStats | None) -> KVOffloadStats:
+        if later is None:
+            return self
+        loaded, saved = dict(self.loaded_bytes), dict(self.saved_bytes)
+        for mine, theirs in ((loaded, later.loaded_bytes), (saved, later.saved_bytes)):
+            for tier, n in theirs.items():
+                mine[tier] = mine.get(tier, 0) + n
+        return KVOffloadStats(self.queries + later.queries, self.hits + later.hits, loaded, saved,
+                              self.transfer_seconds + later.transfer_seconds)
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     """Gauges (running, waiting, KV usage, blocks) and counters (steps, preemptions, prefix-cache
     tokens). From ``EngineCore.make_stats()`` the counters are those since the previous call;
@@ -130,6 +153,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     step_tokens: list[int] = msgspec.field(default_factory=list)  # tokens of each step since the previous stats
     balancer: BalancerStats | None = None  # with EPLB only
     structured_outputs: StructuredOutputStats | None = None  # once a request asked for a grammar
+    kv_offload: KVOffloadStats | None = None  # with KV offload on
 
     def add_counters(self, later: EngineStats) -> EngineStats:
         """These counters plus a later snapshot's, with the later gauges (and the later
@@ -143,6 +167,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
             later.balancer if self.balancer is None else self.balancer.add(later.balancer),
             later.structured_outputs if self.structured_outputs is None
             else self.structured_outputs.add(later.structured_outputs),
+            later.kv_offload if self.kv_offload is None else self.kv_offload.add(later.kv_offload),
         )
 
 

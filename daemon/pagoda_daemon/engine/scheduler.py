@@ -19,11 +19,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagoda_daemon.kv_offload.connector import OffloadConnector
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +52,13 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         grammars: GrammarManager | None = None,
+        connector: OffloadConnector | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        # KV offload's scheduler half (kv_offload/), or None: further prefix blocks come back
+        # from host memory or disk, and every full block computed is saved there.
+        self.connector = connector
+        self._num_offered: dict[str, int] = {}  # per request: leading full blocks offered to the connector
         self.grammars = grammars  # None: no tokenizer, so structured outputs are refused
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -150,14 +159,28 @@ class Scheduler:
                 self._fail(req, f"structured output could not be compiled: {req.grammar.error}")
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(req)
-            num_new = req.num_tokens - num_cached
+            # then the offload tiers, for the blocks after the GPU's hits: loaded before the step's
+            # forward pass and counted as computed, like prefix-cache hits (the last token never is)
+            offload_hashes = self._offload_candidates(req, len(computed_blocks))
+            num_loaded_blocks = self.connector.lookup(offload_hashes) if offload_hashes and self.connector else 0
+            num_loaded = num_loaded_blocks * self.kv_cache.block_size
+            num_new = req.num_tokens - num_cached - num_loaded
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv_cache.allocate_slots(req, num_new, computed_blocks)
+            new_blocks = self.kv_cache.allocate_slots(req, num_loaded + num_new, computed_blocks)
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            if self.connector is not None and offload_hashes:
+                self.connector.stats.queries += len(offload_hashes) * self.kv_cache.block_size
+                self.connector.stats.hits += num_loaded
+                if num_loaded_blocks:
+                    start = len(computed_blocks)
+                    out.kv_loads += self.connector.plan_loads(
+                        offload_hashes[:num_loaded_blocks],
+                        [b.block_id for b in new_blocks[start : start + num_loaded_blocks]])
+            num_cached += num_loaded
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
@@ -167,6 +190,8 @@ class Scheduler:
             out.scheduled.append(self._advance(req, num_new, all_ids, True))
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
+        if self.connector is not None:
+            self._plan_saves(out)
 
         out.samples_under_grammar = any(s.samples and s.request.grammar is not None for s in out.scheduled)
 
@@ -175,6 +200,34 @@ class Scheduler:
         if out.num_scheduled_tokens and len(self.stats.step_tokens) < MAX_STEPS_RECORDED:
             self.stats.step_tokens.append(out.num_scheduled_tokens)
         return out
+
+    def _offload_candidates(self, req: Request, num_gpu_hits: int) -> list:
+        """The block hashes to ask the offload tiers for: those after the GPU's hits, short of
+        the block holding the last token (its logits are needed). None with prompt logprobs,
+        which need every prompt position computed."""
+        if self.connector is None or req.sampling_params.prompt_logprobs is not None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.kv_cache.block_size
+        return req.block_hashes[num_gpu_hits:max_blocks]
+
+    def _plan_saves(self, out: SchedulerOutput) -> None:
+        """Offer the connector every block this step fills (saved after the forward pass,
+        unless a tier has it). Runs after every lookup of the step, so a block saved by this
+        step is never loaded by it."""
+        assert self.connector is not None
+        bs = self.kv_cache.block_size
+        for s in out.scheduled:
+            req = s.request
+            rid = req.request_id
+            full = min(req.num_computed_tokens // bs, len(req.block_hashes))
+            offered = self._num_offered.get(rid, 0)
+            if full <= offered:
+                continue
+            held = self.kv_cache.req_blocks[rid]
+            for i in range(offered, full):
+                self.connector.plan_save(req.block_hashes[i], held[i].block_id)
+            self._num_offered[rid] = full
+        out.kv_saves = self.connector.take_saves()
 
     def grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
         """The masks of this step's constrained rows. Called once the previous step's tokens are
@@ -214,6 +267,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(req)
+        self._num_offered.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -296,6 +350,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv_cache.free(req)
+        self._num_offered.pop(req.request_id, None)
         del self.requests[req.request_id]
         if req.sampling_params.needs_host_tokens:
             self.num_needing_host_tokens -= 1

@@ -11,10 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 if TYPE_CHECKING:
     from pagoda_daemon.engine.request import Request
+
+
+class KVTransfer(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One copy of the KV offload plan (kv_offload/): a whole block, every layer, K and V.
+
+    ``kind`` names source and destination: ``load_cpu`` (host slot -> GPU block), ``load_disk``
+    (file -> GPU block), ``save_cpu`` (GPU block -> host slot), ``save_disk`` (GPU block -> file),
+    ``demote`` (host slot -> file, the host tier evicting to disk) and ``drop`` (delete the file).
+    The scheduler decides every copy and every eviction; each rank performs them in list order
+    on its own slice of the heads, so the ranks' tiers never disagree."""
+
+    kind: str
+    block_hash: bytes
+    gpu_block: int = -1
+    slot: int = -1
 
 
 @dataclass
@@ -38,6 +54,10 @@ class SchedulerOutput:
     # (GrammarBitmask) once the previous step's tokens are known, so a worker runs the forward
     # pass and waits for it before it samples.
     samples_under_grammar: bool = False
+    # KV offload (kv_offload/): copies done before the forward pass (blocks coming back from host
+    # memory or disk, whose tokens the step counts as computed), then after it (full blocks saved)
+    kv_loads: list[KVTransfer] = field(default_factory=list)
+    kv_saves: list[KVTransfer] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -16,7 +16,12 @@ import msgspec
 import numpy as np
 
 from pagoda_daemon.engine.request import Request
-from pagoda_daemon.engine.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import (
+    GrammarBitmask,
+    KVTransfer,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -43,6 +48,9 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
     num_scheduled_tokens: int
     # constrained decoding: the ranks run the forward pass and wait for SampleTokens
     samples_under_grammar: bool = False
+    # KV offload copies, before and after the forward pass (the same on every rank)
+    kv_loads: list[KVTransfer] = []
+    kv_saves: list[KVTransfer] = []
 
 
 class SampleTokens(msgspec.Struct, tag="sample", array_like=True, gc=False):
@@ -94,7 +102,7 @@ class PlanWriter:
             scheduled.append(ScheduledDelta(rid, appended, s.num_new_tokens, s.new_block_ids, s.is_new, s.start,
                                             s.samples))
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
-                        sched.samples_under_grammar)
+                        sched.samples_under_grammar, list(sched.kv_loads), list(sched.kv_saves))
 
     @staticmethod
     def sample_tokens(grammar: GrammarBitmask) -> SampleTokens:
@@ -124,7 +132,7 @@ class RequestMirrors:
             req.all_token_ids.extend(d.appended_token_ids)
             scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples))
         return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens,
-                               plan.samples_under_grammar)
+                               plan.samples_under_grammar, list(plan.kv_loads), list(plan.kv_saves))
 
     @staticmethod
     def grammar_bitmask(message: SampleTokens) -> GrammarBitmask:

@@ -242,6 +242,27 @@ class EngineMetrics:
         self._expert_parallel = Gauge(
             "pagoda:expert_parallel_size", "Current expert-parallel size of this replica.", labels, registry=r
         ).labels(model_name)
+        # KV offload (kv_offload/): vLLM's names for a KV connector's lookups, then Pagoda's own
+        self._offload_queries = Counter(
+            "vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance "
+            "cache sharing, in terms of number of queried tokens.", labels, registry=r,
+        ).labels(model_name)
+        self._offload_hits = Counter(
+            "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+            "sharing, in terms of number of cached tokens.", labels, registry=r,
+        ).labels(model_name)
+        self._offload_loaded = Counter(
+            "pagoda:kv_offload_loaded_bytes", "KV bytes copied back to the GPU from an offload tier (all ranks).",
+            [*labels, "medium"], registry=r,
+        )
+        self._offload_saved = Counter(
+            "pagoda:kv_offload_saved_bytes", "KV bytes written to an offload tier (all ranks).",
+            [*labels, "medium"], registry=r,
+        )
+        self._offload_seconds = Counter(
+            "pagoda:kv_offload_transfer_seconds", "Seconds the engine's first rank spent copying KV blocks to and "
+            "from the offload tiers.", labels, registry=r,
+        ).labels(model_name)
         self._grammar_requests = Counter(
             "pagoda:structured_output_requests", "Requests with an output constraint (JSON schema, regex, choice, "
             "grammar, or a forced tool call).", labels, registry=r,
@@ -306,6 +327,15 @@ class EngineMetrics:
                 self._grammar_compile.observe(seconds)
             for seconds in g.mask_fill_seconds:
                 self._grammar_mask_fill.observe(seconds)
+        o = stats.kv_offload
+        if o is not None:
+            self._offload_queries.inc(o.queries)
+            self._offload_hits.inc(o.hits)
+            for tier, n in o.loaded_bytes.items():
+                self._offload_loaded.labels(self.model_name, tier.upper()).inc(n)
+            for tier, n in o.saved_bytes.items():
+                self._offload_saved.labels(self.model_name, tier.upper()).inc(n)
+            self._offload_seconds.inc(o.transfer_seconds)
         b = stats.balancer
         if b is not None and b.rebalances:
             self._eplb_rebalances.inc(b.rebalances)

@@ -21,7 +21,9 @@ import torch
 from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagoda_daemon.distributed.parallel_state import min_over_ranks, tensor_parallel_group
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
+from pagoda_daemon.kv_offload.connector import OffloadWorker
 from pagoda_daemon.models import loader
+from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker.model_runner import LaunchedStep, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class WorkerInfo:
     numa_node: int | None
     attention_backend: str
     uses_cuda_graphs: bool
+    kv_block_bytes: int = 0  # one KV block over every layer, K and V, of this rank's heads
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,6 +110,7 @@ class Worker:
         self.runner = ModelRunner(model, model_config, config, self.device, self.dtype, max_model_len)
         self.uses_cuda_graphs = (self.device.type == "cuda" and self.backend.uses_kernels
                                  and not config.enforce_eager)
+        self.offload: OffloadWorker | None = None  # KV offload's worker half, once the cache exists
 
     def info(self) -> WorkerInfo:
         pin = self.cpu_pin
@@ -115,6 +119,7 @@ class Worker:
             gpu=None if pin is None or self.device.type != "cuda" else pin.gpu,
             numa_node=None if pin is None else pin.numa_node,
             attention_backend=self.backend.name, uses_cuda_graphs=self.uses_cuda_graphs,
+            kv_block_bytes=self.kv_block_bytes(),
         )
 
     # ---- KV cache ---------------------------------------------------------------------
@@ -159,6 +164,10 @@ class Worker:
         log.info("start-up: KV cache %d blocks of %d tokens = %d tokens, %.2f GiB, allocated in %.1f s", num_blocks,
                  block_size, num_blocks * block_size, num_blocks * self.kv_block_bytes() / 2**30,
                  time.monotonic() - started)
+        from pagoda_daemon.kv_offload.tiered import build_worker
+
+        assert self.runner.kv_cache is not None
+        self.offload = build_worker(self.config, self.tp.rank, self.runner.kv_cache)
         if self.uses_cuda_graphs:
             started = time.monotonic()
             self.runner.capture_cuda_graphs()
@@ -171,7 +180,15 @@ class Worker:
     # ---- steps ------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
+        """KV offload loads first (the step counts their tokens as computed), then the step,
+        then the saves of the blocks it filled (synchronous copies: docs/kv-offload.md)."""
+        if scheduler_output.kv_loads and self.offload is not None:
+            with phase("pagoda.kv_offload_load"):
+                self.offload.run(scheduler_output.kv_loads, self.runner.kv_cache)
         launched = self.runner.execute(scheduler_output)
+        if scheduler_output.kv_saves and self.offload is not None:
+            with phase("pagoda.kv_offload_save"):
+                self.offload.run(scheduler_output.kv_saves, self.runner.kv_cache)
         if self.balancer is not None and not scheduler_output.is_empty:
             self.balancer.step()  # every rank runs the same steps: they rebalance together
         return launched

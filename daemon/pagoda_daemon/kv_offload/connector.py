@@ -1,0 +1,90 @@
+"""The KV connector's interface: a scheduler half and a worker half.
+
+Scheduler half (in the engine core, beside the scheduler): ``lookup`` says how many leading
+full blocks of a request, named by the same chained block hashes as the GPU prefix cache
+(cache_salt and other extra keys included), the offload tiers can supply; ``plan_loads``
+turns the ones the scheduler takes into copies into freshly allocated GPU blocks; ``plan_save``
+asks for a block computed on the GPU to be kept. Each step's copies travel in the
+SchedulerOutput (``kv_loads``, ``kv_saves``: typed ``KVTransfer`` lists, carried to every rank
+by the multiproc executor's step plan).
+
+Worker half (on every rank): ``run`` performs a list of copies between the rank's KV cache
+tensor and its tiers. The worker runs ``kv_loads`` before the step's forward pass and
+``kv_saves`` after it. The copies are synchronous in this slice; because the scheduler plans
+every copy and eviction, an asynchronous worker (copies on a side stream, finished before the
+layer that reads them) can replace this one without the scheduler half changing.
+
+All of a tier's bookkeeping (which hash sits where, LRU order, capacity) lives in the
+scheduler half; the worker half only stores bytes where it is told. So the ranks of a
+tensor-parallel engine, each holding its own slice of the heads, can never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+from pagoda_daemon.engine.block_hash import BlockHash
+from pagoda_daemon.engine.messages import KVOffloadStats
+from pagoda_daemon.engine.scheduler_output import KVTransfer
+
+GIB = 1 << 30
+
+
+def capacity_blocks(gib: float, block_bytes: int, world_size: int) -> int:
+    """Blocks a tier of ``gib`` GiB holds: the budget covers every rank's slice of a block
+    (``block_bytes`` is one rank's), as a pod's host memory or disk serves all its ranks."""
+    if gib <= 0 or block_bytes <= 0:
+        return 0
+    return math.floor(gib * GIB) // (block_bytes * world_size)
+
+
+class OffloadConnector(ABC):
+    """The scheduler half. ``stats`` counts lookups and hits in tokens, and bytes per tier
+    (summed over the ranks); the engine core drains it with ``take_stats``."""
+
+    def __init__(self) -> None:
+        self.stats = KVOffloadStats()
+
+    @abstractmethod
+    def lookup(self, block_hashes: list[BlockHash]) -> int:
+        """How many of these blocks, from the first, a tier holds (no side effect)."""
+
+    @abstractmethod
+    def plan_loads(self, block_hashes: list[BlockHash], gpu_block_ids: list[int]) -> list[KVTransfer]:
+        """The copies that bring ``block_hashes`` (a ``lookup`` hit) into these GPU blocks,
+        before the step's forward pass. May add saves (a disk hit promoted to host memory)."""
+
+    @abstractmethod
+    def plan_save(self, block_hash: BlockHash, gpu_block_id: int) -> None:
+        """Keep this GPU block (full, computed by this step) unless a tier has it already.
+        Called once every lookup of the step is done: a save and the evictions it causes change
+        what the tiers hold, and the step's loads must find what their lookups found."""
+
+    @abstractmethod
+    def take_saves(self) -> list[KVTransfer]:
+        """The copies (and evictions) to run after this step's forward pass."""
+
+    def take_stats(self) -> KVOffloadStats:
+        stats, self.stats = self.stats, KVOffloadStats()
+        return stats
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise if the accounting is inconsistent (tests)."""
+
+
+class OffloadWorker(ABC):
+    """The worker half of one rank: performs copies between its KV cache and its tiers."""
+
+    def __init__(self) -> None:
+        self.transfer_seconds = 0.0
+
+    @abstractmethod
+    def run(self, transfers: list[KVTransfer], kv_cache) -> None:
+        """Perform ``transfers`` in order. ``kv_cache``: the worker's
+        ``[layers, 2, blocks, block_size, heads, head_dim]`` tensor."""
+
+    def take_transfer_seconds(self) -> float:
+        seconds, self.transfer_seconds = self.transfer_seconds, 0.0
+        return seconds

@@ -1,0 +1,212 @@
+"""The disk tier: one file per block hash under ``kv_offload_disk_path``.
+
+Layout: ``<path>/rank<r>/<hex hash>.kvblock``, one directory per tensor-parallel rank (each
+rank holds its own slice of the heads). A file is ``MAGIC``, a 4-byte header length, a JSON
+header and the block's raw bytes. The header records the block's shape and dtype, its hash, a
+CRC-32 of the bytes and the *identity* of the engine that wrote it (model directory, dtype,
+block size, block bytes, rank and world size): a file written for another model or layout is
+never loaded. Files are written to a temporary name and renamed, so a crash leaves either the
+whole file or none.
+
+``DiskIndex`` (scheduler half) rebuilds its index from the directory at start (least recently
+used first, by modification time, which loads refresh), so what was saved survives a
+restart. A file found at start is checked (header, identity, size, CRC, on every rank) the
+first time a lookup reaches it; one that fails is deleted and is a miss: the block is
+recomputed, never loaded wrong. ``DiskStore`` (worker half) reads and writes one rank's files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from pagoda_daemon.engine.block_hash import BlockHash
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PAGODA-KV1\n"
+SUFFIX = ".kvblock"
+_LEN = struct.Struct("<I")
+
+
+def identity(model: str, load_format: str, seed: int, dtype: str, block_size: int, block_bytes: int,
+             rank: int, world_size: int) -> str:
+    """What a block file must have been written by to be loaded here (a JSON string)."""
+    return json.dumps({
+        "model": os.path.realpath(model), "load_format": load_format,
+        "seed": seed if load_format == "dummy" else None, "dtype": dtype, "block_size": block_size,
+        "block_bytes": block_bytes, "rank": rank, "world_size": world_size,
+    }, sort_keys=True)
+
+
+def rank_dir(root: str | Path, rank: int) -> Path:
+    return Path(root) / f"rank{rank}"
+
+
+def file_name(block_hash: BlockHash) -> str:
+    return block_hash.hex() + SUFFIX
+
+
+def write_block(path: Path, ident: str, block_hash: BlockHash, block: torch.Tensor) -> int:
+    """Write one block file (temp file + rename); returns the payload's bytes."""
+    cpu = block.detach().to("cpu").contiguous()
+    payload = cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+    header = json.dumps({"identity": ident, "hash": block_hash.hex(), "shape": list(cpu.shape),
+                         "dtype": str(cpu.dtype).removeprefix("torch."), "nbytes": len(payload),
+                         "crc32": zlib.crc32(payload)}).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + _LEN.pack(len(header)) + header)
+        f.write(payload)
+    os.replace(tmp, path)
+    return len(payload)
+
+
+def read_block(path: Path, ident: str, block_hash: BlockHash) -> tuple[dict, bytes]:
+    """The header and payload of a valid file; ValueError (or OSError) for anything else."""
+    data = path.read_bytes()
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LEN.size:
+        raise ValueError("not a Pagoda KV block file")
+    (hlen,) = _LEN.unpack_from(data, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    header = json.loads(data[start : start + hlen])
+    payload = data[start + hlen :]
+    if header.get("identity") != ident:
+        raise ValueError("written by another model or layout")
+    if header.get("hash") != block_hash.hex():
+        raise ValueError("holds another block")
+    if header.get("nbytes") != len(payload) or header.get("crc32") != zlib.crc32(payload):
+        raise ValueError("truncated or corrupt")
+    return header, payload
+
+
+class DiskIndex:
+    """Which hashes are on disk (on every rank), least recently used first."""
+
+    def __init__(self, root: str, num_files: int, identities: list[str]) -> None:
+        self.root = root
+        self.num_files = num_files
+        self.identities = identities  # one per rank
+        self.files: OrderedDict[BlockHash, None] = OrderedDict()
+        self.checked: set[BlockHash] = set()  # written by this run, or read back whole once
+        self._scan()
+
+    def _scan(self) -> None:
+        dirs = [rank_dir(self.root, r) for r in range(len(self.identities))]
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            for tmp in d.glob(f".*{SUFFIX}.*.tmp"):  # a write cut short by a crash
+                tmp.unlink(missing_ok=True)
+        found: list[tuple[float, BlockHash]] = []
+        for path in dirs[0].glob(f"*{SUFFIX}"):
+            try:
+                block_hash = bytes.fromhex(path.name[: -len(SUFFIX)])
+                mtime = path.stat().st_mtime
+            except (ValueError, OSError):
+                path.unlink(missing_ok=True)
+                continue
+            if all((d / path.name).is_file() for d in dirs[1:]):
+                found.append((mtime, block_hash))
+            else:
+                self._delete(block_hash)
+        known = {file_name(h) for _, h in found}
+        for d in dirs[1:]:  # a rank's file whose rank-0 twin is gone
+            for path in d.glob(f"*{SUFFIX}"):
+                if path.name not in known:
+                    path.unlink(missing_ok=True)
+        found.sort()
+        for _, block_hash in found:
+            self.files[block_hash] = None
+        while len(self.files) > self.num_files:
+            old, _ = self.files.popitem(last=False)
+            self._delete(old)
+        if self.files:
+            log.info("KV offload: %d blocks on disk at %s from an earlier run", len(self.files), self.root)
+
+    def _delete(self, block_hash: BlockHash) -> None:
+        for r in range(len(self.identities)):
+            (rank_dir(self.root, r) / file_name(block_hash)).unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def has(self, block_hash: BlockHash) -> bool:
+        """Whether the block is on disk, checking a file from an earlier run the first time."""
+        if block_hash not in self.files:
+            return False
+        if block_hash in self.checked:
+            return True
+        for r, ident in enumerate(self.identities):
+            try:
+                read_block(rank_dir(self.root, r) / file_name(block_hash), ident, block_hash)
+            except (OSError, ValueError) as e:
+                log.warning("KV offload: block file %s (rank %d) is unusable (%s): deleted", block_hash.hex(), r, e)
+                del self.files[block_hash]
+                self._delete(block_hash)
+                return False
+        self.checked.add(block_hash)
+        return True
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether a save would be redundant: the file was written, or read back whole, by this
+        run (a file from an earlier run that no lookup has checked yet is simply written again)."""
+        return block_hash in self.checked
+
+    def touch(self, block_hash: BlockHash) -> None:
+        self.files.move_to_end(block_hash)
+
+    def insert(self, block_hash: BlockHash) -> list[BlockHash]:
+        """Record a new file; returns the hashes evicted to make room (their files to drop)."""
+        if block_hash in self.files:  # rewritten over an unchecked file from an earlier run
+            self.files.move_to_end(block_hash)
+            self.checked.add(block_hash)
+            return []
+        evicted = []
+        while len(self.files) >= self.num_files:
+            old, _ = self.files.popitem(last=False)
+            self.checked.discard(old)
+            evicted.append(old)
+        self.files[block_hash] = None
+        self.checked.add(block_hash)
+        return evicted
+
+    def check(self) -> None:
+        assert len(self.files) <= self.num_files, "disk tier over capacity"
+        assert self.checked <= set(self.files), "a checked block is not indexed"
+
+
+class DiskStore:
+    """One rank's block files."""
+
+    def __init__(self, root: str, rank: int, ident: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.dir = rank_dir(root, rank)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ident = ident
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+
+    def write(self, block_hash: BlockHash, block: torch.Tensor) -> None:
+        write_block(self.dir / file_name(block_hash), self.ident, block_hash, block)
+
+    def read(self, block_hash: BlockHash) -> torch.Tensor:
+        path = self.dir / file_name(block_hash)
+        try:
+            header, payload = read_block(path, self.ident, block_hash)
+        except (OSError, ValueError) as e:
+            # The scheduler checked the file before it planned this load: it changed since.
+            raise RuntimeError(f"KV offload: block file {path} changed under the engine ({e})") from e
+        if tuple(header["shape"]) != self.block_shape or header["dtype"] != str(self.dtype).removeprefix("torch."):
+            raise RuntimeError(f"KV offload: block file {path} has shape {header['shape']} {header['dtype']}, "
+                               f"expected {list(self.block_shape)} {self.dtype}")
+        os.utime(path)  # its place in the LRU order after a restart
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+
+    def drop(self, block_hash: BlockHash) -> None:
+        (self.dir / file_name(block_hash)).unlink(missing_ok=True)

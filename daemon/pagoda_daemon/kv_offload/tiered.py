@@ -1,0 +1,212 @@
+"""Host memory, then disk: the offload connector the engine builds from its options.
+
+Lookups try host memory first, then disk. A disk hit is loaded straight into its GPU block and
+promoted: saved to host memory after the step (it is read again soon, or it would not have
+been asked for). Saves go to host memory; what host memory evicts is written to disk (unless
+the disk already has it) and what the disk evicts is deleted. With only one tier configured,
+saves go to it directly. The tiers are not exclusive: a block may be in both.
+
+``TieredConnector`` is the scheduler half and ``TieredWorker`` the worker half (one per rank);
+``build_connector`` / ``build_worker`` make them from the engine options.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+
+import torch
+
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.block_hash import BlockHash
+from pagoda_daemon.engine.scheduler_output import KVTransfer
+from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, capacity_blocks
+from pagoda_daemon.kv_offload.cpu import CpuIndex, CpuStore
+from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
+
+log = logging.getLogger(__name__)
+
+CPU, DISK = "cpu", "disk"
+
+
+def enabled(config: EngineConfig) -> bool:
+    return config.kv_offload_cpu_gib > 0 or config.kv_offload_disk_path is not None
+
+
+def check_options(config: EngineConfig) -> None:
+    """Refuse offload options that cannot work, before the engine starts anything: a clear
+    message beats an engine that half works."""
+    path, disk_gib = config.kv_offload_disk_path, config.kv_offload_disk_gib
+    if disk_gib > 0 and path is None:
+        raise ValueError("kv_offload_disk_gib needs kv_offload_disk_path (the directory for the blocks)")
+    if path is None:
+        return
+    if disk_gib <= 0:
+        raise ValueError("kv_offload_disk_path needs kv_offload_disk_gib (the disk space the blocks may take)")
+    if config.nnodes > 1 or (config.world_size > 1 and torch.distributed.is_initialized()):
+        # the engine core checks and indexes every rank's files: they must be on its node, and
+        # only one engine core (not one per rank, as under an external launcher) may manage them
+        raise ValueError("kv_offload_disk_path: the disk tier needs every rank on one node, started by the engine "
+                         "(nnodes 1, no external launcher)")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"kv_offload_disk_path {path!r} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"kv_offload_disk_path {path!r} is not a writable directory: {e}") from e
+
+
+def _identities(config: EngineConfig, dtype: str, block_bytes: int) -> list[str]:
+    return [identity(config.model, config.load_format, config.seed, dtype, config.block_size, block_bytes, r,
+                     config.world_size) for r in range(config.world_size)]
+
+
+def _capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int]:
+    cpu = capacity_blocks(config.kv_offload_cpu_gib, block_bytes, config.world_size)
+    disk = (capacity_blocks(config.kv_offload_disk_gib, block_bytes, config.world_size)
+            if config.kv_offload_disk_path is not None else 0)
+    for name, gib, blocks in (("kv_offload_cpu_gib", config.kv_offload_cpu_gib, cpu),
+                              ("kv_offload_disk_gib", config.kv_offload_disk_gib, disk)):
+        if gib > 0 and blocks == 0:
+            raise ValueError(f"{name} {gib} holds no KV block ({block_bytes * config.world_size} bytes a block "
+                             f"over {config.world_size} rank(s))")
+    return cpu, disk
+
+
+class TieredConnector(OffloadConnector):
+    def __init__(self, config: EngineConfig, dtype: str, block_bytes: int) -> None:
+        """``dtype`` and ``block_bytes``: one rank's KV cache (every rank's is the same)."""
+        super().__init__()
+        cpu_blocks, disk_blocks = _capacities(config, block_bytes)
+        self.bytes_per_block = block_bytes * config.world_size  # over every rank
+        self.cpu = CpuIndex(cpu_blocks) if cpu_blocks else None
+        self.disk = (DiskIndex(config.kv_offload_disk_path, disk_blocks, _identities(config, dtype, block_bytes))
+                     if disk_blocks and config.kv_offload_disk_path is not None else None)
+        self._saves: list[KVTransfer] = []
+        self._promotions: list[tuple[BlockHash, int]] = []
+        log.info("KV offload: %s", ", ".join(
+            f"{name} {n} blocks ({n * self.bytes_per_block / 2**30:.2f} GiB)"
+            for name, n in ((CPU, cpu_blocks), (DISK, disk_blocks)) if n))
+
+    def _where(self, block_hash: BlockHash) -> str | None:
+        if self.cpu is not None and block_hash in self.cpu:
+            return CPU
+        if self.disk is not None and self.disk.has(block_hash):
+            return DISK
+        return None
+
+    def lookup(self, block_hashes: list[BlockHash]) -> int:
+        n = 0
+        for block_hash in block_hashes:
+            if self._where(block_hash) is None:
+                break
+            n += 1
+        return n
+
+    def plan_loads(self, block_hashes: list[BlockHash], gpu_block_ids: list[int]) -> list[KVTransfer]:
+        loads = []
+        for block_hash, gpu_block in zip(block_hashes, gpu_block_ids, strict=True):
+            where = self._where(block_hash)
+            if where == CPU:
+                assert self.cpu is not None
+                loads.append(KVTransfer("load_cpu", block_hash, gpu_block, self.cpu.touch(block_hash)))
+            elif where == DISK:
+                assert self.disk is not None
+                self.disk.touch(block_hash)
+                loads.append(KVTransfer("load_disk", block_hash, gpu_block))
+                # promoted to host memory after the step; planned with the saves, once every
+                # lookup of the step is done (its evictions must not change what they found)
+                self._promotions.append((block_hash, gpu_block))
+            else:
+                raise RuntimeError("plan_loads for a block no tier holds (lookup first)")
+            self._count(self.stats.loaded_bytes, where)
+        return loads
+
+    def plan_save(self, block_hash: BlockHash, gpu_block_id: int) -> None:
+        if self.cpu is not None:
+            if block_hash in self.cpu:
+                return
+            slot, evicted = self.cpu.insert(block_hash)
+            if evicted is not None and self.disk is not None and not self.disk.contains(evicted[0]):
+                self._disk_insert(evicted[0])
+                self._saves.append(KVTransfer("demote", evicted[0], -1, evicted[1]))
+            self._saves.append(KVTransfer("save_cpu", block_hash, gpu_block_id, slot))
+            self._count(self.stats.saved_bytes, CPU)
+        elif self.disk is not None and not self.disk.contains(block_hash):
+            self._disk_insert(block_hash)
+            self._saves.append(KVTransfer("save_disk", block_hash, gpu_block_id))
+
+    def _disk_insert(self, block_hash: BlockHash) -> None:
+        assert self.disk is not None
+        for old in self.disk.insert(block_hash):
+            self._saves.append(KVTransfer("drop", old))
+        self._count(self.stats.saved_bytes, DISK)
+
+    def _count(self, counter: dict[str, int], tier: str) -> None:
+        counter[tier] = counter.get(tier, 0) + self.bytes_per_block
+
+    def take_saves(self) -> list[KVTransfer]:
+        promotions, self._promotions = self._promotions, []
+        for block_hash, gpu_block in promotions:
+            self.plan_save(block_hash, gpu_block)
+        saves, self._saves = self._saves, []
+        return saves
+
+    def check(self) -> None:
+        if self.cpu is not None:
+            self.cpu.check()
+        if self.disk is not None:
+            self.disk.check()
+
+
+class TieredWorker(OffloadWorker):
+    def __init__(self, config: EngineConfig, rank: int, kv_cache: torch.Tensor) -> None:
+        super().__init__()
+        layers, two, _, block_size, heads, head_dim = kv_cache.shape
+        shape = (layers, two, block_size, heads, head_dim)
+        block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+        cpu_blocks, disk_blocks = _capacities(config, block_bytes)
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        self.cpu = CpuStore(cpu_blocks, shape, kv_cache.dtype) if cpu_blocks else None
+        self.disk = (DiskStore(config.kv_offload_disk_path, rank, _identities(config, dtype, block_bytes)[rank], shape,
+                               kv_cache.dtype)
+                     if disk_blocks and config.kv_offload_disk_path is not None else None)
+
+    def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> None:
+        started = time.perf_counter()
+        for t in transfers:
+            if t.kind == "load_cpu":
+                assert self.cpu is not None
+                self.cpu.load(t.slot, kv_cache, t.gpu_block)
+            elif t.kind == "load_disk":
+                assert self.disk is not None
+                kv_cache[:, :, t.gpu_block].copy_(self.disk.read(t.block_hash))
+            elif t.kind == "save_cpu":
+                assert self.cpu is not None
+                self.cpu.save(t.slot, kv_cache, t.gpu_block)
+            elif t.kind == "save_disk":
+                assert self.disk is not None
+                self.disk.write(t.block_hash, kv_cache[:, :, t.gpu_block])
+            elif t.kind == "demote":
+                assert self.cpu is not None and self.disk is not None
+                self.disk.write(t.block_hash, self.cpu.block(t.slot))
+            elif t.kind == "drop":
+                assert self.disk is not None
+                self.disk.drop(t.block_hash)
+            else:
+                raise ValueError(f"unknown KV transfer {t.kind!r}")
+        self.transfer_seconds += time.perf_counter() - started
+
+
+def build_connector(config: EngineConfig, dtype: str, block_bytes: int) -> TieredConnector | None:
+    """The scheduler half, or None with offload off."""
+    return TieredConnector(config, dtype, block_bytes) if enabled(config) else None
+
+
+def build_worker(config: EngineConfig, rank: int, kv_cache: torch.Tensor) -> TieredWorker | None:
+    """One rank's worker half, or None with offload off."""
+    return TieredWorker(config, rank, kv_cache) if enabled(config) else None

@@ -1,0 +1,219 @@
+"""KV offload end to end on CPU: with the GPU cache forced tiny, prefixes come back from host
+memory, from disk and from both, and greedy output stays token-identical to the engine without
+offload; the disk tier survives a restart, a corrupt or foreign file is a miss; nothing leaks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pagoda_daemon import LLM, SamplingParams
+from pagoda_daemon.kv_offload import cpu as cpu_tier
+from pagoda_daemon.kv_offload import disk as disk_tier
+
+BS = 16
+ENGINE = dict(device="cpu", dtype="float32", block_size=BS, num_kv_blocks=16, max_model_len=256)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+GIB = 1 << 30
+
+
+# Prefixes 0-3 twice round (the 16-block GPU cache, about two requests, has lost each by its
+# second turn: the host tier of 30 blocks serves it), then 4-7 push 0-3 out of host memory to
+# disk, and 0-3 come back from there.
+ORDER = [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+
+
+def workload(seed: int = 0, num_prefixes: int = 8, repeats: int = 2, prefix_len: int = 100,
+             order: list[int] | None = None) -> list[list[int]]:
+    """Long shared prefixes (6 full blocks each), each asked for several times, spaced out so
+    that the GPU cache has evicted a prefix before it is asked for again."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(5, 400) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    order = order if order is not None else [i % num_prefixes for i in range(num_prefixes * repeats)]
+    return [prefixes[k] + [rng.randrange(5, 400) for _ in range(3 + i % 5)] for i, k in enumerate(order)]
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = []
+    for p in prompts:  # one at a time: the GPU cache holds little more than one request
+        outs += [o.outputs[0].token_ids for o in llm.generate([p], PARAMS)]
+    return outs
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def block_bytes(model) -> int:
+    llm = LLM(model, **ENGINE)
+    return llm.engine.core.worker_info.kv_block_bytes
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> list[list[int]]:
+    llm = LLM(model, **ENGINE)
+    out = run(llm, workload(order=ORDER))
+    assert llm.get_stats().kv_offload is None
+    return out
+
+
+def gib(blocks: int, block_bytes: int) -> float:
+    return blocks * block_bytes / GIB
+
+
+def assert_idle_and_consistent(llm: LLM) -> None:
+    core = llm.engine.core
+    kv = core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and not kv.req_blocks
+    core.connector.check()
+    worker = core.executor.worker.offload
+    if core.connector.disk is not None:
+        files = sorted(p.name for p in worker.disk.dir.glob(f"*{disk_tier.SUFFIX}"))
+        assert files == sorted(disk_tier.file_name(h) for h in core.connector.disk.files)
+        assert not list(worker.disk.dir.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk"])
+def test_outputs_identical_with_offload(model, block_bytes, reference, tmp_path, tiers):
+    """Host memory alone, disk alone, and a host tier too small for the working set (30 blocks
+    for 8 prefixes of 6) that spills to disk: hits in every configured tier."""
+    opts: dict = {}
+    if "cpu" in tiers:
+        opts["kv_offload_cpu_gib"] = gib(64 if tiers == "cpu" else 30, block_bytes)
+    if "disk" in tiers:
+        opts.update(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
+    llm = LLM(model, **ENGINE, **opts)
+    assert run(llm, workload(order=ORDER)) == reference
+    stats = llm.get_stats().kv_offload
+    assert stats is not None and stats.hits > 0 and stats.queries >= stats.hits
+    for tier in tiers.split("+"):
+        assert stats.loaded_bytes.get(tier, 0) > 0, (tier, stats)
+        assert stats.saved_bytes.get(tier, 0) > 0, (tier, stats)
+    assert stats.transfer_seconds > 0
+    # the offload tiers served the repeats the GPU cache had lost: 8 repeats of 6 blocks, less
+    # the few the GPU cache still held
+    assert stats.hits >= 6 * 6 * BS, stats
+    assert_idle_and_consistent(llm)
+
+
+def test_a_wrong_load_is_caught(model, block_bytes, reference, monkeypatch):
+    """The parity test above can fail: a load that leaves the GPU block as it was changes the output."""
+    monkeypatch.setattr(cpu_tier.CpuStore, "load", lambda self, slot, kv_cache, gpu_block: None)
+    llm = LLM(model, **ENGINE, kv_offload_cpu_gib=gib(64, block_bytes))
+    assert run(llm, workload(order=ORDER)) != reference
+
+
+def test_disk_tier_survives_a_restart_and_a_corrupt_file_is_a_miss(model, block_bytes, tmp_path):
+    disk = dict(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(256, block_bytes))
+    prompts = workload(num_prefixes=4, order=[0, 1, 2, 3] * 3)
+    reference = run(LLM(model, **ENGINE), prompts)
+    first = LLM(model, **ENGINE, **disk)
+    assert run(first, prompts[:4]) == reference[:4]  # one request per prefix: saved, never loaded
+    assert first.get_stats().kv_offload.hits == 0
+    first.engine.core.shutdown()
+    saved = sorted((tmp_path / "kv" / "rank0").glob(f"*{disk_tier.SUFFIX}"))
+    assert len(saved) == 4 * 6
+
+    second = LLM(model, **ENGINE, **disk)
+    assert len(second.engine.core.connector.disk) == len(saved)
+    assert run(second, prompts[4:8]) == reference[4:8]
+    stats = second.get_stats().kv_offload
+    assert stats.hits == 4 * 6 * BS and stats.loaded_bytes["disk"] == 4 * 6 * block_bytes
+    second.engine.core.shutdown()
+
+    # corrupt one file of each kind: flipped payload bytes, a cut-off file, garbage
+    data = saved[0].read_bytes()
+    saved[0].write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+    saved[7].write_bytes(saved[7].read_bytes()[:100])
+    saved[13].write_bytes(b"not a block")
+    third = LLM(model, **ENGINE, **disk)
+    assert run(third, prompts[8:12]) == reference[8:12]
+    stats = third.get_stats().kv_offload
+    assert 0 < stats.hits < 4 * 6 * BS
+    for bad in (saved[0], saved[7], saved[13]):
+        # deleted, then (recomputed) saved anew, whole
+        assert bad.is_file() and disk_tier.read_block(bad, third.engine.core.executor.worker.offload.disk.ident,
+                                                      bytes.fromhex(bad.name[: -len(disk_tier.SUFFIX)]))
+    assert_idle_and_consistent(third)
+
+
+def test_another_models_files_are_never_loaded(tiny_models, model, block_bytes, tmp_path):
+    disk = dict(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(256, block_bytes))
+    prompts = workload(num_prefixes=2, repeats=1)
+    assert len(prompts) == 2
+    run(LLM(model, **ENGINE, **disk), prompts)
+    other = tiny_models["qwen3"]
+    plain = run(LLM(other, **ENGINE), prompts)
+    llm = LLM(other, **ENGINE, **disk)
+    assert run(llm, prompts) == plain
+    assert llm.get_stats().kv_offload.hits == 0
+
+
+def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path):
+    """A few hundred requests over 8 prefixes, some aborted mid-flight, a host tier and a disk
+    tier both smaller than the working set: afterwards every GPU block is free and each tier's
+    accounting matches its capacity and its contents."""
+    llm = LLM(model, **ENGINE, max_num_seqs=4, max_num_batched_tokens=64, kv_offload_cpu_gib=gib(10, block_bytes),
+              kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(30, block_bytes))
+    engine = llm.engine
+    rng = random.Random(1)
+    prompts = workload(seed=3, num_prefixes=8, repeats=40, prefix_len=60)
+    rng.shuffle(prompts)
+    aborted = 0
+    live: list[str] = []
+    for i, p in enumerate(prompts):
+        live.append(engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+        if len(live) >= 4:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+            if i % 7 == 0 and live:
+                engine.abort_request(live.pop(0))
+                aborted += 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = llm.get_stats().kv_offload
+    assert aborted > 30 and stats.hits > 0 and stats.loaded_bytes.get("disk", 0) > 0
+    assert_idle_and_consistent(llm)
+    connector = engine.core.connector
+    assert len(connector.cpu) == connector.cpu.num_slots == 10
+    assert len(connector.disk) == connector.disk.num_files == 30
+
+
+@pytest.mark.parametrize(("opts", "message"), [
+    (dict(kv_offload_cpu_gib=-1.0), "at least 0.0"),
+    (dict(kv_offload_cpu_gib=float("nan")), "finite"),
+    (dict(kv_offload_disk_gib=float("inf")), "finite"),
+    (dict(kv_offload_disk_gib=-0.5), "at least 0.0"),
+])
+def test_hostile_sizes_are_refused(model, opts, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model, **ENGINE, **opts)
+
+
+def test_unusable_disk_paths_fail_the_start(model, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        LLM(model, **ENGINE, kv_offload_disk_path=str(a_file), kv_offload_disk_gib=1.0)
+    with pytest.raises(ValueError, match="not a writable directory"):
+        LLM(model, **ENGINE, kv_offload_disk_path=str(a_file / "under"), kv_offload_disk_gib=1.0)
+    with pytest.raises(ValueError, match="needs kv_offload_disk_gib"):
+        LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "kv"))
+    with pytest.raises(ValueError, match="needs kv_offload_disk_path"):
+        LLM(model, **ENGINE, kv_offload_disk_gib=1.0)
+    with pytest.raises(ValueError, match="holds no KV block"):
+        LLM(model, **ENGINE, kv_offload_cpu_gib=1e-9)
+
+
+def test_warm_up_sends_no_offload_traffic(model, block_bytes, tmp_path):
+    llm = LLM(model, **ENGINE, kv_offload_cpu_gib=gib(64, block_bytes),
+              kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
+    connector = llm.engine.core.connector
+    assert len(connector.cpu) == 0 and len(connector.disk) == 0
+    assert not list(Path(tmp_path / "kv" / "rank0").iterdir())
+    assert llm.engine.core.executor.worker.offload.transfer_seconds == 0.0

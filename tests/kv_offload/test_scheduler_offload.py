@@ -1,0 +1,163 @@
+"""The scheduler with an offload connector, without a model: what it asks the tiers for, what
+it plans to load and save, and how loads count as computed tokens; the plan's copies reach
+every rank through the multiproc executor's step plan."""
+
+from __future__ import annotations
+
+from pagoda_daemon.engine.block_hash import BlockHash
+from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
+from pagoda_daemon.engine.request import Request
+from pagoda_daemon.engine.scheduler import Scheduler
+from pagoda_daemon.engine.scheduler_output import KVTransfer
+from pagoda_daemon.executor import step_plan
+from pagoda_daemon.kv_offload.connector import OffloadConnector, capacity_blocks
+from pagoda_daemon.kv_offload.cpu import CpuIndex
+from pagoda_daemon.sampling_params import SamplingParams
+
+BS = 16
+
+
+class FakeConnector(OffloadConnector):
+    """Holds whatever is saved; loads what it holds."""
+
+    def __init__(self, held: set[BlockHash] | None = None) -> None:
+        super().__init__()
+        self.held = set(held or ())
+        self.saves: list[KVTransfer] = []
+        self.lookups: list[int] = []
+
+    def lookup(self, block_hashes):
+        self.lookups.append(len(block_hashes))
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in self.held:
+            n += 1
+        return n
+
+    def plan_loads(self, block_hashes, gpu_block_ids):
+        return [KVTransfer("load_cpu", h, b, 0) for h, b in zip(block_hashes, gpu_block_ids, strict=True)]
+
+    def plan_save(self, block_hash, gpu_block_id):
+        if block_hash not in self.held:
+            self.held.add(block_hash)
+            self.saves.append(KVTransfer("save_cpu", block_hash, gpu_block_id, 0))
+
+    def take_saves(self):
+        saves, self.saves = self.saves, []
+        return saves
+
+    def check(self):
+        pass
+
+
+def make(num_blocks=32, connector=None, budget=256, chunked=True, caching=True):
+    kv = KVCacheManager(num_blocks, BS, caching)
+    return Scheduler(kv, 8, budget, 512, chunked, connector=connector)
+
+
+def request(rid, n, first=100, **params):
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=4, **params), None, BS)
+
+
+def step(sched, token=7):
+    out = sched.schedule()
+    sched.update_from_output(out, {s.request.request_id: token for s in out.scheduled if s.samples})
+    return out
+
+
+def test_full_blocks_are_saved_once_and_loaded_back_leaving_the_last_token_to_compute():
+    conn = FakeConnector()
+    sched = make(connector=conn)
+    sched.add_request(request("a", 64))  # exactly 4 full blocks
+    out = step(sched)
+    assert [t.kind for t in out.kv_saves] == ["save_cpu"] * 4 and not out.kv_loads
+    a_blocks = sched.kv_cache.block_ids("a")
+    assert [t.gpu_block for t in out.kv_saves] == a_blocks
+    sched.abort_requests(["a"])
+    sched.kv_cache.reset_prefix_cache()  # the GPU forgets: only the connector can help
+    sched.add_request(request("b", 64))
+    out = step(sched)
+    # 3 blocks come back; the 4th holds the last token, whose logits are needed
+    assert len(out.kv_loads) == 3 and out.scheduled[0].num_new_tokens == 16 and out.scheduled[0].start == 48
+    assert [t.gpu_block for t in out.kv_loads] == sched.kv_cache.block_ids("b")[:3]
+    assert out.num_scheduled_tokens == 16  # loads spend no token budget
+    assert sched.requests["b"].num_cached_tokens == 48
+    assert not out.kv_saves  # the connector has block 4 already
+    assert (conn.stats.queries, conn.stats.hits) == (6 * BS, 3 * BS)  # "a" asked for 3 blocks too, and missed
+
+
+def test_gpu_hits_first_then_the_connector_for_the_rest():
+    conn = FakeConnector()
+    sched = make(connector=conn)
+    sched.add_request(request("a", 80))
+    step(sched)
+    conn.held = set(sched.requests["a"].block_hashes)
+    sched.abort_requests(["a"])
+    sched.add_request(request("b", 81))
+    out = step(sched)
+    # every block still on the GPU: the connector is asked for none of them
+    assert not out.kv_loads and out.scheduled[0].num_new_tokens == 1 and conn.lookups == [4]  # "a"'s only
+
+
+def test_prompt_logprobs_skip_the_connector_and_chunked_prefill_saves_as_blocks_fill():
+    conn = FakeConnector()
+    sched = make(connector=conn, budget=40)
+    sched.add_request(request("a", 100))
+    saved = [len(step(sched).kv_saves) for _ in range(3)]
+    assert saved == [2, 3, 1]  # 40, 80, 100 tokens: blocks full at 2, 5, 6
+    sched.abort_requests(["a"])
+    sched.kv_cache.reset_prefix_cache()
+    sched.add_request(request("p", 100, prompt_logprobs=0))
+    out = step(sched)
+    assert not out.kv_loads and out.scheduled[0].start == 0
+
+
+def test_preempted_requests_come_back_through_the_connector():
+    conn = FakeConnector()
+    sched = make(num_blocks=8, connector=conn, budget=512)
+    sched.add_request(request("a", 63, first=100))  # 5 blocks each once decoding: 10 > 8
+    sched.add_request(request("b", 63, first=1000))
+    for _ in range(20):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+    assert sched.stats.num_preemptions >= 1 and conn.stats.hits > 0
+    assert not sched.has_unfinished_requests() and sched.kv_cache.num_free_blocks == 8
+
+
+def test_step_plan_carries_the_copies_to_every_rank():
+    conn = FakeConnector()
+    sched = make(connector=conn)
+    sched.add_request(request("a", 40))
+    out = sched.schedule()
+    out.kv_loads = [KVTransfer("load_disk", b"\x01" * 32, 3)]
+    frame = step_plan.encode(step_plan.PlanWriter().plan(out))
+    mirrored = step_plan.RequestMirrors(BS).apply(step_plan.decode(frame))
+    assert mirrored.kv_loads == out.kv_loads and mirrored.kv_saves == out.kv_saves and len(out.kv_saves) == 2
+
+
+def test_host_index_evicts_least_recently_used_and_capacity_covers_every_rank():
+    idx = CpuIndex(2)
+    assert idx.insert(b"a") == (0, None) and idx.insert(b"b") == (1, None)
+    idx.touch(b"a")
+    assert idx.insert(b"c") == (1, (b"b", 1))
+    idx.check()
+    assert capacity_blocks(1.0, 1 << 20, 2) == 512 and capacity_blocks(0.0, 1, 1) == 0
+
+
+def test_offload_metrics_are_exported_and_documented():
+    from pathlib import Path
+
+    from pagoda_daemon.engine.messages import EngineStats, KVOffloadStats
+    from pagoda_daemon.telemetry.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m")
+    stats = KVOffloadStats(10, 5, {"cpu": 100}, {"disk": 7}, 0.5)
+    metrics.record_engine_stats(EngineStats(0, 0, 0.0, 1, 1, kv_offload=stats.add(KVOffloadStats(1, 1, {"cpu": 1}))))
+    body = metrics.render()[0].decode()
+    for line in ('vllm:external_prefix_cache_queries_total{model_name="m"} 11.0',
+                 'vllm:external_prefix_cache_hits_total{model_name="m"} 6.0',
+                 'pagoda:kv_offload_loaded_bytes_total{medium="CPU",model_name="m"} 101.0',
+                 'pagoda:kv_offload_saved_bytes_total{medium="DISK",model_name="m"} 7.0',
+                 'pagoda:kv_offload_transfer_seconds_total{model_name="m"} 0.5'):
+        assert line in body
+        assert f"`{line.split('{')[0]}`" in (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
