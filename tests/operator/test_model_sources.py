@@ -16,6 +16,7 @@ from pagoda_operator.status import Problem, compute, pod_problems
 from pagoda_operator.status import Workload as StatusWorkload
 from pagoda_operator.webhook import decide
 from tests.operator.operator_fakes import every_capability, isvc
+from tests.operator.test_admission import NS, admission_review
 
 
 def refuses(_: str) -> bool:
@@ -269,21 +270,7 @@ def test_a_failed_fetch_is_the_degraded_message():
 
 # ---- admission -----------------------------------------------------------------------------
 def review_request(spec: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
-    obj = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService",
-           "metadata": {"name": "llama", "namespace": "team"}, "spec": spec}  # fmt: skip
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "u-1",
-            "kind": {"group": "pagoda.dev", "version": "v1alpha1", "kind": "InferenceService"},
-            "namespace": "team",
-            "operation": operation,
-            "userInfo": {"username": "alice"},
-            "object": obj,
-            "oldObject": None,
-        },
-    }
+    return admission_review(operation, spec, spec if operation == "UPDATE" else None)
 
 
 def everyone_can(user: Any, namespace: str, access: Access) -> bool:
@@ -294,7 +281,7 @@ def everyone_can(user: Any, namespace: str, access: Access) -> bool:
 def test_the_webhook_refuses_a_malformed_uri_at_apply_time(uri, message):
     out = decide(review_request({"model": model(uri)}), Policy(), everyone_can)["response"]
     assert out["allowed"] is False and out["status"]["code"] == 422 and out["status"]["reason"] == "Invalid"
-    assert "InferenceService team/llama is invalid: spec.model.uri: " in out["status"]["message"]
+    assert f"InferenceService {NS}/svc is invalid: spec.model.uri: " in out["status"]["message"]
     assert message in out["status"]["message"]
 
 
