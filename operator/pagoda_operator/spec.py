@@ -105,6 +105,7 @@ class Engine:
     block_size: int = 16
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    num_kv_blocks: int | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -259,6 +260,7 @@ def parse(
         block_size=int(_get(e, "blockSize", 16)),
         max_num_seqs=_get(e, "maxNumSeqs"),
         max_num_batched_tokens=_get(e, "maxNumBatchedTokens"),
+        num_kv_blocks=_get(e, "numKvBlocks"),
         dtype=_get(e, "dtype", "auto"),
         kv_cache_dtype=_get(e, "kvCacheDtype", "auto"),
         gpu_memory_utilization=float(_get(e, "gpuMemoryUtilization", 0.9)),
@@ -440,6 +442,7 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         "max_model_len": e.max_model_len,
         "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": e.max_num_batched_tokens,
+        "num_kv_blocks": e.num_kv_blocks,
         "otlp_traces_endpoint": spec.tracing.otlp_endpoint,
         "kv_offload_cpu_gib": kv.cpu_gib,
         "kv_offload_disk_path": kv.disk_path,

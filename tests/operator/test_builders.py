@@ -124,6 +124,7 @@ def test_engine_config_in_the_config_map():
             "blockSize": 32,
             "maxNumSeqs": 128,
             "maxNumBatchedTokens": 4096,
+            "numKvBlocks": 2048,
             "dtype": "bfloat16",
             "kvCacheDtype": "fp8",
             "gpuMemoryUtilization": 0.85,
@@ -140,6 +141,7 @@ def test_engine_config_in_the_config_map():
         "block_size": 32,
         "max_num_seqs": 128,
         "max_num_batched_tokens": 4096,
+        "num_kv_blocks": 2048,
         "dtype": "bfloat16",
         "kv_cache_dtype": "fp8",
         "gpu_memory_utilization": 0.85,
@@ -167,6 +169,7 @@ def test_optional_engine_fields_are_left_to_the_daemon():
     cfg = yaml.safe_load(kids.config_map["data"]["engine.yaml"])
     assert (
         "max_model_len" not in cfg and "otlp_traces_endpoint" not in cfg and "kv_offload_cpu_gib" not in cfg
+        and "num_kv_blocks" not in cfg
     )
     assert "OTEL_TRACES_SAMPLER" not in env_of(kids)
 

@@ -201,6 +201,8 @@ def test_example_is_valid_and_fully_known():
             {"model": {"name": "m", "uri": "hf://a"}, "server": {"apiKeySecretRef": {"name": "UP"}}},
             ".spec.server.apiKeySecretRef.name: does not match",
         ),
+        *[({"model": {"name": "m", "uri": "hf://a"}, "engine": {"numKvBlocks": v}}, f".spec.engine.numKvBlocks: {why}")
+          for v, why in ((0, "below minimum"), (2**40, "above maximum"), ("8", "expected integer"))],
         ({"model": {"name": "m", "uri": "ftp://x/y"}}, ".spec.model.uri: does not match"),
         ({"model": {"name": "m", "uri": "hf://a b"}}, ".spec.model.uri: does not match"),
         ({"model": {"name": "m", "uri": "/models/x"}}, ".spec.model.uri: does not match"),
