@@ -45,7 +45,7 @@ def is_lfs(name: str) -> bool:
 
 
 class HubServer:
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(self, token: str | None = None, host: str = "127.0.0.1") -> None:
         self.repos: dict[str, Repo] = {}
         self.token = token
         self.cut_after: dict[str, int] = {}  # file name -> bytes sent before the connection is cut (once)
@@ -54,13 +54,14 @@ class HubServer:
         self.delay_s = 0.0  # before each file body: makes concurrent fetches overlap
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd = ThreadingHTTPServer((host, 0), self._handler())  # host: where pods reach this machine (e2e)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
 
     def start(self) -> HubServer:
         self._thread.start()
