@@ -32,6 +32,7 @@ SIGNALS = {
 }
 EXPERT_PARALLEL = "pagoda:expert_parallel_size"
 PLACEMENT_INFO = "pagoda:placement_info"
+MODEL_INFO = "pagoda:model_info"
 # A daemon's /metrics is tens of KiB; anything past this is a broken or hostile pod.
 MAX_SCRAPE_BYTES = 1 << 20
 READ_CHUNK = 1 << 16
@@ -46,7 +47,8 @@ def parse(text: str, model_name: str | None = None) -> dict[str, Any]:
 
     Returns the keys of :data:`SIGNALS` that were present, plus ``expertParallel`` (gauge
     ``pagoda:expert_parallel_size``) and ``placement`` (labels ``gpus`` and ``numa_nodes`` of
-    ``pagoda:placement_info``, comma-separated) when the daemon exports them.
+    ``pagoda:placement_info``, comma-separated) and ``model`` (labels ``source`` and
+    ``revision`` of ``pagoda:model_info``, for a model the daemon fetched) when it exports them.
     """
     values: dict[str, list[float]] = {}
     out: dict[str, Any] = {}
@@ -59,6 +61,8 @@ def parse(text: str, model_name: str | None = None) -> dict[str, Any]:
             if sample.name == PLACEMENT_INFO:
                 numa = [int(n) for n in _list(labels.get("numa_nodes", "")) if n.lstrip("-").isdigit()]
                 out["placement"] = {"gpus": _list(labels.get("gpus", "")), "numaNodes": numa}
+            elif sample.name == MODEL_INFO and labels.get("revision"):
+                out["model"] = {"source": labels.get("source", ""), "revision": labels["revision"]}
     for key, (name, how) in SIGNALS.items():
         xs = values.get(name)
         if xs:

@@ -142,7 +142,8 @@ def replica_placement(
 
     GPUs and NUMA nodes come from what the daemon reports (``reported[pod]`` with ``gpus`` and
     ``numaNodes``, read from its ``pagoda:placement_info`` metric); NUMA nodes fall back to the
-    node's NodeTopology for the reported GPUs.
+    node's NodeTopology for the reported GPUs. ``modelRevision``: the revision of an hf:// or
+    s3:// model the pod's daemon resolved and serves (``pagoda:model_info``).
     """
     reported = reported or {}
     out = []
@@ -161,6 +162,8 @@ def replica_placement(
         numa = [int(n) for n in info.get("numaNodes") or []] or numa_of(topologies.get(node), gpus)
         if numa:
             entry["numaNodes"] = numa
+        if info.get("modelRevision"):
+            entry["modelRevision"] = str(info["modelRevision"])
         out.append(entry)
     return out
 

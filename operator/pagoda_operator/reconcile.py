@@ -299,8 +299,9 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
     per_pod = observed.signals
     if per_pod is not None and spec is not None:
         for pod_name, sig in per_pod.items():
-            if "placement" in sig:
-                reported[pod_name] = sig["placement"]
+            if "placement" in sig or "model" in sig:
+                reported[pod_name] = {**(sig.get("placement") or reported.get(pod_name) or {}),
+                                      **({"modelRevision": sig["model"]["revision"]} if "model" in sig else {})}
         eps = [s["expertParallel"] for s in per_pod.values() if "expertParallel" in s]
         if eps:
             expert_parallel = min(eps)

@@ -54,6 +54,13 @@ def test_parse_sums_requests_and_averages_kv_usage():
     assert sig["placement"] == {"gpus": ["0", "1"], "numaNodes": [0]}
 
 
+def test_parse_reads_the_fetched_models_revision():
+    text = TEXT + ('# TYPE pagoda:model_info gauge\n'
+                   'pagoda:model_info{model_name="llama",revision="0123abc",source="hf://org/llama"} 1.0\n')
+    assert parse(text, "llama")["model"] == {"source": "hf://org/llama", "revision": "0123abc"}
+    assert "model" not in parse(TEXT, "llama")  # a mounted model reports none
+
+
 def test_parse_without_model_filter_and_missing_metrics():
     assert parse(TEXT)["requestsWaiting"] == 104.0
     assert parse("# nothing here\n") == {}

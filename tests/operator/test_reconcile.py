@@ -447,6 +447,21 @@ def test_a_starting_pod_shows_its_start_up_phase_in_status(fake_kube):
     assert "startupPhase" not in status(kube)["placement"][0] and len(asked) == 1  # ready pods are not asked
 
 
+def test_the_revision_each_pod_serves_is_in_its_placement_entry(fake_kube):
+    fake_kube.put(isvc(model={"name": "llama", "uri": "hf://org/llama"}))
+    metrics = {"text": ('pagoda:placement_info{gpus="0",numa_nodes="0",model_name="llama"} 1.0\n'
+                        'pagoda:model_info{model_name="llama",source="hf://org/llama",revision="c0ffee"} 1.0\n')}
+    ctx = make(fake_kube, metrics)
+    reconcile(ctx, "default", "llama", "create")
+    settle(fake_kube)
+    reconcile(ctx, "default", "llama", "timer", autoscale=True)
+    entries = status(fake_kube)["placement"]
+    assert entries and all(e["modelRevision"] == "c0ffee" and e["gpus"] == ["0"] for e in entries), entries
+    metrics["text"] = ""  # between scrapes (or a daemon that stops answering) the last report stands
+    reconcile(ctx, "default", "llama", "timer", autoscale=True)
+    assert [e["modelRevision"] for e in status(fake_kube)["placement"]] == ["c0ffee"] * len(entries)
+
+
 QUOTA = ('services "llama" is forbidden: exceeded quota: no-services, requested: services=1, '
          'used: services=0, limited: services=0')
 

@@ -38,6 +38,10 @@ def test_serve_fetches_an_hf_model_and_answers_a_completion(tiny_models, tmp_pat
                              "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
+        # what the operator reads into status.placement[].modelRevision
+        info = [line for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+                if line.startswith("pagoda:model_info{")]
+        assert len(info) == 1 and f'revision="{sha}"' in info[0] and 'source="hf://org/tiny"' in info[0], info
     finally:
         srv.stop()
         hub.stop()

@@ -129,6 +129,16 @@ def resolve_model(reference: str, cache_dir: str | Path | None = None, *,
     return str(fetch(uri, cache, env=env, on_progress=on_progress))
 
 
+def fetched_from(model_dir: str | Path) -> tuple[str, str] | None:
+    """(source URI, resolved revision) of a directory this module fetched (its complete marker),
+    None for any other directory: what the daemon reports as the model it serves."""
+    try:
+        marker = json.loads((Path(model_dir) / COMPLETE_MARKER).read_text())
+        return str(marker["source"]), str(marker["revision"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def check_reference(reference: str) -> ModelUri | None:
     """The parsed URI of a remote model, None for a local path; ValueError (naming the model) for a
     malformed reference or one the daemon cannot fetch. Cheap: nothing is contacted."""

@@ -172,7 +172,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
-    reference = str(options["model"])
+    reference = options["model_reference"] = str(options["model"])
     if is_uri(reference):  # fetched into the node's cache before anything starts; then a local directory
         from pagoda_daemon.models.fetch import FetchProgress, ModelFetchError, resolve_model
         from pagoda_daemon.server.download_status import DownloadStatus
@@ -224,6 +224,12 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
         log.warning("the API is unauthenticated: anyone who reaches port %d can use it (set --api-key or %s)",
                     options["port"], API_KEY_ENV)
     metrics = _make_metrics(served_name, max_model_len, config.max_num_batched_tokens)
+    if metrics is not None and is_uri(str(options.get("model_reference") or "")):
+        from pagoda_daemon.models.fetch import fetched_from
+
+        source = fetched_from(config.model)
+        if source is not None:
+            metrics.set_model_source(*source)
     tracer = _make_tracer(options.get("otlp_traces_endpoint"))
     client = EngineClient(config, metrics=metrics, log_level=log_level,
                           stats_log_interval=0.0 if options["disable_log_stats"] else options["log_stats_interval"],

@@ -239,6 +239,11 @@ class EngineMetrics:
             "placement (when=before) and the new one (when=after); 1.0 is even.",
             [*labels, "when"], registry=r,
         )
+        self._model_info = Gauge(
+            "pagoda:model_info", "The model this replica serves: its source URI and the revision it resolved to "
+            "(value 1; only for a model fetched from hf:// or s3://).", ["model_name", "source", "revision"],
+            registry=r,
+        )
         self._expert_parallel = Gauge(
             "pagoda:expert_parallel_size", "Current expert-parallel size of this replica.", labels, registry=r
         ).labels(model_name)
@@ -295,6 +300,11 @@ class EngineMetrics:
         """Once the engine is up: the seconds each start-up phase took (loading weights, ...)."""
         for phase, seconds in phases.items():
             self._startup.labels(self.model_name, phase).set(seconds)
+
+    def set_model_source(self, source: str, revision: str) -> None:
+        """A fetched model's source and resolved revision, for the operator's status."""
+        self._model_info.clear()
+        self._model_info.labels(self.model_name, source, revision).set(1)
 
     def set_placement(self, gpus: list[int], numa_nodes: list[int], expert_parallel_size: int = 1) -> None:
         """Once the engine is up: its GPUs and NUMA nodes (comma-separated labels) and EP size."""
