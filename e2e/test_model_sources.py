@@ -68,6 +68,14 @@ def test_an_hf_model_is_fetched_served_and_a_bad_token_is_degraded(local_cluster
             gets = [r for r in hub.file_requests(name) if r[2] is None]
             assert len(gets) == 1, (name, hub.file_requests(name))
 
+        def revision_reported() -> list[str] | None:
+            revisions = [e.get("modelRevision") for e in isvc(local_cluster, ns, "from-hub")["status"]["placement"]]
+            return revisions if revisions and all(revisions) else None
+
+        # the operator's periodic scrape of the daemon's pagoda:model_info
+        sha = hub.repos[REPO].sha
+        assert local_cluster.wait_for(revision_reported, timeout=90, what="modelRevision in status") == [sha]
+
         def degraded() -> dict[str, Any] | None:
             c = cond(isvc(local_cluster, ns, "bad-token"), "Degraded")
             return c if c.get("status") == "True" else None
