@@ -18,6 +18,7 @@ garbage collector remove the children.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -35,11 +36,18 @@ from pagoda_operator.builders import INSTANCE_LABEL, MANAGED_BY
 from pagoda_operator.kube import ApiError, Kube, in_cluster_server
 from pagoda_operator.placement import NVLINK_LABEL, node_labels
 from pagoda_operator.reconcile import Context, Result, Retry, reconcile
-from pagoda_operator.telemetry import forget
+from pagoda_operator.telemetry import HEARTBEATS, Heartbeats, forget
 from pagoda_operator.watch_cache import CachedKube
 
 log = logging.getLogger("pagoda_operator")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRESENT}
+# /healthz answers 503 (and the liveness probe restarts the operator) when kopf's event loop has
+# not run a 5 s heartbeat task for a minute, or when a periodic pass has not finished for ten
+# intervals plus two minutes (a pass over 1,000 InferenceServices on a busy API server is slow,
+# not stuck; docs/benchmarks/2026-11-25-operator-scale.md).
+LOOP_BEAT = "kopf event loop"
+LOOP_BEAT_S, LOOP_STUCK_AFTER_S = 5.0, 60.0
+PASS_BEAT = "periodic pass"
 
 
 def operator_settings(
@@ -109,8 +117,10 @@ def _run(ctx: Context, namespace: str, name: str, trigger: str, autoscale: bool 
 class Ticker:
     """Every ``interval`` seconds, one autoscaling + resync pass over every InferenceService."""
 
-    def __init__(self, ctx: Context, interval: float, namespaces: Sequence[str] = (), workers: int = 4):
+    def __init__(self, ctx: Context, interval: float, namespaces: Sequence[str] = (), workers: int = 4,
+                 heartbeats: Heartbeats = HEARTBEATS):
         self.ctx, self.interval, self.namespaces, self.workers = ctx, interval, list(namespaces), workers
+        self.heartbeats = heartbeats
         self.stop_flag = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -148,16 +158,28 @@ class Ticker:
                 self.tick()
             except Exception as e:  # the API may be briefly unavailable
                 log.warning("periodic pass failed: %s", e)
+            self.heartbeats.beat(PASS_BEAT)  # finished, well or not: not stuck
             self.stop_flag.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def start(self) -> None:
+        self.heartbeats.expect(PASS_BEAT, 10 * self.interval + 120)
         self.thread = threading.Thread(target=self.run, name="pagoda-ticker", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
         self.stop_flag.set()
+        self.heartbeats.forget(PASS_BEAT)
         if self.thread:
             self.thread.join(timeout=30)
+
+
+async def loop_heartbeat(heartbeats: Heartbeats, every_s: float = LOOP_BEAT_S,
+                         stuck_after_s: float = LOOP_STUCK_AFTER_S) -> None:
+    """Beat while the event loop runs tasks: a loop blocked by a handler stops beating."""
+    heartbeats.expect(LOOP_BEAT, stuck_after_s)
+    while True:
+        heartbeats.beat(LOOP_BEAT)
+        await asyncio.sleep(every_s)
 
 
 def build_registry(
@@ -184,6 +206,18 @@ def build_registry(
     @kopf.on.cleanup(registry=registry)
     def stop_ticker(**_: Any) -> None:
         ticker.stop()
+
+    beating: list[asyncio.Task] = []  # kept: the loop holds tasks only weakly
+
+    @kopf.on.startup(registry=registry)
+    async def start_loop_heartbeat(**_: Any) -> None:
+        beating.append(asyncio.get_running_loop().create_task(loop_heartbeat(HEARTBEATS)))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_loop_heartbeat(**_: Any) -> None:
+        for task in beating:
+            task.cancel()
+        HEARTBEATS.forget(LOOP_BEAT)
 
     @kopf.on.resume(**res, id="reconcile")
     @kopf.on.create(**res, id="reconcile")

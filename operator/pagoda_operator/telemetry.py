@@ -1,10 +1,19 @@
-"""The operator's own Prometheus metrics, served by ``--metrics-port`` (also answers /healthz)."""
+"""The operator's own Prometheus metrics, served by ``--metrics-port``, and ``/healthz`` there:
+200 while every registered heartbeat is fresh, 503 naming the one that is not (the chart's
+liveness probe then restarts a leader whose kopf loop or periodic pass is stuck)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import socketserver
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -71,9 +80,72 @@ DIRECTIONS = ("up", "down")
 LEADER = Gauge("pagoda_operator_leader", "1 while this replica holds the leader lease.", registry=REGISTRY)
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> None:
-    """Start the metrics endpoint in a background thread (every path answers, so /healthz works)."""
-    start_http_server(port, addr=addr, registry=REGISTRY)
+class Heartbeats:
+    """Named heartbeats, each with the silence after which it counts as stuck. None are
+    registered until the operator's loops start, so a standby replica waiting for the lease is
+    healthy; a beat registered by ``expect`` starts fresh."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._allowed: dict[str, float] = {}
+
+    def expect(self, name: str, within_s: float) -> None:
+        with self._lock:
+            self._allowed[name] = within_s
+            self._last[name] = self.clock()
+
+    def beat(self, name: str) -> None:
+        with self._lock:
+            self._last[name] = self.clock()
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._allowed.pop(name, None)
+            self._last.pop(name, None)
+
+    def stale(self) -> list[str]:
+        """One line per heartbeat silent for longer than it may be."""
+        now = self.clock()
+        with self._lock:
+            return [f"{name}: no heartbeat for {now - self._last[name]:.0f} s (allowed {allowed:.0f} s)"
+                    for name, allowed in sorted(self._allowed.items()) if now - self._last[name] > allowed]
+
+
+HEARTBEATS = Heartbeats()
+
+
+def app(heartbeats: Heartbeats = HEARTBEATS, registry: CollectorRegistry = REGISTRY) -> Callable[..., Iterable[bytes]]:
+    """WSGI: ``/healthz`` from the heartbeats, every other path the Prometheus exposition."""
+    metrics = make_wsgi_app(registry)
+
+    def handle(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/healthz":
+            return metrics(environ, start_response)
+        stale = heartbeats.stale()
+        body = json.dumps({"status": "stuck", "stale": stale} if stale else {"status": "ok"}).encode()
+        start_response("503 Service Unavailable" if stale else "200 OK",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return handle
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: not worth a line
+        pass
+
+
+def serve(port: int, addr: str = "0.0.0.0", heartbeats: Heartbeats = HEARTBEATS) -> WSGIServer:
+    """Start /metrics and /healthz in a background thread; the server (``.server_port``)."""
+    server = make_server(addr, port, app(heartbeats), _ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="pagoda-metrics", daemon=True).start()
+    return server
 
 
 def autoscaled(namespace: str, name: str) -> None:
