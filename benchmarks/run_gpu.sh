@@ -5,7 +5,8 @@
 #   bash benchmarks/run_gpu.sh [all|parity|parity-triton|kernels|kernels-attention|tests|graphs|serve|
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
-#                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm] ...
+#                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
+#                                               kv-offload] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -142,6 +143,18 @@ if has vllm; then
   step "vLLM anchor, step 2: vLLM 0.26.0 on the Qwen3-0.6B shape (nano-vllm workload)"
   B=.vllm_b OUT=$OUT bash .vllm_b/stage2.sh engine 2>&1 | grep -E "RESULT|Error|error|vllm " | tail -5 || status=1
   grep RESULT "$OUT/vllm_bench.log" | tee "$OUT/vllm.jsonl"
+fi
+if has kv-offload; then
+  # Issue #19's workload: conversations on a long shared context outgrowing a GPU cache held to
+  # KVO_BLOCKS blocks, with offload off, in host memory, on disk and both (Qwen3-0.6B shape,
+  # random weights, the synthetic tokenizer). KVO_BLOCKS empty: the cache sized as in production.
+  step "KV offload: multi-turn conversations beyond the GPU cache (off, cpu, disk, both)"
+  TOK=/tmp/qwen3-0.6b-synth
+  python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/qwen3-0.6b/config.json >/dev/null || status=1
+  timeout "${KVO_TIMEOUT:-540}" python3 -m benchmarks.kv_offload $CFG/qwen3-0.6b --tokenizer $TOK --load-format dummy \
+    ${KVO_BLOCKS:+--num-kv-blocks $KVO_BLOCKS} --conversations "${KVO_CONVERSATIONS:-100}" --turns "${KVO_TURNS:-10}" \
+    --shared-len "${KVO_SHARED:-2000}" --configs "${KVO_CONFIGS:-off,cpu,disk,both}" --out "$OUT/kv_offload.jsonl" \
+    2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has structured; then
   step "structured outputs: 50% of the nano-vllm workload under JSON schemas (Pagoda, then vLLM 0.26.0)"

@@ -62,6 +62,22 @@ sys.exit(main(["operator", "--help"]))
     assert "--admission-port" in out.stdout
 
 
+@pytest.mark.parametrize(("argv", "index"), [
+    (["bench", "serve", "--base-url", "x"], 0),
+    (["--log-level", "DEBUG", "operator", "--help"], 2),
+    (["--log-format=json", "topology"], 1),
+    (["serve", "/m", "--served-model-name", "bench"], 0),  # a serve: not delegated to `bench`
+    (["--help"], None),
+    ([], None),
+])
+def test_the_subcommand_is_found_in_its_place_only(argv, index):
+    from pagoda_daemon.cli import DELEGATED, _subcommand_index
+
+    assert _subcommand_index(argv) == index
+    assert (index is not None and argv[index] in DELEGATED) == (argv[:1] == ["bench"] or "operator" in argv
+                                                                or "topology" in argv)
+
+
 def test_generate_with_a_tiny_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
     rc = main(["generate", "--tiny", "qwen3", "--prompt", "Hello", "--max-tokens", "5", "--numa-policy", "none",

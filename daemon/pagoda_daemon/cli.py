@@ -114,18 +114,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DELEGATED = ("topology", "operator", "bench")
+_GLOBAL_OPTIONS = ("--log-level", "--log-format")  # the options before the subcommand that take a value
+
+
+def _subcommand_index(argv: list[str]) -> int | None:
+    """Where the subcommand's name is: the first argument that is not a global option or its value."""
+    i = 0
+    while i < len(argv):
+        if argv[i] in _GLOBAL_OPTIONS:
+            i += 2
+        elif argv[i].startswith(tuple(o + "=" for o in _GLOBAL_OPTIONS)):
+            i += 1
+        else:
+            return None if argv[i].startswith("-") else i
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    # Delegated subcommands own their flags: pass everything after the name through.
-    for name in ("topology", "operator", "bench"):
-        if name in argv:
-            i = argv.index(name)
-            head = parser.parse_args(argv[: i + 1])
-            logging.basicConfig(level=(head.log_level or "WARNING").upper())
-            import importlib
+    # Delegated subcommands own their flags: pass everything after the name through. The name is
+    # the subcommand only in the subcommand's place (`pagoda serve m --served-model-name bench` is
+    # a serve).
+    i = _subcommand_index(argv)
+    if i is not None and argv[i] in DELEGATED:
+        head = parser.parse_args(argv[: i + 1])
+        logging.basicConfig(level=(head.log_level or "WARNING").upper())
+        import importlib
 
-            return importlib.import_module(head.delegate).main(argv[i + 1 :])
+        return importlib.import_module(head.delegate).main(argv[i + 1 :])
     args = parser.parse_args(argv)
     # Serving says what it does (start-up phases, a line per request) as vLLM does at INFO.
     args.log_level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()

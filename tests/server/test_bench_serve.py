@@ -72,6 +72,20 @@ def test_multi_turn_conversations_run_on_the_chat_endpoint(server, tmp_path):
     assert result["output_tokens"] == 24
 
 
+def test_token_id_conversations_reread_their_history_on_the_completions_endpoint(server, tmp_path):
+    out = tmp_path / "conv.json"
+    rc = main(["serve", "--base-url", server.url, "--dataset", "multi-turn", "--turns", "3", "--prefix-len", "40",
+               "--input-len", "8", "--num-prompts", "2", "--output-len", "4", "--max-concurrency", "2",
+               "--result-file", str(out), *_common()])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["completed"] == 6 and result["failed"] == 0, result["errors"]
+    # turn t: the 40-token context, t turns of 8 and t - 1 replayed answers of 4
+    assert result["prompt_tokens"] == 2 * sum(40 + 8 * t + 4 * (t - 1) for t in (1, 2, 3))
+    conv = datasets.conversation_requests(1, 3, 40, 8, 4, 4, 512, seed=0)[0]
+    assert [len(p) for p in conv.turns] == [48, 60, 72]
+    assert conv.turns[1][:48] == conv.turns[0] and conv.turns[2][:60] == conv.turns[1]  # each extends the last
+
+
 def test_sweep_plots_and_resumes_only_the_unfinished_points(server, tmp_path):
     args = ["sweep", "--server", f"pagoda={server.url}", "--workload-var", "max_concurrency", "--values", "1,3",
             "--experiment-name", "conc", "--output-dir", str(tmp_path), "--num-prompts", "3", "--input-len", "16",

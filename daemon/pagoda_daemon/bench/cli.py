@@ -36,6 +36,13 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _delay(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError("must be a finite number ≥ 0")
+    return value
+
+
 def _slo(text: str) -> tuple[str, float]:
     name, _, ms = text.partition(":")
     value = float(ms) if ms else math.nan
@@ -58,7 +65,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths drawn in len·[1-r, 1+r]")
     p.add_argument("--num-prefixes", type=_positive_int, default=8, help="shared-prefix: distinct prefixes")
     p.add_argument("--prefix-len", type=_positive_int, default=512, help="shared-prefix: tokens per prefix")
-    p.add_argument("--turns", type=_positive_int, default=4, help="multi-turn: user turns per conversation")
+    p.add_argument("--turns", type=_positive_int, default=4,
+                   help="multi-turn: turns per conversation (chat: random words; completions: token ids on a "
+                        "shared context of --prefix-len tokens, turns of --input-len, answers replayed)")
+    p.add_argument("--turn-delay", type=_delay, default=0.0,
+                   help="multi-turn: seconds a user pauses between an answer and the next turn")
     p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf: all at once)")
     p.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
     p.add_argument("--max-concurrency", type=_positive_int, default=None)
@@ -104,8 +115,11 @@ def make_requests(args: argparse.Namespace, overrides: dict, seed: int) -> list[
         if not a["dataset_path"]:
             raise ValueError("--dataset jsonl needs --dataset-path")
         return datasets.jsonl_requests(a["dataset_path"], a["num_prompts"], a["output_len"], seed=seed)
-    if a["endpoint"] != "chat":
-        raise ValueError("--dataset multi-turn runs on --endpoint chat")
+    if a["endpoint"] == "completions":  # token ids: a shared context of --prefix-len, turns of --input-len
+        if a["vocab_size"] is None:
+            raise ValueError("--dataset multi-turn on the completions endpoint needs --vocab-size")
+        return datasets.conversation_requests(a["num_prompts"], a["turns"], a["prefix_len"], a["input_len"],
+                                              a["output_len"], a["output_len"], a["vocab_size"], seed=seed)
     return datasets.multi_turn_requests(a["num_prompts"], a["turns"], max(1, a["input_len"] // 4), a["output_len"],
                                         seed=seed)
 
@@ -113,7 +127,7 @@ def make_requests(args: argparse.Namespace, overrides: dict, seed: int) -> list[
 def _config(args: argparse.Namespace, base_url: str) -> PointConfig:
     return PointConfig(base_url=base_url.rstrip("/"), model=args.model, endpoint=args.endpoint, api_key=args.api_key,
                        request_rate=args.request_rate, burstiness=args.burstiness,
-                       max_concurrency=args.max_concurrency, timeout_s=args.timeout, seed=args.seed,
+                       max_concurrency=args.max_concurrency, turn_delay_s=args.turn_delay, timeout_s=args.timeout, seed=args.seed,
                        goodput_slo_ms=dict(args.goodput))
 
 

@@ -22,7 +22,9 @@ class BenchRequest:
 
     prompt: list[int] | str | None
     output_len: int
-    turns: tuple[str, ...] = field(default=())  # multi-turn: each user message, sent in order
+    # multi-turn, sent in order, each after the previous answer: user messages (chat), or each
+    # turn's whole prompt as token ids (completions: the conversation so far, then the new turn)
+    turns: tuple[str | list[int], ...] = field(default=())
 
 
 DATASETS = ("random", "shared-prefix", "jsonl", "multi-turn")
@@ -87,6 +89,27 @@ def multi_turn_requests(num: int, turns: int, words_per_turn: int, output_len: i
     vocab = words.split(" ")
     return [BenchRequest(None, output_len, tuple(" ".join(rng.choice(vocab) for _ in range(words_per_turn))
                                                  for _ in range(turns))) for _ in range(num)]
+
+
+def conversation_requests(num: int, turns: int, shared_len: int, turn_len: int, answer_len: int, output_len: int,
+                          vocab_size: int, *, seed: int = 0) -> list[BenchRequest]:
+    """`num` conversations of `turns` token-id prompts on one shared context of `shared_len`
+    tokens (a long system prompt or document): turn t is the context, the t − 1 earlier user
+    turns of `turn_len` tokens each followed by an answer of `answer_len` tokens (replayed, as a
+    trace would: the server's own answers are not fed back), then the new user turn. Each turn
+    re-reads the whole conversation: the workload of KV offload and of the prefix cache."""
+    rng = random.Random(seed)
+    shared = _ids(rng, shared_len, vocab_size)
+    out = []
+    for _ in range(num):
+        history = list(shared)
+        prompts: list[str | list[int]] = []
+        for _ in range(turns):
+            history += _ids(rng, turn_len, vocab_size)
+            prompts.append(list(history))
+            history += _ids(rng, answer_len, vocab_size)
+        out.append(BenchRequest(None, output_len, tuple(prompts)))
+    return out
 
 
 def describe(requests: Sequence[BenchRequest]) -> dict:

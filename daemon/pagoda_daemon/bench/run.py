@@ -33,6 +33,7 @@ class PointConfig:
     request_rate: float = math.inf  # requests/s; inf sends everything at once
     burstiness: float = 1.0  # gamma shape of the gaps: 1 is Poisson, below 1 burstier, above 1 steadier
     max_concurrency: int | None = None
+    turn_delay_s: float = 0.0  # multi-turn: a user's pause between an answer and the next turn
     ignore_eos: bool = True  # the asked output length is the output length
     temperature: float = 0.0
     timeout_s: float = 600.0
@@ -46,6 +47,8 @@ class PointConfig:
             raise ValueError("request_rate must be > 0 (inf for all at once)")
         if not (0 < self.burstiness < math.inf):
             raise ValueError("burstiness must be a positive finite number")
+        if not (0 <= self.turn_delay_s < math.inf):
+            raise ValueError("turn_delay_s must be a finite number ≥ 0")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
         unknown = set(self.goodput_slo_ms) - {"ttft", "tpot", "e2el"}
@@ -128,12 +131,14 @@ async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRe
     results = []
     messages: list[dict] = []
     turns = request.turns or (None,)
-    for turn in turns:
+    for n, turn in enumerate(turns):
+        if n and config.turn_delay_s:
+            await asyncio.sleep(config.turn_delay_s)
         result = RequestResult(ok=False, start_s=start_s)
         t0 = time.perf_counter()
         try:
-            if config.endpoint == "completions" and turn is None:
-                body = {**common, "prompt": request.prompt}
+            if config.endpoint == "completions":  # a turn of a token-id conversation is its whole prompt
+                body = {**common, "prompt": request.prompt if turn is None else turn}
                 await _stream(client, config.base_url + "/v1/completions", body, headers, result, t0)
             else:
                 messages.append({"role": "user", "content": turn if turn is not None else _as_text(request.prompt)})
