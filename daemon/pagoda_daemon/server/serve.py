@@ -144,18 +144,20 @@ def _served_name_of(reference: str) -> str:
     return uri.path.rsplit("/", 1)[-1] if uri.path else uri.location
 
 
-_last_progress_log = [0.0]
+class _ProgressLog:
+    """Fetch progress in the log: at most one line every 10 s, and the first and last file."""
 
+    def __init__(self) -> None:
+        self.last = 0.0
 
-def _log_progress(p) -> None:
-    """Fetch progress in the log: at most one line every 10 s, and the last file."""
-    now = time.monotonic()
-    if p.files_done not in (0, p.files_total) and now - _last_progress_log[0] < 10:
-        return
-    _last_progress_log[0] = now
-    eta = f", about {p.eta_s:.0f} s left" if p.eta_s is not None and p.files_done < p.files_total else ""
-    log.info("downloading model: %d/%d files, %.1f/%.1f MB, %.1f MB/s%s", p.files_done, p.files_total,
-             p.bytes_done / 1e6, p.bytes_total / 1e6, p.rate_bytes_per_s / 1e6, eta)
+    def __call__(self, p) -> None:
+        now = time.monotonic()
+        if p.files_done not in (0, p.files_total) and now - self.last < 10:
+            return
+        self.last = now
+        eta = f", about {p.eta_s:.0f} s left" if p.eta_s is not None and p.files_done < p.files_total else ""
+        log.info("downloading model: %d/%d files, %.1f/%.1f MB, %.1f MB/s%s", p.files_done, p.files_total,
+                 p.bytes_done / 1e6, p.bytes_total / 1e6, p.rate_bytes_per_s / 1e6, eta)
 
 
 def node_rank_from_hostname(hostname: str) -> int:
@@ -172,16 +174,17 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
-    reference = options["model_reference"] = str(options["model"])
+    reference = str(options["model"])
     if is_uri(reference):  # fetched into the node's cache before anything starts; then a local directory
         from pagoda_daemon.models.fetch import FetchProgress, ModelFetchError, resolve_model
         from pagoda_daemon.server.download_status import DownloadStatus
 
         status = DownloadStatus(options["host"], options["port"])
+        log_progress = _ProgressLog()
 
         def progress(p: FetchProgress) -> None:
             status.update(p)
-            _log_progress(p)
+            log_progress(p)
 
         try:  # node 0 answers the probes on its API port meanwhile (a big model outlasts a startup probe)
             with status if options["node_rank"] == 0 else contextlib.nullcontext():
@@ -224,10 +227,10 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
         log.warning("the API is unauthenticated: anyone who reaches port %d can use it (set --api-key or %s)",
                     options["port"], API_KEY_ENV)
     metrics = _make_metrics(served_name, max_model_len, config.max_num_batched_tokens)
-    if metrics is not None and is_uri(str(options.get("model_reference") or "")):
+    if metrics is not None:
         from pagoda_daemon.models.fetch import fetched_from
 
-        source = fetched_from(config.model)
+        source = fetched_from(config.model)  # None unless the model directory is a fetched one
         if source is not None:
             metrics.set_model_source(*source)
     tracer = _make_tracer(options.get("otlp_traces_endpoint"))
