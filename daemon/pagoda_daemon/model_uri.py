@@ -23,8 +23,9 @@ _REVISION = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._/-]{0,254}$")
 # S3 bucket names (the AWS rules: 3-63 lowercase letters, digits, "-" and "."; dots allowed for
 # S3-compatible stores that accept them).
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-# Kubernetes object names (DNS-1123 subdomain).
-_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# Kubernetes object names (DNS-1123 subdomain); the operator's spec checks use it too.
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_DNS1123 = re.compile(DNS1123_SUBDOMAIN)
 MAX_URI_LENGTH = 1024
 
 

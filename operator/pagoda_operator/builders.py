@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import posixpath
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ import yaml
 
 from pagoda_operator import GROUP, KIND, VERSION
 from pagoda_operator.placement import affinity
-from pagoda_operator.spec import ServiceSpec, daemon_config
+from pagoda_operator.spec import ServiceSpec, daemon_config, quantity_bytes
 
 HASH_ANNOTATION = "pagoda.dev/spec-hash"
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
@@ -277,17 +276,6 @@ def cache_env() -> list[dict[str, str]]:
         {"name": "CUDA_CACHE_PATH", "value": f"{CACHE_DIR}/nv"},
         {"name": "TMPDIR", "value": TMP_DIR},
     ]
-
-
-_BYTES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-
-
-def quantity_bytes(quantity: Any) -> int | None:
-    """A memory quantity ("16Gi", "500M", 2**30) in bytes; None for a form this does not read
-    (an exponent, milli-bytes), which is then left as the user wrote it."""
-    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[kMGTPE])?", str(quantity).strip())
-    return None if m is None else math.ceil(float(m.group(1)) * _BYTES[m.group(2) or ""])
 
 
 def _resources(spec: ServiceSpec) -> dict[str, Any]:

@@ -8,6 +8,7 @@ reports as ``Degraded/InvalidSpec`` while leaving running children untouched.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ ABSOLUTE_PATH = rf"^/$|^(/{_SEGMENT})+$"
 RELATIVE_PATH = rf"^$|^{_SEGMENT}(/{_SEGMENT})*$"
 # Passed as the argument of --served-model-name: a leading "-" would read as another option.
 MODEL_NAME = r"^[^-]"
-DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS1123_SUBDOMAIN = model_uri.DNS1123_SUBDOMAIN
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 DEFAULT_API_KEY_KEY = "api-key"
 # spec.model.uri: the schemes the daemon's parser (pagoda_daemon.model_uri) reads, no whitespace.
@@ -46,6 +47,8 @@ REGION = r"^[a-z0-9-]{1,32}$"
 # spec.model.cacheSize: a Kubernetes quantity without sign or exponent (the cache emptyDir's sizeLimit).
 QUANTITY = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$"
 MAX_QUANTITY = 32
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 # The options of a model fetched over the network (hf://, s3://), under spec.model.
 REMOTE_OPTIONS = ("credentials", "endpoint", "region", "cacheSize")
 
@@ -382,10 +385,21 @@ def model_source_errors(model: Any) -> list[str]:
         not isinstance(size, str)
         or len(size) > MAX_QUANTITY
         or not re.search(QUANTITY, size)
-        or not float(re.sub(r"[A-Za-z]+$", "", size)) > 0
+        or not (quantity_bytes(size) or 0) > 0
     ):
         errors.append(f"spec.model.cacheSize {size!r} is not a positive quantity of bytes (e.g. 100Gi)")
     return errors
+
+
+def quantity_bytes(quantity: Any) -> int | None:
+    """A quantity of bytes written as :data:`QUANTITY` reads it ("16Gi", "500M", 2**30), rounded
+    up; None for a form it does not read (an exponent, milli-bytes)."""
+    text = str(quantity).strip()
+    m = re.search(QUANTITY, text)
+    if m is None:
+        return None
+    unit = m.group(2) or ""
+    return math.ceil(float(text[: len(text) - len(unit)]) * _QUANTITY_UNITS[unit])
 
 
 def _endpoint_error(endpoint: Any) -> str | None:
