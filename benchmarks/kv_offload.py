@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,16 +31,11 @@ import httpx
 
 from pagoda_daemon.bench.datasets import conversation_requests
 from pagoda_daemon.bench.run import PointConfig, run_point
+from pagoda_daemon.demo import free_port, wait_ready
 
 OFFLOAD_METRICS = ("vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
                    "vllm:prefix_cache_hits_total", "pagoda:kv_offload_loaded_bytes_total",
                    "pagoda:kv_offload_saved_bytes_total", "pagoda:kv_offload_transfer_seconds_total")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def offload_flags(config: str, cpu_gib: float, disk_gib: float, disk_dir: str) -> list[str]:
@@ -67,23 +61,17 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def serve(model: str, extra: list[str], log_path: Path, ready_timeout_s: float) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagoda_daemon", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "bench", *extra]
     proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagoda serve exited {proc.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"pagoda serve not ready in {ready_timeout_s} s: {log_path.read_text()[-2000:]}")
+    try:
+        wait_ready(url, proc, ready_timeout_s)
+    except (RuntimeError, TimeoutError) as e:
+        proc.kill()
+        raise type(e)(f"pagoda serve: {e}: {log_path.read_text()[-2000:]}") from None
+    return proc, url
 
 
 def main(argv: list[str] | None = None) -> int:

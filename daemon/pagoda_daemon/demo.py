@@ -17,13 +17,14 @@ import time
 import urllib.request
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    """Until ``pagoda serve`` at ``url`` answers /ready with 200 (also used by benchmarks)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -45,7 +46,7 @@ def run_demo(arch: str = "llama", question: str = "What is paged attention?") ->
     from pagoda_daemon.server.auth import API_KEY_ENV, split_list
 
     model = tiny_model_dir(arch)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile(prefix="pagoda-demo-", suffix=".log", delete=False)  # noqa: SIM115
     cmd = [sys.executable, "-m", "pagoda_daemon", "--log-level", "INFO", "serve", str(model), "--host", "127.0.0.1",
@@ -53,7 +54,7 @@ def run_demo(arch: str = "llama", question: str = "What is paged attention?") ->
     print(f"[1/3] starting: {' '.join(cmd[1:])}\n      (log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     try:
-        _wait_ready(url, proc)
+        wait_ready(url, proc)
         keys = split_list(os.environ.get(API_KEY_ENV))  # the server inherits the key from this environment
         client = openai.OpenAI(base_url=url + "/v1", api_key=keys[0] if keys else "none", max_retries=0)
         messages = [{"role": "user", "content": question}]
