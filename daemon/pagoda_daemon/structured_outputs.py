@@ -130,20 +130,14 @@ class StructuredOutputsParams:
     def check(self, backend: str = "xgrammar") -> None:
         """Parse the constraint as the engine's backend will, without a tokenizer: a ValueError
         naming the field when it cannot compile."""
-        try:
-            if backend == "llguidance":
-                from llguidance import LLMatcher
+        from pagoda_daemon.engine.grammar import BACKENDS
 
-                error = LLMatcher.validate_grammar(build_llguidance_grammar(self))
-                if error:
-                    raise RuntimeError(llguidance_message(error))
-            else:
-                build_grammar(self)
-        except ValueError as e:
-            if str(e).startswith("structured_outputs."):
-                raise
-            raise self._fail(self.kind, f"cannot be compiled: {native_message(e)}") from e
+        validate = BACKENDS[backend].validate  # the engine's backends are its choices: a KeyError is a bug
+        try:
+            validate(self)
         except Exception as e:  # xgrammar raises RuntimeError from its C++ parsers
+            if isinstance(e, ValueError) and str(e).startswith("structured_outputs."):
+                raise  # already names the field
             raise self._fail(self.kind, f"cannot be compiled: {native_message(e)}") from e
 
 

@@ -140,6 +140,11 @@ class XgrammarBackend:
         self._batch = xgr.BatchGrammarMatcher(threads)
         self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
 
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        """Parse the constraint as compile will, without a tokenizer (the API's check)."""
+        build_grammar(params)
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         return self._compiler.compile_grammar(build_grammar(params))
 
@@ -180,6 +185,15 @@ class LlguidanceBackend:
         self._executor = llguidance.LLExecutor(threads)
         self._fill = llguidance.numpy.fill_next_token_bitmask_par
 
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        """Parse the constraint as compile will, without a tokenizer (the API's check)."""
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(build_llguidance_grammar(params))
+        if error:
+            raise RuntimeError(llguidance_message(error))
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         matcher = self._llg.LLMatcher(self._tokenizer, build_llguidance_grammar(params), log_level=0)
         if matcher.is_error():
@@ -202,7 +216,9 @@ class LlguidanceBackend:
         self._fill(self._executor, [(m, i) for i, m in enumerate(matchers)], out)
 
 
-BACKENDS: dict[str, type] = {backend.name: backend for backend in (XgrammarBackend, LlguidanceBackend)}
+BACKENDS: dict[str, type[XgrammarBackend] | type[LlguidanceBackend]] = {
+    backend.name: backend for backend in (XgrammarBackend, LlguidanceBackend)
+}
 
 
 class GrammarManager:
