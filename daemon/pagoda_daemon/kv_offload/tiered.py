@@ -164,11 +164,12 @@ class TieredConnector(OffloadConnector):
 
 
 class TieredWorker(OffloadWorker):
-    def __init__(self, config: EngineConfig, rank: int, kv_cache: torch.Tensor) -> None:
+    def __init__(self, config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_bytes: int) -> None:
+        """``block_bytes``: the rank's KV block size as the scheduler half was told it
+        (Worker.kv_block_bytes), so both halves size the tiers and name the engine alike."""
         super().__init__()
         layers, two, _, block_size, heads, head_dim = kv_cache.shape
         shape = (layers, two, block_size, heads, head_dim)
-        block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         self.cpu = CpuStore(cpu_blocks, shape, kv_cache.dtype) if cpu_blocks else None
@@ -207,6 +208,6 @@ def build_connector(config: EngineConfig, dtype: str, block_bytes: int) -> Tiere
     return TieredConnector(config, dtype, block_bytes) if enabled(config) else None
 
 
-def build_worker(config: EngineConfig, rank: int, kv_cache: torch.Tensor) -> TieredWorker | None:
+def build_worker(config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_bytes: int) -> TieredWorker | None:
     """One rank's worker half, or None with offload off."""
-    return TieredWorker(config, rank, kv_cache) if enabled(config) else None
+    return TieredWorker(config, rank, kv_cache, block_bytes) if enabled(config) else None

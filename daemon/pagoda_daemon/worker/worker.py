@@ -167,7 +167,7 @@ class Worker:
         from pagoda_daemon.kv_offload.tiered import build_worker
 
         assert self.runner.kv_cache is not None
-        self.offload = build_worker(self.config, self.tp.rank, self.runner.kv_cache)
+        self.offload = build_worker(self.config, self.tp.rank, self.runner.kv_cache, self.kv_block_bytes())
         if self.uses_cuda_graphs:
             started = time.monotonic()
             self.runner.capture_cuda_graphs()
