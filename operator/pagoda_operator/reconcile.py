@@ -300,8 +300,10 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
     if per_pod is not None and spec is not None:
         for pod_name, sig in per_pod.items():
             if "placement" in sig or "model" in sig:
-                reported[pod_name] = {**(sig.get("placement") or reported.get(pod_name) or {}),
-                                      **({"modelRevision": sig["model"]["revision"]} if "model" in sig else {})}
+                entry = dict(sig.get("placement") or reported.get(pod_name) or {})
+                if "model" in sig:
+                    entry["modelRevision"] = sig["model"]["revision"]
+                reported[pod_name] = entry
         eps = [s["expertParallel"] for s in per_pod.values() if "expertParallel" in s]
         if eps:
             expert_parallel = min(eps)

@@ -57,11 +57,11 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 # How long the ranks of several pods wait for each other to appear (pods start, images pull).
 STARTUP_TIMEOUT_S = 600.0
+# How long the ranks may take to leave the world together at shutdown.
+LEAVE_TIMEOUT_S = 30.0
 # Across pods: every rank bumps its counter in node 0's store this often; a peer whose counter
 # has not moved for HEARTBEAT_TIMEOUT_S is taken for dead (an idle engine runs no collective
 # that would notice).
-# How long the ranks may take to leave the world together at shutdown.
-LEAVE_TIMEOUT_S = 30.0
 HEARTBEAT_S = 2.0
 HEARTBEAT_TIMEOUT_S = 20.0
 # A node other than 0 is ready once its ranks are in the world with their KV caches: its first

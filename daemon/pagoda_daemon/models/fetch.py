@@ -101,10 +101,15 @@ class Retry:
         return min(self.max_s, self.base_s * (2 ** attempt))
 
 
+def _inside(name: str) -> bool:
+    """A plain relative path ("a/b.json"): nothing that could land outside the model directory."""
+    return bool(name) and not PurePosixPath(name).is_absolute() and all(
+        p not in ("", ".", "..") for p in name.split("/"))
+
+
 def needed(name: str) -> bool:
     """Whether the engine reads this file of a model repository."""
-    path = PurePosixPath(name)
-    if not name or path.is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
+    if not _inside(name):
         return False
     return any(fnmatch.fnmatchcase(name, pattern) and name.count("/") == pattern.count("/")
                for pattern in NEEDED_FILES)
@@ -344,8 +349,7 @@ def _index_shards(uri: ModelUri, index: Path) -> set[str]:
         shards = {str(v) for v in weight_map.values()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ModelFetchError(f"{uri}: {INDEX} is not a safetensors index: {e}") from e
-    bad = sorted(s for s in shards if not s.endswith(".safetensors") or PurePosixPath(s).is_absolute()
-                 or any(p in ("", ".", "..") for p in s.split("/")))
+    bad = sorted(s for s in shards if not s.endswith(".safetensors") or not _inside(s))
     if bad:
         raise ModelFetchError(f"{uri}: {INDEX} names weight files outside the model directory: {bad[:5]}")
     return shards
@@ -433,6 +437,11 @@ class _Source:
 _HEX = "0123456789abcdef"
 
 
+def _is_hex(text: str, length: int) -> bool:
+    """``length`` lowercase hex digits: a git commit (40), an MD5 (32)."""
+    return len(text) == length and all(c in _HEX for c in text)
+
+
 class _HfSource(_Source):
     def __init__(self, uri: ModelUri, env: Mapping[str, str], retry: Retry) -> None:
         self.uri, self.retry = uri, retry
@@ -442,7 +451,7 @@ class _HfSource(_Source):
 
     def pinned_revision(self) -> str | None:
         rev = self.uri.revision or ""
-        return rev if len(rev) == 40 and all(c in _HEX for c in rev) else None
+        return rev if _is_hex(rev, 40) else None
 
     def ref_name(self) -> str:
         return self.uri.revision or "default"
@@ -462,7 +471,7 @@ class _HfSource(_Source):
         info = _with_retries(self.uri, "resolving the revision", self.retry,
                              lambda: api.model_info(self.uri.location, revision=self.uri.revision,
                                                     files_metadata=True), _hf_failure)
-        if not (isinstance(info.sha, str) and len(info.sha) == 40 and all(c in _HEX for c in info.sha)):
+        if not (isinstance(info.sha, str) and _is_hex(info.sha, 40)):
             # it becomes a directory name: nothing but a commit id (never "../..") from a mirror
             raise ModelFetchError(f"{self.uri}: the Hub's answer names no commit (sha {info.sha!r})")
         self.revision = info.sha
@@ -586,7 +595,7 @@ class _S3Source(_Source):
             if not needed(name):
                 continue
             etag = str(o.get("ETag", "")).strip('"')
-            single_part = len(etag) == 32 and all(c in _HEX for c in etag.lower())
+            single_part = _is_hex(etag.lower(), 32)
             files.append(RemoteFile(name, int(o["Size"]), md5=etag if single_part else None, key=o["Key"],
                                     etag=etag))
         files.sort(key=lambda f: f.name)
