@@ -148,12 +148,14 @@ if has kv-offload; then
   # Issue #19's workload: conversations on a long shared context outgrowing a GPU cache held to
   # KVO_BLOCKS blocks, with offload off, in host memory, on disk and both (Qwen3-0.6B shape,
   # random weights, the synthetic tokenizer). KVO_BLOCKS empty: the cache sized as in production.
+  # KVO_DISK_GIB: the disk tier's size (kv_offload.py's default, 64 GiB, otherwise); the disk and
+  # both configurations keep their files until the run ends, which a 64 GiB disk may not hold.
   step "KV offload: multi-turn conversations beyond the GPU cache (off, cpu, disk, both)"
   TOK=/tmp/qwen3-0.6b-synth
   python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/qwen3-0.6b/config.json >/dev/null || status=1
   timeout "${KVO_TIMEOUT:-540}" python3 -m benchmarks.kv_offload $CFG/qwen3-0.6b --tokenizer $TOK --load-format dummy \
     ${KVO_BLOCKS:+--num-kv-blocks $KVO_BLOCKS} --conversations "${KVO_CONVERSATIONS:-100}" --turns "${KVO_TURNS:-10}" \
-    --shared-len "${KVO_SHARED:-2000}" --configs "${KVO_CONFIGS:-off,cpu,disk,both}" --out "$OUT/kv_offload.jsonl" \
+    --shared-len "${KVO_SHARED:-2000}" ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} --configs "${KVO_CONFIGS:-off,cpu,disk,both}" --out "$OUT/kv_offload.jsonl" \
     2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has structured; then
