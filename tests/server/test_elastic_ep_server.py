@@ -138,3 +138,10 @@ def test_the_admin_routes_take_the_admin_key_and_bounded_bodies(elastic_server):
 def test_without_an_admin_key_the_admin_routes_are_off(server):
     answer = httpx.post(server.url + "/scale_elastic_ep", json={"new_expert_parallel_size": 2}, timeout=10)
     assert answer.status_code == 403 and answer.json()["error"]["code"] == "admin_routes_off"
+
+
+def test_an_admin_key_that_is_also_a_user_key_is_refused_at_start(tiny_models, tmp_path):
+    srv = ServerProcess(tiny_models["llama"], "--api-key", f"a,{ADMIN}", "--admin-api-key", ADMIN, log_dir=tmp_path)
+    assert srv.proc.wait(60) == 2
+    srv.stop()
+    assert "the admin API key must differ from every user API key" in srv.log_path.read_text()

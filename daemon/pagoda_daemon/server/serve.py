@@ -213,6 +213,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         model_config = load_config(config.model)  # a bad path or architecture fails here, before any process
         check_layout(model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts, config.elastic_ep_max_size)
+        _keys(options)
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
@@ -225,6 +226,18 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len))
 
 
+def _keys(options: dict) -> tuple[APIKeys, APIKeys]:
+    """(the users' keys, the admin key). The admin routes check the admin key themselves
+    (server/admin.py) and never take a user's, so the users' check lets them through; an admin
+    key that is also a user key is refused."""
+    keys = APIKeys.from_options(options["api_key"], os.environ,
+                                [*split_list(options["auth_exempt_paths"]), *ADMIN_PATHS])
+    admin_keys = APIKeys.from_options(options["admin_api_key"], os.environ, (), env=ADMIN_API_KEY_ENV)
+    if set(admin_keys.keys) & set(keys.keys):
+        raise ValueError("the admin API key must differ from every user API key")
+    return keys, admin_keys
+
+
 async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int) -> int:
     import uvicorn
 
@@ -232,12 +245,7 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError
     from pagoda_daemon.server.http_protocol import DrainingServer, GuardedH11Protocol
 
-    # The admin routes check the admin key themselves (server/admin.py), never a user's key.
-    keys = APIKeys.from_options(options["api_key"], os.environ,
-                                [*split_list(options["auth_exempt_paths"]), *ADMIN_PATHS])
-    admin_keys = APIKeys.from_options(options["admin_api_key"], os.environ, (), env=ADMIN_API_KEY_ENV)
-    if set(admin_keys.keys) & set(keys.keys):
-        raise ValueError("the admin API key must differ from every user API key")
+    keys, admin_keys = _keys(options)
     if not keys.enabled:
         log.warning("the API is unauthenticated: anyone who reaches port %d can use it (set --api-key or %s)",
                     options["port"], API_KEY_ENV)
