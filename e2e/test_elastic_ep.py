@@ -79,6 +79,8 @@ def test_elastic_ep_grows_under_load_and_shrinks_when_idle(local_cluster):
     model = local_cluster.model_dir.parent / "tiny-qwen3-moe"
     if not (model / "config.json").exists():
         build_tiny_model("qwen3_moe", model, seed=3)
+        for f in model.iterdir():  # safetensors writes 0600; the daemon runs as another user
+            f.chmod(0o644)
     ns = local_cluster.create_namespace("elastic")
     doc = manifest(local_cluster, NAME, model_path=str(model))
     doc["spec"]["model"]["name"] = MODEL
@@ -109,7 +111,7 @@ def test_elastic_ep_grows_under_load_and_shrinks_when_idle(local_cluster):
         shrunk = _wait_size(local_cluster, ns, 2, timeout=300)
         down = shrunk["elastic"]["decisions"][-1]
         assert (down["from"], down["to"]) == (3, 2)
-        scaling = cond(shrunk, "Scaling")
+        scaling = cond({"status": shrunk}, "Scaling")
         assert scaling["status"] == "False" and scaling["reason"] == "Stable", scaling
         pod = shrunk["elastic"]["pods"][0]
         assert pod["lastTransitionSeconds"] > 0 and "lastError" not in pod
