@@ -24,7 +24,7 @@ CAPABILITIES: dict[str, Capability] = {
         Capability("tensor_parallel", True, "tensor parallelism (one model sharded over several GPUs)"),
         Capability("expert_parallel", True, "expert parallelism (MoE experts spread over several GPUs)"),
         Capability("data_parallel", False, "data parallelism inside one replica"),
-        Capability("elastic_expert_parallel", False, "elastic expert parallelism"),
+        Capability("elastic_expert_parallel", True, "elastic expert parallelism"),
         Capability("kv_cache_fp8", False, "an fp8 KV cache"),
         Capability("kv_offload", True, "KV cache offload to host memory or disk"),
         Capability("model_uri", True, "fetching the model from a URI (hf://, s3://)"),

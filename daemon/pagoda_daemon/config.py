@@ -69,6 +69,14 @@ class EngineConfig:
     eplb_step_interval: int = option(
         3000, "with EPLB: engine steps between rebalances (the load is counted over them)", minimum=1,
         maximum=10**9)
+    # Elastic expert parallelism (docs/elastic-ep.md): the replica's expert-parallel size changes
+    # while it serves, between these bounds; attention and the dense layers are then whole on
+    # every rank and only the experts are spread.
+    elastic_ep_min_size: int = option(
+        0, "elastic expert parallelism: the fewest ranks a resize may leave (0: elastic EP off; needs enable_eplb)",
+        minimum=0, maximum=64)
+    elastic_ep_max_size: int = option(
+        0, "elastic expert parallelism: the most ranks a resize may reach", minimum=0, maximum=64)
     data_parallel_size: int = option(1, "engine replicas inside one daemon", minimum=1, needs="data_parallel")
     # Ranks over several pods (nodes): node 0 runs the API server and the engine core with its
     # share of the ranks; nodes 1..nnodes-1 run only theirs (docs/parallelism.md, "Across pods").
@@ -84,6 +92,10 @@ class EngineConfig:
     kv_offload_disk_path: str | None = option(None, "directory for offloaded KV blocks", needs="kv_offload")
     kv_offload_disk_gib: float = option(0.0, "disk space for offloaded KV blocks, GiB", minimum=0.0,
                                         needs="kv_offload")
+
+    @property
+    def elastic_ep(self) -> bool:
+        return self.elastic_ep_max_size > 0
 
     @property
     def ranks_per_node(self) -> int:
@@ -103,9 +115,31 @@ class EngineConfig:
         if self.world_size % self.nnodes:
             raise ValueError(f"{self.world_size} ranks (tensor × expert parallel size) cannot be split evenly over "
                              f"nnodes {self.nnodes}")
+        if self.elastic_ep or self.elastic_ep_min_size:
+            self._check_elastic()
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):
             raise ValueError(f"numa_policy must be auto, none or cpus=<list>, got {self.numa_policy!r}")
+
+    def _check_elastic(self) -> None:
+        """Elastic EP's requirements, all named in one message (vLLM's elastic EP asks the same:
+        EPLB on, attention not split over the expert ranks, one node)."""
+        problems = []
+        low, high, size = self.elastic_ep_min_size, self.elastic_ep_max_size, self.expert_parallel_size
+        if not 2 <= low <= high:
+            problems.append(f"elastic_ep_min_size ({low}) must be at least 2 and at most elastic_ep_max_size ({high})")
+        elif not low <= size <= high:
+            problems.append(f"expert_parallel_size {size} must lie within the elastic bounds {low}..{high}")
+        if not self.enable_eplb:
+            problems.append("elastic expert parallelism needs enable_eplb (the balancer places the experts of each size)")
+        if self.tensor_parallel_size != 1:
+            problems.append("elastic expert parallelism needs tensor_parallel_size 1 (attention is whole on every rank)")
+        if self.nnodes != 1:
+            problems.append("elastic expert parallelism runs its ranks in one pod (nnodes 1)")
+        if self.kv_offload_cpu_gib or self.kv_offload_disk_path:
+            problems.append("elastic expert parallelism does not combine with KV offload yet")
+        if problems:
+            raise ValueError("; ".join(problems))

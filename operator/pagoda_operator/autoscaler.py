@@ -45,8 +45,10 @@ def mean(samples: Sequence[float]) -> float | None:
     return sum(samples) / len(samples) if samples else None
 
 
-def recommend(cfg: Autoscaling, current: int, samples: Sequence[float]) -> tuple[int, str, str]:
-    """Raw recommendation (before bounds and windows), reason, message."""
+def recommend(cfg: Autoscaling, current: int, samples: Sequence[float],
+              expected: int | None = None) -> tuple[int, str, str]:
+    """Raw recommendation (before bounds and windows), reason, message. ``expected``: how many
+    samples should have come (default: one per replica, ``current``)."""
     value = mean(samples)
     if value is None:
         return current, "NoMetrics", "no ready pod answered /metrics; holding"
@@ -58,17 +60,18 @@ def recommend(cfg: Autoscaling, current: int, samples: Sequence[float]) -> tuple
             "WithinTolerance",
             f"{cfg.metric} {value:.3g} is within {cfg.tolerance:.0%} of target {cfg.target:g}",
         )
-    missing = max(0, current - answered)
+    expected = current if expected is None else expected
+    missing = max(0, expected - answered)
     if missing:
         # Pods without metrics: at target when scaling down, idle when scaling up (the HPA's rule).
         assumed = cfg.target if ratio < 1 else 0.0
-        ratio = (value * answered + assumed * missing) / (cfg.target * current)
+        ratio = (value * answered + assumed * missing) / (cfg.target * expected)
         if abs(ratio - 1) <= cfg.tolerance or (ratio < 1) != (value < cfg.target):
             return (
                 current,
                 "WithinTolerance",
                 (
-                    f"{cfg.metric} {value:.3g} over {answered}/{current} pods; counting the silent ones, within tolerance"
+                    f"{cfg.metric} {value:.3g} over {answered}/{expected} pods; counting the silent ones, within tolerance"
                 ),
             )
     base = max(current, 1)
@@ -87,8 +90,11 @@ def evaluate(
     samples: Sequence[float],
     history: Sequence[tuple[float, int]],
     now: float,
+    expected: int | None = None,
 ) -> Evaluation:
-    """One autoscaler step: desired replicas from the current size, fresh samples and history."""
+    """One autoscaler step: desired replicas from the current size, fresh samples and history.
+    ``expected``: the samples that should have come (default one per replica; elastic EP sizes
+    take one per pod whatever the size)."""
     value = mean(samples)
     if current < cfg.min_replicas or current > cfg.max_replicas:
         bound = max(cfg.min_replicas, min(cfg.max_replicas, current))
@@ -101,7 +107,7 @@ def evaluate(
             value,
             _keep(history, now, cfg, (now, bound)),
         )
-    raw, reason, message = recommend(cfg, current, samples)
+    raw, reason, message = recommend(cfg, current, samples, expected)
     rec = max(cfg.min_replicas, min(cfg.max_replicas, raw))
     if rec != raw:
         message += f"; wants {raw}, bounded to {rec}"

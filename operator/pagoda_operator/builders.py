@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from pagoda_operator import GROUP, KIND, VERSION
+from pagoda_operator.elastic import admin_key_env
 from pagoda_operator.placement import affinity
 from pagoda_operator.spec import ServiceSpec, daemon_config, quantity_bytes
 
@@ -218,11 +219,8 @@ def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
         env.append(
             {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}}
         )
-    if spec.parallelism.elastic:
-        env += [
-            {"name": "PAGODA_ELASTIC_EP_MIN", "value": str(spec.parallelism.min_expert)},
-            {"name": "PAGODA_ELASTIC_EP_MAX", "value": str(spec.parallelism.max_expert)},
-        ]
+    if spec.parallelism.elastic is not None:  # the operator's key to the daemon's admin routes (elastic.py)
+        env.append(admin_key_env(spec))
     if spec.tracing.otlp_endpoint:
         env += [
             {"name": "OTEL_SERVICE_NAME", "value": f"pagoda-{spec.name}"},

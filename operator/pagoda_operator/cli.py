@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pagoda_operator import builders, telemetry
+from pagoda_operator import builders, elastic, telemetry
 from pagoda_operator.admission import Policy, image_repository
 
 if TYPE_CHECKING:
@@ -284,7 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         http_from=tuple(args.network_policy_http_from) or builders.ALL_NAMESPACES,
     )
     # Passes read from watch-fed caches (watch_cache.py); the elector above reads its Lease live.
-    ctx = Context(kube=CachedKube(kube), settings=settings, scrape_timeout=args.scrape_timeout)
+    # Elastic EP: the secret the daemons' admin keys derive from (the chart's; elastic.py).
+    operator_secret = os.environ.get(elastic.OPERATOR_SECRET_ENV, "").encode() or None
+    if operator_secret is None:
+        logging.getLogger("pagoda_operator").warning(
+            "%s is not set: elastic InferenceServices serve at their start size, unresized",
+            elastic.OPERATOR_SECRET_ENV)
+    ctx = Context(kube=CachedKube(kube), settings=settings, scrape_timeout=args.scrape_timeout,
+                  operator_secret=operator_secret)
     registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)
     logging.getLogger("pagoda_operator").info(
         "operator running: %s, interval %.1fs, daemon image %s",

@@ -22,6 +22,7 @@ from pagoda_operator.telemetry import API_REQUESTS, WRITES
 # kind -> (API prefix, plural, namespaced)
 RESOURCES = {
     "ConfigMap": ("/api/v1", "configmaps", True),
+    "Secret": ("/api/v1", "secrets", True),  # created only (elastic EP's admin key), never read
     "Service": ("/api/v1", "services", True),
     "Pod": ("/api/v1", "pods", True),
     "Node": ("/api/v1", "nodes", False),

@@ -19,6 +19,7 @@ lease keeps a second operator process out.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import Any
 
 from pagoda_daemon.capabilities import supported
 from pagoda_operator import autoscaler, builders, placement, pod_groups
+from pagoda_operator import elastic as elastic_mod
 from pagoda_operator import metrics_scrape as scrape_mod
 from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
@@ -124,6 +126,11 @@ class Context:
     scrape_timeout: float = 2.0
     fetcher: Callable[[str, float], str] = scrape_mod.fetch
     ready_fetcher: Callable[[str, float], str] = scrape_mod.fetch_ready
+    # elastic EP: the operator's secret its per-service admin keys derive from (None: elastic EP is
+    # not driven), and how a daemon's admin route is called (tests call a real server too)
+    operator_secret: bytes | None = None
+    elastic_call: Callable[..., dict[str, Any]] = elastic_mod._call
+    admin_secrets: set[str] = field(default_factory=set)  # uids whose admin-key Secret exists
     # the daemon capabilities a spec may ask for (pagoda_daemon.capabilities; tests widen it)
     supports: Supports = supported
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
@@ -185,6 +192,9 @@ class Observed:
     stateful_sets: list[dict[str, Any]] = field(default_factory=list)
     group_service: dict[str, Any] | None = None
     starting: dict[str, str] = field(default_factory=dict)  # pod -> start-up phase, from its /ready
+    # elastic EP: each ready pod's /elastic_ep (None: not read this pass) and the admin key it takes
+    elastic_states: dict[str, dict[str, Any]] | None = None
+    admin_key: str | None = None
 
     @property
     def leaders(self) -> dict[str, Any] | None:
@@ -214,6 +224,9 @@ class Decision:
     scale: tuple[int, autoscaler.Evaluation] | None  # (replicas before, this pass's autoscaler step)
     expert_parallel: int | None
     reported: dict[str, dict[str, Any]]  # placement the daemons reported, by pod
+    elastic: dict[str, Any] | None = None  # the new status.elastic
+    scaling: tuple[str, str, str] | None = None  # the Scaling condition (elastic EP)
+    resizes: list[tuple[str, int]] = field(default_factory=list)  # (pod, expert-parallel size) to ask for
 
 
 def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Result | None:
@@ -253,6 +266,12 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
             children["NetworkPolicy"] = kube.get("NetworkPolicy", namespace, name)
         if autoscale:
             signals = scrape_mod.scrape(serving, spec.port, spec.model.name, ctx.scrape_timeout, ctx.fetcher)
+    elastic_states = admin_key = None
+    if spec is not None and spec.parallelism.elastic is not None and ctx.operator_secret:
+        admin_key = elastic_mod.admin_key(ctx.operator_secret, namespace, name, body["metadata"].get("uid", ""))
+        if autoscale:
+            elastic_states = elastic_mod.read_states(serving, spec.port, admin_key, ctx.scrape_timeout,
+                                                     ctx.elastic_call)
     starting: dict[str, str] = {}
     if spec is not None:  # a starting engine says which phase it is in: shown in status.placement
         starting = scrape_mod.starting_phases(serving, spec.port, ctx.scrape_timeout, ctx.ready_fetcher)
@@ -265,7 +284,7 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         except ApiError as e:
             log.debug("cannot read Events in %s: %s", namespace, e)
     return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events,
-                    stateful_sets, group_service, starting)
+                    stateful_sets, group_service, starting, elastic_states, admin_key)
 
 
 def decide(observed: Observed, settings: builders.Settings, now: float) -> Decision:
@@ -307,11 +326,15 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
         eps = [s["expertParallel"] for s in per_pod.values() if "expertParallel" in s]
         if eps:
             expert_parallel = min(eps)
-        if spec.autoscaling and blocker is None:
-            current = desired_replicas(spec, autoscaled)
-            auto_status, ev = _autoscale(spec, auto_status, current, per_pod, now)
-            scale = (current, ev)
-            autoscaled = ev.desired
+    el = spec.parallelism.elastic if spec is not None else None
+    elastic_status, scaling, resizes, hold_up = _elastic(observed, spec, autoscaled, now)
+    if el is not None and elastic_status is not None and "currentExpertParallel" in elastic_status:
+        expert_parallel = elastic_status["currentExpertParallel"]
+    if per_pod is not None and spec is not None and spec.autoscaling and blocker is None:
+        current = desired_replicas(spec, autoscaled)
+        auto_status, ev = _autoscale(spec, auto_status, current, per_pod, now, hold_up)
+        scale = (current, ev)
+        autoscaled = ev.desired
     if spec is not None and expert_parallel is None:
         expert_parallel = spec.parallelism.expert
 
@@ -329,7 +352,41 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
     if spec is not None and spec.autoscaling and autoscaled is None:
         auto_status["desiredReplicas"] = replicas
     autoscaling = auto_status if spec is not None and spec.autoscaling else None
-    return Decision(spec, blocker, replicas, kids, autoscaling, scale, expert_parallel, reported)
+    if blocker is not None:
+        resizes = []
+    return Decision(spec, blocker, replicas, kids, autoscaling, scale, expert_parallel, reported, elastic_status,
+                    scaling, resizes)
+
+
+def _elastic(observed: Observed, spec: ServiceSpec | None, autoscaled: int | None, now: float
+             ) -> tuple[dict[str, Any] | None, tuple[str, str, str] | None, list[tuple[str, int]], str | None]:
+    """Elastic EP's step (pure): (status.elastic, the Scaling condition, the resizes to ask for,
+    why the replica autoscaler must not grow now). Between the passes that read the daemons,
+    the last status and condition stay."""
+    el = spec.parallelism.elastic if spec is not None else None
+    if spec is None or el is None:
+        return None, None, [], None
+    previous = observed.body.get("status") or {}
+    prev_el = previous.get("elastic") or {}
+    states = observed.elastic_states
+    if states is None:
+        old = status_mod.condition(previous, "Scaling")
+        kept = (old["status"], old.get("reason", ""), old.get("message", "")) if old else None
+        return (dict(prev_el) or None), kept, [], None
+    sizes = [s["size"] for s in states.values() if isinstance(s.get("size"), int)]
+    current = min(sizes) if sizes else int(prev_el.get("currentExpertParallel") or spec.parallelism.expert)
+    samples = [sig[el.metric] for sig in (observed.signals or {}).values() if el.metric in sig]
+    replicas = desired_replicas(spec, autoscaled)
+    can_shrink = spec.autoscaling is not None and replicas > spec.autoscaling.min_replicas
+    serving = max(len(states), len(observed.signals or {}))
+    decision = elastic_mod.evaluate(el, current, samples, elastic_mod.history_of(prev_el), now, can_shrink, serving)
+    status = elastic_mod.status_of(el, prev_el, decision, current, states, now)
+    scaling = elastic_mod.scaling_condition(states, decision.desired)
+    resizes = [(pod, decision.desired) for pod in elastic_mod.wanted_resizes(states, decision.desired)]
+    growing = decision.desired > current or scaling[1] == "Resizing"
+    hold_up = (f"ElasticFirst: the expert-parallel size grows first ({current} -> {decision.desired} of at most "
+               f"{el.max_expert})") if growing and current < el.max_expert else None
+    return status, scaling, resizes, hold_up
 
 
 def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> Result | None:
@@ -345,6 +402,19 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         line = _record_scale(spec, *scale)
         if line:
             events.append(("Normal", "Autoscaled", line))
+
+    if spec is not None and spec.parallelism.elastic is not None and observed.admin_key is not None:
+        problem = _ensure_admin_secret(ctx, spec, body, observed.admin_key)
+        if problem:
+            events.append(("Warning", "AdminKeySecret", problem))
+        for pod_name, size in decision.resizes:
+            pod = next((p for p in observed.pods if p["metadata"]["name"] == pod_name), None)
+            why = "gone" if pod is None else elastic_mod.request(pod, spec.port, observed.admin_key, size,
+                                                                 ctx.scrape_timeout, ctx.elastic_call)
+            events.append(("Warning", "ElasticResizeRefused", f"{pod_name}: {size} expert-parallel ranks: {why}")
+                          if why else ("Normal", "ElasticResize", f"{pod_name}: asked for {size} expert-parallel ranks"))
+            log.info("elastic %s/%s: %s asked for %d expert-parallel ranks%s", namespace, name, pod_name, size,
+                     f": {why}" if why else "")
 
     lives = {(kind, n): observed.live(kind, n) for kind, n in
              [("Deployment", name), *(("StatefulSet", st["metadata"]["name"]) for st in observed.stateful_sets)]}
@@ -405,6 +475,8 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         expert_parallel=int(decision.expert_parallel) if decision.expert_parallel is not None else None,
         placement=placement.replica_placement(observed.pods, topo_by_node, decision.reported, observed.starting),
         autoscaling=decision.autoscaling,
+        elastic=decision.elastic,
+        scaling=decision.scaling,
     )
     warning = status_mod.degraded_event(previous, new)
     if warning:
@@ -421,6 +493,22 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
     return Result(status=new, wrote=wrote, events=events, uid=body["metadata"].get("uid", ""))
 
 
+def _ensure_admin_secret(ctx: Context, spec: ServiceSpec, body: Mapping[str, Any], key: str) -> str | None:
+    """Create the Secret holding this InferenceService's admin key, once per uid and operator
+    process (the operator may create Secrets, never read them: one that exists is taken as
+    ours; were it not, the daemon's 401s say so in status). None, or the problem."""
+    uid = body["metadata"].get("uid", "")
+    if uid in ctx.admin_secrets:
+        return None
+    try:
+        ctx.kube.create(elastic_mod.admin_secret(spec, body, key))
+    except ApiError as e:
+        if e.status != 409:
+            return f"cannot create Secret {elastic_mod.admin_secret_name(spec.name)} for the admin key: {e}"
+    ctx.admin_secrets.add(uid)
+    return None
+
+
 def _prune(d: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
@@ -431,8 +519,10 @@ def _autoscale(
     current: int,
     per_pod: Mapping[str, Mapping[str, Any]],
     now: float,
+    hold_up: str | None = None,
 ) -> tuple[dict[str, Any], autoscaler.Evaluation]:
-    """One autoscaler step (pure) from ``current`` replicas; the new status.autoscaling and the evaluation."""
+    """One autoscaler step (pure) from ``current`` replicas; the new status.autoscaling and the
+    evaluation. ``hold_up``: why growth waits (elastic EP grows first)."""
     cfg = spec.autoscaling
     assert cfg is not None
     samples = [s[cfg.metric] for s in per_pod.values() if cfg.metric in s]
@@ -443,6 +533,8 @@ def _autoscale(
         except (KeyError, ValueError):
             continue
     ev = autoscaler.evaluate(cfg, current, samples, history, now)
+    if hold_up and ev.desired > current:
+        ev = dataclasses.replace(ev, desired=current, reason="ElasticFirst", message=f"{ev.message}; {hold_up}")
     signals = scrape_mod.signals_summary(per_pod)
     out = {
         "metric": cfg.metric,

@@ -88,18 +88,27 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class Elastic:
+    """spec.parallelism.elastic: the bounds of a replica's expert-parallel size and the rule the
+    operator resizes it by (the replica autoscaler's rule over expert-parallel sizes: elastic.py)."""
+
+    min_expert: int
+    max_expert: int
+    metric: str = "requestsRunning"
+    target: float = 16.0
+    tolerance: float = 0.1
+    scale_up_window_s: int = 0
+    scale_down_window_s: int = 300
+
+
+@dataclass(frozen=True)
 class Parallelism:
     tensor: int = 1
     expert: int = 1
     data: int = 1
-    min_expert: int | None = None
-    max_expert: int | None = None
+    elastic: Elastic | None = None
     eplb_redundant_experts: int | None = None  # set: EPLB on
     eplb_step_interval: int = 3000
-
-    @property
-    def elastic(self) -> bool:
-        return self.max_expert is not None
 
 
 @dataclass(frozen=True)
@@ -248,12 +257,23 @@ def parse(
     p = _get(spec, "parallelism", {})
     el = _get(p, "elastic", None)
     eplb = _get(p, "eplb", None)
+    elastic = None
+    if el:
+        el_metric = _get(el, "metric", "requestsRunning")
+        elastic = Elastic(
+            min_expert=int(el["minExpert"]),
+            max_expert=int(el["maxExpert"]),
+            metric=el_metric,
+            target=float(_get(el, "target", DEFAULT_TARGETS.get(el_metric, 1.0))),
+            tolerance=float(_get(el, "tolerance", 0.1)),
+            scale_up_window_s=int(_get(el, "scaleUpStabilizationSeconds", 0)),
+            scale_down_window_s=int(_get(el, "scaleDownStabilizationSeconds", 300)),
+        )
     parallelism = Parallelism(
         tensor=int(_get(p, "tensor", 1)),
         expert=int(_get(p, "expert", 1)),
         data=int(_get(p, "data", 1)),
-        min_expert=int(el["minExpert"]) if el else None,
-        max_expert=int(el["maxExpert"]) if el else None,
+        elastic=elastic,
         eplb_redundant_experts=int(_get(eplb, "redundantExperts", 0)) if eplb is not None else None,
         eplb_step_interval=int(_get(eplb, "stepInterval", 3000)),
     )
@@ -462,9 +482,11 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         "kv_offload_disk_path": kv.disk_path,
         "kv_offload_disk_gib": kv.disk_gib if kv.disk_path else None,
     }
-    if p.eplb_redundant_experts is not None:
-        optional.update(enable_eplb=True, num_redundant_experts=p.eplb_redundant_experts,
+    if p.eplb_redundant_experts is not None or p.elastic is not None:  # elastic EP places experts by EPLB
+        optional.update(enable_eplb=True, num_redundant_experts=p.eplb_redundant_experts or 0,
                         eplb_step_interval=p.eplb_step_interval)
+    if p.elastic is not None:
+        optional.update(elastic_ep_min_size=p.elastic.min_expert, elastic_ep_max_size=p.elastic.max_expert)
     cfg.update({k: v for k, v in optional.items() if v is not None})
     return cfg
 
@@ -491,7 +513,7 @@ def capability_errors(s: ServiceSpec, supports: Supports = capabilities.supporte
     ]
     if s.model.source == "uri" and not supports("model_uri"):  # hf://, s3:// (pvc:// is mounted)
         errors.append(f"spec.model.uri: {capabilities.refusal('model_uri')}")
-    if s.parallelism.elastic and not supports("elastic_expert_parallel"):
+    if s.parallelism.elastic is not None and not supports("elastic_expert_parallel"):
         errors.append(f"spec.parallelism.elastic: {capabilities.refusal('elastic_expert_parallel')}")
     return errors
 
@@ -509,11 +531,9 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
     par = s.parallelism
     ranks = par.tensor * par.expert * par.data
     if s.gpus == 0:  # CPU ranks over gloo share the pod's cores: a layout can be tried without GPUs
-        if par.data != 1 or par.elastic:
-            errors.append(
-                "with resources.gpusPerReplica 0 (CPU) parallelism.data must be 1 and elastic unset"
-            )
-    elif not par.elastic and ranks != s.gpus:  # one engine rank per GPU: none idle, none shared
+        if par.data != 1:
+            errors.append("with resources.gpusPerReplica 0 (CPU) parallelism.data must be 1")
+    elif par.elastic is None and ranks != s.gpus:  # one engine rank per GPU: none idle, none shared
         errors.append(
             f"parallelism.tensor ({par.tensor}) × expert ({par.expert}) × data ({par.data}) = {ranks} "
             f"must equal resources.gpusPerReplica ({s.gpus}): the engine runs one rank per GPU"
@@ -527,7 +547,7 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
                 f"metadata.name may have at most {MAX_GROUPED_NAME} characters with resources.podsPerReplica "
                 "above 1: it names StatefulSets whose pods carry it in a 63-character label"
             )
-        if par.data != 1 or par.elastic:
+        if par.data != 1 or par.elastic is not None:
             errors.append("resources.podsPerReplica above 1 needs parallelism.data 1 and elastic unset")
         if (par.tensor * par.expert) % pods or (s.gpus and s.gpus % pods):
             errors.append(
@@ -537,18 +557,25 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
             )
     if par.eplb_redundant_experts is not None and par.expert < 2:
         errors.append("parallelism.eplb needs parallelism.expert of 2 or more (it balances experts between ranks)")
-    if par.elastic and s.gpus > 0:
-        assert par.min_expert is not None and par.max_expert is not None
-        if not par.min_expert <= par.expert <= par.max_expert:
+    el = par.elastic
+    if el is not None:
+        if not 2 <= el.min_expert <= par.expert <= el.max_expert:
             errors.append(
-                f"parallelism.elastic needs minExpert ({par.min_expert}) <= expert ({par.expert}) "
-                f"<= maxExpert ({par.max_expert})"
+                f"parallelism.elastic needs 2 <= minExpert ({el.min_expert}) <= expert ({par.expert}) "
+                f"<= maxExpert ({el.max_expert})"
             )
-        if par.tensor * par.max_expert > s.gpus:
+        if par.tensor != 1:
+            errors.append("parallelism.elastic needs parallelism.tensor 1: attention is whole on every rank "
+                          "(docs/elastic-ep.md)")
+        if s.gpus > 0 and el.max_expert > s.gpus:
             errors.append(
-                f"parallelism.tensor ({par.tensor}) × elastic.maxExpert ({par.max_expert}) exceeds "
-                f"resources.gpusPerReplica ({s.gpus})"
+                f"parallelism.elastic.maxExpert ({el.max_expert}) exceeds resources.gpusPerReplica ({s.gpus}): "
+                "the pod holds the GPUs of the largest size"
             )
+        if s.kv_offload.cpu_gib or s.kv_offload.disk_path:
+            errors.append("parallelism.elastic does not combine with kvOffload yet")
+        if el.metric == "kvCacheUsage" and not 0 < el.target <= 1:
+            errors.append(f"parallelism.elastic.target for kvCacheUsage is a fraction in (0, 1]; got {el.target}")
     a = s.autoscaling
     if a is not None:
         if a.min_replicas > a.max_replicas:

@@ -302,10 +302,13 @@ def compute(
     expert_parallel: int | None = None,
     placement: list[dict[str, Any]] | None = None,
     autoscaling: dict[str, Any] | None = None,
+    elastic: dict[str, Any] | None = None,
+    scaling: tuple[str, str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole status: conditions, counts and observedGeneration, and what the pass carries
     through (the scale selector, the endpoint, the expert-parallel size, where each replica
-    runs, the autoscaler's state).
+    runs, the autoscaler's state, elastic EP's state). ``scaling``: the ``Scaling`` condition
+    (status, reason, message) of elastic EP, which only an elastic InferenceService has.
 
     ``blocker`` is a problem that stopped the operator from applying this generation (InvalidSpec,
     NoEligibleNodes): the children then still carry the previous spec, observedGeneration stays
@@ -362,6 +365,9 @@ def compute(
         set_condition(prev_conds, t, *c, generation=generation, now=now)
         for t, c in zip(CONDITION_TYPES, (ready_c, prog_c, deg_c))
     ]
+    if scaling is not None:
+        conditions.append(set_condition(prev_conds, "Scaling", scaling[0] == "True", scaling[1], scaling[2],
+                                        generation=generation, now=now))
     observed = previous.get("observedGeneration") if blocker else generation
     out: dict[str, Any] = {
         "conditions": conditions,
@@ -373,7 +379,7 @@ def compute(
     if observed is not None:
         out["observedGeneration"] = observed
     carried = {"selector": selector, "endpoint": endpoint, "expertParallel": expert_parallel,
-               "placement": placement, "autoscaling": autoscaling}
+               "placement": placement, "autoscaling": autoscaling, "elastic": elastic}
     out.update({k: v for k, v in carried.items() if v is not None})
     return out
 

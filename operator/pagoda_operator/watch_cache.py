@@ -52,6 +52,13 @@ CLUSTER_SCOPED = {"NodeTopology"}
 Lister = Callable[[str, "str | None", "str | None"], list[dict[str, Any]]]
 
 
+def _plain(value: Any) -> dict[str, Any]:
+    """A mapping json cannot write as it is (kopf's Body on a handler's event) as a dict."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One object as JSON text: every read parses a fresh copy, which a pass may change freely
@@ -64,7 +71,8 @@ class _Entry:
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> _Entry:
         meta = obj.get("metadata") or {}
-        return cls(_version(obj), dict(meta.get("labels") or {}), json.dumps(obj, separators=(",", ":")).encode())
+        return cls(_version(obj), dict(meta.get("labels") or {}),
+                   json.dumps(obj, separators=(",", ":"), default=_plain).encode())
 
     def load(self) -> dict[str, Any]:
         return json.loads(self.text)

@@ -376,8 +376,9 @@ def test_rbac_is_least_privilege(helm):
         # Services of a layout it no longer wants (pod_groups.py), never ConfigMaps or anything else.
         if "delete" in rule["verbs"]:
             assert set(rule["resources"]) <= {"deployments", "statefulsets", "services"}, rule
+    # Secrets: created (an elastic InferenceService's admin key, elastic.py), never read
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
-    assert secrets == []
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
     verbs = {res: set(rule["verbs"]) for rule in role["rules"] for res in rule["resources"]}
     # Nothing patches Events (ours and kopf's are created) or reads the status subresource.
     assert verbs["events"] == {"list", "create"} and verbs["inferenceservices/status"] == {"patch"}

@@ -126,6 +126,18 @@ def test_events_move_entries_and_a_late_event_never_rolls_one_back():
     assert api.calls == [("list", "Pod")]
 
 
+def test_the_body_a_kopf_handler_gets_is_cached_too():
+    """kopf hands handlers a Body: a Mapping, not a dict (json cannot write it as it is)."""
+    import kopf
+
+    api = FakeApi()
+    api._bump(obj("Pod", "llama-0", 1))
+    cache = CachedKube(api).cache
+    assert cache.get("Pod", "ns", "llama-0") is not None  # listed: the namespace's store exists
+    cache.observe("Pod", kopf.Body(obj("Pod", "llama-0", 300, status={"phase": "Running"})))
+    assert cache.get("Pod", "ns", "llama-0")["status"] == {"phase": "Running"}
+
+
 def test_the_operators_writes_are_read_back_without_a_request():
     api = FakeApi()
     kube = CachedKube(api)

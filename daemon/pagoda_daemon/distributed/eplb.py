@@ -49,18 +49,15 @@ def rank_loads(placement: list[int], load: list[float], num_ranks: int, slots_pe
             for r in range(num_ranks)]
 
 
-def rebalance(load: list[float], old: list[int], num_ranks: int, slots_per_rank: int) -> list[int]:
-    """A new logical expert per physical slot for per-expert `load`.
+def pack(load: list[float], num_ranks: int, slots_per_rank: int) -> list[list[int]]:
+    """The experts each rank should hold for per-expert `load`, over `num_ranks` ranks of
+    `slots_per_rank` slots.
 
     1. Copies: every expert one; each redundant slot goes to the expert with the largest load
        per copy (at most one copy per rank).
     2. Packing: copies, heaviest first, each to the least-loaded rank with a free slot and no
        copy of that expert yet (greedy, as in vLLM's and DeepSeek's EPLB); when only ranks
        holding the expert have room, a copy of another expert is moved there to make room.
-    3. Slots: a rank keeps an expert where it already had it, so only the changes move.
-
-    The old placement stays when the new one would not lower the busiest rank's load by
-    MIN_GAIN: moving weights for nothing costs a step's time.
     """
     num_experts = len(load)
     replicas = [1] * num_experts
@@ -87,18 +84,34 @@ def rebalance(load: list[float], old: list[int], num_ranks: int, slots_per_rank:
         r = min(fresh, key=lambda i: (rank_load[i], i))
         held[r].append(e)
         rank_load[r] += share
-    new = list(old)
-    for r in range(num_ranks):
-        slots = range(r * slots_per_rank, (r + 1) * slots_per_rank)
-        wanted = list(held[r])
-        keep = []
-        for s in slots:  # an expert already in one of this rank's slots stays there
-            if old[s] in wanted:
-                wanted.remove(old[s])
-                keep.append(s)
-        for s in slots:
-            if s not in keep:
-                new[s] = wanted.pop(0)
+    return held
+
+
+def assign_slots(held: list[list[int]], old: list[int], old_slots_per_rank: int, slots_per_rank: int) -> list[int]:
+    """A placement (the expert of every physical slot) from what each rank should hold: an
+    expert a rank already held keeps its slot where the slot still exists, so only the changes
+    move. `old` may be a placement over another number of ranks or slots (a resize)."""
+    new: list[int] = []
+    for r, wanted in enumerate(held):
+        wanted = list(wanted)
+        mine = old[r * old_slots_per_rank:(r + 1) * old_slots_per_rank]
+        slots: list[int | None] = [None] * slots_per_rank
+        for i, e in enumerate(mine[:slots_per_rank]):
+            if e in wanted:
+                wanted.remove(e)
+                slots[i] = e
+        new += [e if e is not None else wanted.pop(0) for e in slots]
+    return new
+
+
+def rebalance(load: list[float], old: list[int], num_ranks: int, slots_per_rank: int) -> list[int]:
+    """A new logical expert per physical slot for per-expert `load` (``pack``, then
+    ``assign_slots``: a rank keeps an expert where it already had it).
+
+    The old placement stays when the new one would not lower the busiest rank's load by
+    MIN_GAIN: moving weights for nothing costs a step's time.
+    """
+    new = assign_slots(pack(load, num_ranks, slots_per_rank), old, slots_per_rank, slots_per_rank)
     if max(rank_loads(new, load, num_ranks, slots_per_rank)) > (1 - MIN_GAIN) * max(
             rank_loads(old, load, num_ranks, slots_per_rank)):
         return list(old)

@@ -6,7 +6,8 @@ are spread over. torch.distributed is the engine of every collective (NCCL on GP
 CPU, where CI proves the logic); a group of size one is a no-op, so the one-GPU path runs
 exactly as before.
 
-Layout of ``tensor × expert`` ranks: attention, dense MLPs, embedding and LM head are sharded
+Layout of ``tensor × expert`` ranks (elastic expert parallelism replicates the dense part
+instead: ``TensorParallel.dense``): attention, dense MLPs, embedding and LM head are sharded
 over all of them; a MoE layer's experts are spread over ``expert`` groups of consecutive ranks
 (each rank holds its group's experts whole when ``tensor`` is 1, or a ``1/tensor`` slice of
 each). Every rank sees every token (the attention's all-reduce gives each the whole hidden
@@ -31,6 +32,9 @@ class TensorParallel:
     expert_groups: int = 1  # expert-parallel size: the MoE experts are spread over this many groups
     eplb: bool = False  # experts placed by the load balancer (eplb.py) rather than in order
     redundant_experts: int = 0  # with eplb: extra expert slots, for copies of the busiest experts
+    # Elastic expert parallelism: attention, dense layers, embedding and LM head whole on every
+    # rank (only the experts are spread), so that any number of ranks can serve (docs/elastic-ep.md).
+    replicated_dense: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -63,6 +67,12 @@ class TensorParallel:
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    @property
+    def dense(self) -> TensorParallel:
+        """The group attention and the dense layers are split over: this one, or none where
+        they are replicated on every rank."""
+        return SINGLE if self.replicated_dense else self
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the group, in place (the row-parallel layers' partial products)."""
@@ -129,9 +139,13 @@ def min_over_ranks(value: int, tp: TensorParallel) -> int:
     return int(t.item())
 
 
-def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, redundant: int = 0) -> None:
+def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, redundant: int = 0,
+                 elastic_max: int = 0) -> None:
     """Refuse, in one line, a layout the model cannot be split into (before any rank starts;
-    the layers check again as they are built)."""
+    the layers check again as they are built). Elastic EP (``elastic_max`` > 0) splits only
+    the experts, whatever their number: a size that does not divide them takes redundant slots."""
+    if elastic_max:
+        return _check_elastic_layout(model_config, elastic_max)
     ranks = tensor * expert
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
@@ -167,3 +181,12 @@ def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, red
         problems.append(f"the intermediate size ({inter}) is not divisible by tensor × expert = {ranks}")
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _check_elastic_layout(model_config, elastic_max: int) -> None:
+    experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0
+    if not experts or not (getattr(model_config, "num_experts_per_tok", 0) or 0):
+        raise ValueError("elastic expert parallelism needs a mixture-of-experts model; this one has no experts")
+    if elastic_max > experts:
+        raise ValueError(f"elastic_ep_max_size {elastic_max} is more than the model's {experts} experts: a rank "
+                         "would hold only copies")

@@ -6,17 +6,26 @@ so this loop can later run in its own process behind a socket unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.distributed.parallel_state import check_layout
 from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
-from pagoda_daemon.engine.messages import STARTUP_PHASES, BalancerStats, EngineCoreOutput, EngineStats
+from pagoda_daemon.engine.messages import (
+    STARTUP_PHASES,
+    BalancerStats,
+    ElasticStats,
+    EngineCoreOutput,
+    EngineStats,
+)
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler import Scheduler
 from pagoda_daemon.engine.scheduler_output import SchedulerOutput
@@ -82,7 +91,7 @@ class EngineCore:
                 f"must be at least max_model_len ({self.max_model_len})"
             )
         check_layout(self.model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
-                     config.num_redundant_experts)
+                     config.num_redundant_experts, config.elastic_ep_max_size)
         from pagoda_daemon.kv_offload import tiered
 
         tiered.check_options(config)  # a disk path that cannot work fails the start before anything loads
@@ -113,6 +122,8 @@ class EngineCore:
                            _eos_ids(self.model_config), config.structured_outputs_backend),
             self.connector,
         )
+        self.elastic = (ElasticStats(config.expert_parallel_size, config.elastic_ep_min_size,
+                                     config.elastic_ep_max_size) if config.elastic_ep else None)
         info = self.worker_info
         log.info(
             "engine ready: %s on %s, %s attention%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -281,6 +292,52 @@ class EngineCore:
             )
         return outputs
 
+    # ---- elastic expert parallelism ----------------------------------------------------
+
+    def resize_experts(self, size: int, on_phase: Callable[[str], None] | None = None) -> list[EngineCoreOutput]:
+        """Serve on `size` expert-parallel ranks from the next step, without failing a request:
+        the step in flight is collected first (its outputs are returned), the transition runs
+        between steps (executor/resize.py), and a failed one leaves the replica serving at its
+        old size with the reason in ``self.elastic``. ``on_phase`` hears each phase."""
+        if self.elastic is None:
+            raise ValueError("elastic expert parallelism is off (elastic_ep_max_size 0)")
+        if not self.elastic.min_size <= size <= self.elastic.max_size:
+            raise ValueError(f"expert-parallel size {size} is outside the elastic bounds "
+                             f"{self.elastic.min_size}..{self.elastic.max_size}")
+        outputs = self._failed_outputs() + self._finish_in_flight()
+        if size == self.elastic.size:
+            self.elastic.target, self.elastic.phase = size, "done"
+            return outputs
+        started = time.monotonic()
+        state = self.elastic
+        old = state.size
+
+        def enter(name: str) -> None:
+            state.phase, state.target = name, size
+            if on_phase is not None:
+                on_phase(name)
+
+        outcome = self.executor.resize(size, self.scheduler.requests, enter)
+        state.size, state.last_seconds = outcome.size, round(time.monotonic() - started, 3)
+        state.phase, state.last_error = ("done", "") if outcome.committed else ("failed", outcome.error)
+        state.transitions += 1
+        state.failures += not outcome.committed
+        state.bytes_moved += outcome.bytes_moved
+        log.info("elastic EP: %s %d -> %d in %.2f s (%.1f MiB of experts moved)%s",
+                 "resized" if outcome.committed else "rolled back a resize", old, size, state.last_seconds,
+                 outcome.bytes_moved / 2**20,
+                 f": {outcome.error}" if outcome.error else "")
+        self.config = dataclasses.replace(self.config, expert_parallel_size=outcome.size)
+        return outputs
+
+    def _take_elastic_stats(self) -> ElasticStats | None:
+        """The gauges now and the counters since the previous call."""
+        if self.elastic is None:
+            return None
+        now = msgspec.structs.replace(self.elastic)
+        self.elastic.transitions = self.elastic.failures = self.elastic.bytes_moved = 0
+        return now
+
     def shutdown(self) -> None:
         self.executor.shutdown()
         if self.scheduler.grammars is not None:
@@ -304,6 +361,7 @@ class EngineCore:
             balancer=None if balancer is None else BalancerStats(*balancer.take_stats()),
             structured_outputs=None if self.scheduler.grammars is None else self.scheduler.grammars.make_stats(),
             kv_offload=self._offload_stats(),
+            elastic=self._take_elastic_stats(),
         )
 
     def _offload_stats(self):

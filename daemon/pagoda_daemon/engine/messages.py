@@ -43,7 +43,13 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False):
     pass
 
 
-ToCore = AddRequest | AbortRequests | FinishRequest | Shutdown
+class ResizeExperts(msgspec.Struct, tag="resize_experts", array_like=True, gc=False):
+    """Elastic EP: serve with this many expert-parallel ranks (the admin endpoint asks)."""
+
+    size: int
+
+
+ToCore = AddRequest | AbortRequests | FinishRequest | Shutdown | ResizeExperts
 
 # ---- engine core -> frontend ----------------------------------------------------------------
 
@@ -137,6 +143,33 @@ class KVOffloadStats(msgspec.Struct, array_like=True, gc=False):
                               self.transfer_seconds + later.transfer_seconds)
 
 
+# An elastic resize's phases (executor/resize.py), as the admin endpoint and the metrics name them.
+ELASTIC_PHASES = ("idle", "preparing", "transferring", "capturing", "done", "failed")
+
+
+class ElasticStats(msgspec.Struct, array_like=True, gc=False):
+    """Elastic EP: the size served now and the state of the latest transition (gauges), and
+    transitions, failures and bytes moved since the previous stats (counters)."""
+
+    size: int
+    min_size: int
+    max_size: int
+    phase: str = "idle"  # one of ELASTIC_PHASES
+    target: int = 0  # the size the latest transition was asked for
+    last_seconds: float = 0.0  # how long the latest finished transition took
+    last_error: str = ""
+    transitions: int = 0
+    failures: int = 0
+    bytes_moved: int = 0
+
+    def add(self, later: ElasticStats | None) -> ElasticStats:
+        if later is None:
+            return self
+        return msgspec.structs.replace(later, transitions=self.transitions + later.transitions,
+                                       failures=self.failures + later.failures,
+                                       bytes_moved=self.bytes_moved + later.bytes_moved)
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     """Gauges (running, waiting, KV usage, blocks) and counters (steps, preemptions, prefix-cache
     tokens). From ``EngineCore.make_stats()`` the counters are those since the previous call;
@@ -154,6 +187,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     balancer: BalancerStats | None = None  # with EPLB only
     structured_outputs: StructuredOutputStats | None = None  # once a request asked for a grammar
     kv_offload: KVOffloadStats | None = None  # with KV offload on
+    elastic: ElasticStats | None = None  # with elastic expert parallelism on
 
     def add_counters(self, later: EngineStats) -> EngineStats:
         """These counters plus a later snapshot's, with the later gauges (and the later
@@ -168,6 +202,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
             later.structured_outputs if self.structured_outputs is None
             else self.structured_outputs.add(later.structured_outputs),
             later.kv_offload if self.kv_offload is None else self.kv_offload.add(later.kv_offload),
+            later.elastic if self.elastic is None else self.elastic.add(later.elastic),
         )
 
 

@@ -52,5 +52,9 @@ class Executor(ABC):
         """Every rank's worker, rank 0 first (the pod's GPUs and NUMA nodes, for READY)."""
         return [self.info()]
 
+    def resize(self, new_size: int, requests: dict, on_phase):
+        """Elastic EP: serve on `new_size` expert-parallel ranks (MultiprocExecutor only)."""
+        raise ValueError("elastic expert parallelism needs the engine to start its own ranks")
+
     def shutdown(self) -> None:  # noqa: B027 - nothing to release for an in-process worker
         """Release the workers (processes of their own, where there are any)."""

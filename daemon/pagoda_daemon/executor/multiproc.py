@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
-import json
 import logging
 import os
 import pickle
@@ -37,15 +35,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
-from pagoda_daemon.executor import step_plan
+from pagoda_daemon.executor import resize, step_plan
 from pagoda_daemon.executor.abstract import Executor
+from pagoda_daemon.executor.world import Rendezvous, all_gather_infos, broadcast, join_world, leave_world
 from pagoda_daemon.logs import LEVEL_ENV
 from pagoda_daemon.logs import configure as configure_logging
 from pagoda_daemon.worker.model_runner import LaunchedStep
@@ -53,118 +51,11 @@ from pagoda_daemon.worker.worker import Worker, WorkerInfo
 
 log = logging.getLogger(__name__)
 
-# A collective that waits longer than this means a rank is gone or hung: fail, do not hang.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
-# How long the ranks of several pods wait for each other to appear (pods start, images pull).
-STARTUP_TIMEOUT_S = 600.0
-# How long the ranks may take to leave the world together at shutdown.
-LEAVE_TIMEOUT_S = 30.0
-# Across pods: every rank bumps its counter in node 0's store this often; a peer whose counter
-# has not moved for HEARTBEAT_TIMEOUT_S is taken for dead (an idle engine runs no collective
-# that would notice).
-HEARTBEAT_S = 2.0
-HEARTBEAT_TIMEOUT_S = 20.0
 # A node other than 0 is ready once its ranks are in the world with their KV caches: its first
 # rank then writes the file this variable names (in the node's private folder), and the node
 # starts answering on its ready port (a pod's tcpSocket readiness probe; a socket, unlike a file
 # in the pod's /tmp volume, does not outlive a restarted container).
 NODE_READY_ENV = "PAGODA_NODE_READY_FILE"
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where the ranks meet: a file in a private folder when all of them are in this pod (a TCP
-    store would listen on every interface of the pod), node 0's TCP store when they span pods."""
-
-    file: str | None = None
-    host: str = ""
-    port: int = 0
-
-
-def _join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_rank: int,
-                stopped: threading.Event) -> Any:
-    """Join the world; return the gloo group for control messages. Across pods the heartbeats
-    start before the world forms: a peer that dies while the others wait for it ends them too."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-    store = None
-    if rdv.file is not None:
-        dist.init_process_group(backend, init_method=f"file://{rdv.file}", rank=rank, world_size=size,
-                                timeout=COLLECTIVE_TIMEOUT)
-    else:
-        store = dist.TCPStore(rdv.host, rdv.port, size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-        incarnation = _incarnation()
-        store.set(f"pagoda/alive/{rank}", f"{incarnation}:0")
-        threading.Thread(target=_watch_peers, args=(store, rank, size, stopped, incarnation), name="peer-watch",
-                         daemon=True).start()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
-
-
-def _incarnation() -> str:
-    """This process, as its heartbeats name it: a restarted rank is another incarnation."""
-    return f"{os.getpid()}.{_STARTED_NS}"
-
-
-_STARTED_NS = time.time_ns()
-
-
-def _broadcast(frame: bytes | None, group: Any) -> bytes:
-    """Rank 0's frame to every rank, as its length and then its bytes."""
-    length = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64)
-    dist.broadcast(length, src=0, group=group)
-    data = (torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame is not None
-            else torch.empty(int(length.item()), dtype=torch.uint8))
-    dist.broadcast(data, src=0, group=group)
-    return data.numpy().tobytes()
-
-
-def _all_gather_infos(info: WorkerInfo, size: int, group: Any) -> list[WorkerInfo]:
-    """Every rank's WorkerInfo (JSON bytes, padded to the longest)."""
-    mine = json.dumps(dataclasses.asdict(info)).encode()
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([len(mine)], dtype=torch.int64), group=group)
-    longest = max(int(t.item()) for t in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    frames = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    dist.all_gather(frames, padded, group=group)
-    return [WorkerInfo(**json.loads(f[: int(n.item())].numpy().tobytes())) for f, n in zip(frames, lengths)]
-
-
-def _watch_peers(store: Any, rank: int, size: int, stopped: threading.Event, incarnation: str) -> None:
-    """Across pods: beat, and end this process when a peer stops beating, comes back as another
-    process (its pod restarted and it is trying to join again), or the store is gone (node 0
-    died). Rank 0 watches every rank; the others watch rank 0."""
-    peers = range(1, size) if rank == 0 else range(0, 1)
-    seen: dict[int, tuple[bytes, float]] = {}
-    first: dict[int, bytes] = {}
-    beat = 0
-    while not stopped.wait(HEARTBEAT_S):
-        beat += 1
-        try:
-            store.set(f"pagoda/alive/{rank}", f"{incarnation}:{beat}")
-            now = time.monotonic()
-            for peer in peers:
-                key = f"pagoda/alive/{peer}"
-                if peer not in first and not store.check([key]):
-                    continue  # not started yet: the world waits for it (up to STARTUP_TIMEOUT_S)
-                value = store.get(key)
-                who = value.split(b":")[0]
-                if first.setdefault(peer, who) != who:
-                    raise RuntimeError(f"rank {peer} restarted")
-                if seen.get(peer, (None, 0.0))[0] != value:
-                    seen[peer] = (value, now)
-                elif now - seen[peer][1] > HEARTBEAT_TIMEOUT_S:
-                    raise RuntimeError(f"rank {peer} has not beaten for {HEARTBEAT_TIMEOUT_S:g} s")
-        except Exception as e:  # the store's connection broke, or a peer is gone
-            if stopped.is_set():
-                return
-            log.error("rank %d: lost the other ranks (%s): exiting so that the group restarts", rank, e)
-            logging.shutdown()
-            os._exit(1)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -176,70 +67,80 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+@dataclass(frozen=True)
+class JoinSpec:
+    """A rank started by an elastic resize: the transition it joins and the KV blocks to allocate."""
+
+    epoch: int
+    old_size: int
+    new_size: int
+    num_blocks: int
+
+
 def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, model_config, max_model_len: int,
-                parent_pid: int, device_type: str) -> None:
-    """A rank other than 0: set up as rank 0 does, then run each step it is sent."""
+                parent_pid: int, device_type: str, join: JoinSpec | None = None) -> None:
+    """A rank other than 0: set up as rank 0 does (or join a running replica), then run each
+    step it is sent."""
     configure_logging(os.environ.get(LEVEL_ENV, "INFO"), f"tp-rank-{rank}")
     _exit_when_orphaned(parent_pid)
     local_rank = rank % config.ranks_per_node
     os.environ["LOCAL_RANK"] = str(local_rank)
     stopped = threading.Event()  # set on Stop: node 0 going away after it is then no failure
-    control = _join_world(rank, size, rdv, device_type, local_rank, stopped)
-    worker = Worker(config, model_config, max_model_len)
-    _all_gather_infos(worker.info(), size, control)
-    worker.available_kv_blocks()  # rank 0 takes the smallest over the ranks: a collective
+    folder = os.path.dirname(rdv.file) if rdv.file else ""
     mirrors = step_plan.RequestMirrors(config.block_size)
+    if join is not None:
+        t = resize.Transition(join.epoch, join.old_size, join.new_size, folder)
+        control = join_world(rank, join.new_size, t.rendezvous("grow"), device_type, local_rank, stopped,
+                             resize.TRANSITION_TIMEOUT)
+        worker = Worker(config, model_config, max_model_len)
+        worker.initialize_cache(join.num_blocks, capture=False)
+        seat = resize.RankSeat(worker, rank, control, device_type, local_rank, stopped)
+        if not resize.follow(seat, t, joined=True, mirrors=mirrors).committed:
+            return
+    else:
+        control = join_world(rank, size, rdv, device_type, local_rank, stopped)
+        worker = Worker(config, model_config, max_model_len)
+        all_gather_infos(worker.info(), size, control)
+        worker.available_kv_blocks()  # rank 0 takes the smallest over the ranks: a collective
+        seat = resize.RankSeat(worker, rank, control, device_type, local_rank, stopped)
+    if _serve(seat, mirrors, folder):
+        leave_world(worker)
+
+
+def _serve(seat: resize.RankSeat, mirrors: step_plan.RequestMirrors, folder: str) -> bool:
+    """Run the steps rank 0 sends until it says Stop (True) or a resize leaves this rank out
+    (False: it has left the world already)."""
+    worker = seat.worker
     while True:
         try:
-            message = step_plan.decode(_broadcast(None, control))
+            message = step_plan.decode(broadcast(None, seat.control))
         except RuntimeError as e:  # rank 0 left without a Stop: it failed, and says why itself
             log.error("rank 0 went away (%s); exiting", e)
             logging.shutdown()
             os._exit(1)
         if isinstance(message, step_plan.Stop):
-            stopped.set()
-            break
+            seat.stopped.set()
+            return True
         if isinstance(message, step_plan.InitCache):
             worker.initialize_cache(message.num_blocks)
             ready = os.environ.get(NODE_READY_ENV)
-            if ready and local_rank == 0:
-                Path(ready).write_text(f"ranks up to {size - 1} in the world\n")
+            if ready and seat.local_rank == 0:
+                Path(ready).write_text(f"ranks up to {worker.tp.size - 1} in the world\n")
             continue
-        if isinstance(message, step_plan.SampleTokens):
-            raise RuntimeError("rank 0 sent grammar masks with no step waiting for them")
+        if isinstance(message, step_plan.Resize):
+            t = resize.Transition(message.epoch, message.old_size, message.new_size, folder)
+            if seat.rank >= resize.follow(seat, t).size:
+                return False
+            continue
+        if not isinstance(message, step_plan.StepPlan):
+            raise RuntimeError(f"rank 0 sent {type(message).__name__} where a step belongs")
         launched = worker.execute_model(mirrors.apply(message))
         if launched is None:  # constrained rows: the masks follow once rank 0 has made them
-            masks = step_plan.decode(_broadcast(None, control))
+            masks = step_plan.decode(broadcast(None, seat.control))
             if not isinstance(masks, step_plan.SampleTokens):
                 raise RuntimeError(f"rank 0 sent {type(masks).__name__} where the step's grammar masks belong")
             launched = worker.sample_tokens(mirrors.grammar_bitmask(masks))
         launched.result()
-    _leave_world(worker)
-
-
-def _leave_world(worker: Worker) -> None:
-    """Leave the world at shutdown, every rank together (rank 0 once it has sent Stop). The
-    captured CUDA graphs go first: NCCL's teardown waited forever while they held collectives
-    (2 × H100, 2026-11-25; 2 × H200, 2026-11-26, torch 2.11, NCCL 2.28), and an abort instead
-    timed out after 120 s. Should the teardown still hang, a worker exits without it (the driver
-    frees what the process held) and rank 0 goes on with a warning."""
-    if not dist.is_initialized():
-        return
-    rank = dist.get_rank()
-    worker.release_cuda_graphs()
-    left = threading.Event()
-
-    def destroy() -> None:
-        dist.destroy_process_group()
-        left.set()
-
-    threading.Thread(target=destroy, name="leave-world", daemon=True).start()
-    if left.wait(LEAVE_TIMEOUT_S):
-        return
-    log.warning("rank %d: leaving the world took more than %.0f s; going on without it", rank, LEAVE_TIMEOUT_S)
-    if rank != 0:
-        logging.shutdown()
-        os._exit(0)
 
 
 def _device_type(config: EngineConfig) -> str:
@@ -248,7 +149,8 @@ def _device_type(config: EngineConfig) -> str:
 
 
 def _spawn_ranks(ranks: range, rdv: Rendezvous, config: EngineConfig, model_config, max_model_len: int,
-                 device_type: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+                 device_type: str, env: dict[str, str] | None = None,
+                 join: JoinSpec | None = None) -> list[subprocess.Popen]:
     """Plain child processes (``python -m pagoda_daemon.executor.multiproc``, the arguments pickled
     on a local pipe): the engine core is itself a daemonic multiprocessing child, which
     multiprocessing forbids to have children of its own."""
@@ -261,7 +163,7 @@ def _spawn_ranks(ranks: range, rdv: Rendezvous, config: EngineConfig, model_conf
                                 env={**os.environ, **(env or {})})
         assert proc.stdin is not None
         proc.stdin.write(pickle.dumps((r, config.world_size, rdv, config, model_config, max_model_len, os.getpid(),
-                                       device_type)))
+                                       device_type, join)))
         proc.stdin.close()
         procs.append(proc)
     return procs
@@ -354,15 +256,20 @@ class MultiprocExecutor(Executor):
             # (unset, they pick the first interface: eth0 in a pod).
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        self.config, self.model_config, self.max_model_len, self.device_type = (config, model_config, max_model_len,
+                                                                                device_type)
+        self.size = size
+        self._epoch = 0  # elastic resizes so far
+        self._resizing = threading.Event()  # a rank that exits meanwhile is the transition's business
         self.procs = _spawn_ranks(range(1, config.ranks_per_node), rdv, config, model_config, max_model_len,
                                   device_type)
         self._stopped = threading.Event()
         if exit_on_worker_death:
             threading.Thread(target=self._exit_when_a_rank_dies, name="rank-watch", daemon=True).start()
         os.environ.setdefault("LOCAL_RANK", "0")
-        self.control = _join_world(0, size, rdv, device_type, 0, self._stopped)
+        self.control = join_world(0, size, rdv, device_type, 0, self._stopped)
         self.worker = Worker(config, model_config, max_model_len)
-        self.infos: list[WorkerInfo] = _all_gather_infos(self.worker.info(), size, self.control)
+        self.infos: list[WorkerInfo] = all_gather_infos(self.worker.info(), size, self.control)
         self.writer = step_plan.PlanWriter()
         # Whoever built the engine may simply exit (a script, the benchmark): stop the ranks
         # first, or they wait in the next broadcast until its connection breaks.
@@ -376,7 +283,7 @@ class MultiprocExecutor(Executor):
         fails the requests and exits so that the pod restarts."""
         while not self._stopped.is_set():
             for r, p in enumerate(self.procs, 1):
-                if p.poll() is not None and not self._stopped.is_set():
+                if p.poll() is not None and not self._stopped.is_set() and not self._resizing.is_set():
                     log.error("tensor-parallel worker rank %d exited (exit code %s): the engine stops", r,
                               p.returncode)
                     logging.shutdown()
@@ -387,7 +294,7 @@ class MultiprocExecutor(Executor):
         dead = [f"rank {r} (exit code {p.returncode})" for r, p in enumerate(self.procs, 1) if p.poll() is not None]
         if dead:
             raise RuntimeError(f"tensor-parallel worker {', '.join(dead)} exited")
-        _broadcast(step_plan.encode(message), self.control)
+        broadcast(step_plan.encode(message), self.control)
 
     def available_kv_blocks(self) -> int:
         return self.worker.available_kv_blocks()
@@ -395,6 +302,7 @@ class MultiprocExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self._send(step_plan.InitCache(num_blocks))
         self.worker.initialize_cache(num_blocks)
+        self.num_blocks = num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         self._send(self.writer.plan(scheduler_output))
@@ -413,6 +321,42 @@ class MultiprocExecutor(Executor):
     def synchronize(self) -> None:
         self.worker.synchronize()
 
+    def resize(self, new_size: int, requests: dict, on_phase) -> resize.Outcome:
+        """Elastic EP: serve on `new_size` ranks from the next step (executor/resize.py). Call
+        between steps, with no step in flight; `requests` are the scheduler's, by id. A failed
+        transition rolls back and the replica serves on at its old size."""
+        if self._private is None:
+            raise ValueError("elastic expert parallelism runs every rank in one pod")
+        self._epoch += 1
+        t = resize.Transition(self._epoch, self.size, new_size, self._private)
+        on_phase("preparing")
+        self._resizing.set()
+        joiners: list[subprocess.Popen] = []
+        try:
+            state = self.writer.rank_state(requests, self.worker.runner)
+            self.synchronize()
+            if t.grows:
+                config = dataclasses.replace(self.config, expert_parallel_size=new_size, load_format="dummy")
+                joiners = _spawn_ranks(t.joiners, t.rendezvous("grow"), config, self.model_config,
+                                       self.max_model_len, self.device_type,
+                                       join=JoinSpec(t.epoch, t.old_size, new_size, self.num_blocks))
+            self._send(step_plan.Resize(t.epoch, t.old_size, new_size))
+            seat = resize.RankSeat(self.worker, 0, self.control, self.device_type, 0, self._stopped)
+            outcome = resize.follow(seat, t, rank_state=state, on_phase=on_phase, decide=t.decide)
+            self.control = seat.control
+            if outcome.committed:
+                leaving = self.procs[new_size - 1:]
+                self.procs = self.procs[:new_size - 1] + joiners
+                _stop(leaving)
+                self.size = new_size
+                self.config = dataclasses.replace(self.config, expert_parallel_size=new_size)
+            else:
+                _terminate(joiners)
+            self.infos = outcome.infos
+            return outcome
+        finally:
+            self._resizing.clear()
+
     def shutdown(self) -> None:
         """Stop the other ranks (they leave the world) and wait for the local ones. Runs once."""
         if self._stopped.is_set():
@@ -421,10 +365,10 @@ class MultiprocExecutor(Executor):
         atexit.unregister(self.shutdown)
         if all(p.poll() is None for p in self.procs):
             try:
-                _broadcast(step_plan.encode(step_plan.Stop()), self.control)
+                broadcast(step_plan.encode(step_plan.Stop()), self.control)
             except RuntimeError as e:
                 log.warning("could not tell the workers to stop: %s", e)
-        _leave_world(self.worker)
+        leave_world(self.worker)
         _stop(self.procs)
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)

@@ -68,7 +68,33 @@ class Stop(msgspec.Struct, tag="stop", array_like=True, gc=False):
     pass
 
 
-ToWorker = StepPlan | SampleTokens | InitCache | Stop
+class Resize(msgspec.Struct, tag="resize", array_like=True, gc=False):
+    """Elastic EP: go from old_size to new_size ranks (executor/resize.py); ``epoch`` names
+    the transition's rendezvous files."""
+
+    epoch: int
+    old_size: int
+    new_size: int
+
+
+class MirroredRequest(msgspec.Struct, array_like=True, gc=False):
+    """A request in flight as a joining rank takes it over: what the other ranks were told of
+    it, its blocks, and its seeded generator's state."""
+
+    request: NewRequest
+    known_output_token_ids: list[int]
+    block_ids: list[int]
+    generator_state: bytes | None
+
+
+class RankState(msgspec.Struct, tag="rank_state", array_like=True, gc=False):
+    """What a rank joining a running replica takes from rank 0 besides weights and the KV cache."""
+
+    requests: list[MirroredRequest]
+    random_states: dict[str, bytes]
+
+
+ToWorker = StepPlan | SampleTokens | InitCache | Stop | Resize | RankState
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ToWorker)
 
@@ -104,6 +130,20 @@ class PlanWriter:
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
                         sched.samples_under_grammar, list(sched.kv_loads), list(sched.kv_saves))
 
+    def rank_state(self, requests: dict[str, Request], runner) -> RankState:
+        """The requests the ranks know of, as a joining rank must know them: each with the
+        tokens sent so far, rank 0's block table and generator."""
+        mirrored = []
+        for rid, sent in self._sent.items():
+            req = requests.get(rid)
+            if req is None or rid not in runner.requests:  # finished: the next plan tells the ranks
+                continue
+            blocks, generator = runner.request_state(rid)
+            mirrored.append(MirroredRequest(
+                NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params)),
+                req.all_token_ids[req.num_prompt_tokens:sent], blocks, generator))
+        return RankState(mirrored, runner.random_states())
+
     @staticmethod
     def sample_tokens(grammar: GrammarBitmask) -> SampleTokens:
         return SampleTokens(list(grammar.rows), b"" if grammar.bitmask is None else grammar.bitmask.tobytes())
@@ -133,6 +173,16 @@ class RequestMirrors:
             scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples))
         return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens,
                                plan.samples_under_grammar, list(plan.kv_loads), list(plan.kv_saves))
+
+    def adopt(self, state: RankState, runner) -> None:
+        """A joining rank: take over rank 0's requests and random state."""
+        for m in state.requests:
+            self.apply(StepPlan([m.request], [], [], 0))
+            req = self.requests[m.request.request_id]
+            req.output_token_ids.extend(m.known_output_token_ids)
+            req.all_token_ids.extend(m.known_output_token_ids)
+            runner.adopt_request(m.request.request_id, m.block_ids, m.generator_state)
+        runner.set_random_states(state.random_states)
 
     @staticmethod
     def grammar_bitmask(message: SampleTokens) -> GrammarBitmask:

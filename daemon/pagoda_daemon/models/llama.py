@@ -141,19 +141,19 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope_parameters(config), backend.uses_kernels)
         layers = [self.make_layer(config, backend, rotary, i) for i in range(config.num_hidden_layers)]
-        self.model = DecoderModel(config, layers, backend.uses_kernels, tp)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, backend.uses_kernels, tp)
+        self.model = DecoderModel(config, layers, backend.uses_kernels, tp.dense)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, backend.uses_kernels, tp.dense)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_layer(self, config, backend, rotary: RotaryEmbedding, index: int) -> DecoderLayer:
-        mlp = MLP(config.hidden_size, config.intermediate_size, backend.uses_kernels, self.tp)
-        return DecoderLayer(config, backend, rotary, self.qk_norm, mlp, self.tp)
+        mlp = MLP(config.hidden_size, config.intermediate_size, backend.uses_kernels, self.tp.dense)
+        return DecoderLayer(config, backend, rotary, self.qk_norm, mlp, self.tp.dense)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """This rank's KV cache: its share of the KV heads."""
         c = self.config
-        return KVCacheSpec(c.num_hidden_layers, kv_heads_per_rank(c.num_key_value_heads, self.tp)[0], head_dim_of(c))
+        return KVCacheSpec(c.num_hidden_layers, kv_heads_per_rank(c.num_key_value_heads, self.tp.dense)[0], head_dim_of(c))
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

@@ -81,6 +81,24 @@ class SparseMoE(nn.Module):
         self.replica_slots.copy_(slots)
         self.replica_counts.copy_(counts)
 
+    def resize(self, tp: TensorParallel, placement: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Take another expert-parallel layout (elastic EP, with EPLB): this rank's slots of
+        it, their weights, and the placement of the whole replica. The copy tables grow or
+        shrink with the redundant slots: CUDA graphs are captured again afterwards."""
+        self.tp = tp
+        self.first_expert, local = tp.local_experts(self.num_experts)
+        if w13.shape[0] != local or w2.shape[0] != local:
+            raise ValueError(f"{w13.shape[0]} expert slots given where the layout puts {local} on this rank")
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.slots_per_rank = local
+        self.max_copies = 1 + tp.redundant_experts
+        device = self.replica_slots.device
+        self.replica_slots = torch.zeros(self.num_experts, self.max_copies, dtype=torch.int64, device=device)
+        self.replica_counts = torch.ones(self.num_experts, dtype=torch.int64, device=device)
+        self.expert_load.zero_()
+        self.set_placement(placement)
+
     def local_slots(self, expert: int) -> list[int]:
         """Where this rank keeps `expert` (its index in w13/w2), if anywhere (the loader asks)."""
         count = self.w13.shape[0]
@@ -116,9 +134,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         sparse = index not in (getattr(config, "mlp_only_layers", None) or []) and (index + 1) % step == 0
         kernels = backend.uses_kernels
         mlp = SparseMoE(config, kernels, self.tp) if sparse and config.num_experts_per_tok > 0 else MLP(
-            config.hidden_size, config.intermediate_size, kernels, self.tp
+            config.hidden_size, config.intermediate_size, kernels, self.tp.dense
         )
-        return DecoderLayer(config, backend, rotary, self.qk_norm, mlp, self.tp)
+        return DecoderLayer(config, backend, rotary, self.qk_norm, mlp, self.tp.dense)
 
     def has_experts(self) -> bool:
         return any(isinstance(m, SparseMoE) for m in self.modules())

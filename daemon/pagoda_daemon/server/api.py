@@ -22,7 +22,7 @@ from pagoda_daemon import __version__
 from pagoda_daemon.engine.input_processor import InvalidInput, bad_words_token_ids
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
-from pagoda_daemon.server import tokens
+from pagoda_daemon.server import admin, tokens
 from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.chat_reply import ReplyShape
 from pagoda_daemon.server.chat_template import render_chat
@@ -57,7 +57,8 @@ class ServerSettings:
 
 
 def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, keys: APIKeys | None = None,
-              limits: RequestLimits | None = None, api_docs: bool = False) -> FastAPI:
+              limits: RequestLimits | None = None, api_docs: bool = False,
+              admin_keys: APIKeys | None = None) -> FastAPI:
     """The app; `keys` and `limits` go to the RequestGuard in front of every route, and the
     schema and docs pages exist only with `api_docs` (they map the API for anyone)."""
     docs = {} if api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -168,6 +169,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer, reply=shape)
 
     tokens.add_routes(app, client, settings.served_model_name, parse)
+    admin.add_routes(app, client, admin_keys or APIKeys((), frozenset()), parse)
     for path in NOT_SERVED:
         app.add_api_route(path, _not_served(path), methods=["GET", "POST"], include_in_schema=False)
     return app

@@ -15,6 +15,9 @@ from pagoda_daemon.server.errors import APIError
 
 API_KEY_ENV = "PAGODA_API_KEY"
 DEFAULT_EXEMPT_PATHS = ("/health", "/ready", "/metrics")  # probes and Prometheus scrape without a key
+# The admin routes (server/admin.py) take the admin key instead, never a user's.
+ADMIN_API_KEY_ENV = "PAGODA_ADMIN_API_KEY"
+ADMIN_PATHS = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/elastic_ep")
 
 
 def split_list(value: str | None) -> list[str]:
@@ -31,9 +34,9 @@ class APIKeys:
 
     @classmethod
     def from_options(cls, api_key: str | None, environ: Mapping[str, str],
-                     exempt_paths: Iterable[str] = DEFAULT_EXEMPT_PATHS) -> APIKeys:
-        """The flag's keys, else the environment's; several keys are comma-separated."""
-        keys = split_list(api_key) if api_key else split_list(environ.get(API_KEY_ENV))
+                     exempt_paths: Iterable[str] = DEFAULT_EXEMPT_PATHS, env: str = API_KEY_ENV) -> APIKeys:
+        """The flag's keys, else the environment variable `env`'s; several keys are comma-separated."""
+        keys = split_list(api_key) if api_key else split_list(environ.get(env))
         return cls(tuple(k.encode() for k in keys), frozenset(exempt_paths))
 
     @property

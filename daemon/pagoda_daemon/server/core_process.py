@@ -31,6 +31,7 @@ from pagoda_daemon.engine.messages import (
     EngineReady,
     EngineStarting,
     FinishRequest,
+    ResizeExperts,
     Shutdown,
 )
 from pagoda_daemon.logs import configure as configure_logging
@@ -173,6 +174,7 @@ def _loop(core, inputs, outputs, parent_pid: int, block_size: int, publisher=Non
                 raise ParentGone
             next_parent_check = time.monotonic() + PARENT_CHECK_S
         changed = False
+        resize_to = None
         while True:  # drain everything that arrived
             try:
                 frame = inputs.recv(zmq.NOBLOCK)
@@ -196,8 +198,12 @@ def _loop(core, inputs, outputs, parent_pid: int, block_size: int, publisher=Non
                 core.abort_requests(message.request_ids)
             elif isinstance(message, FinishRequest):
                 core.finish_request(message.request_id, message.stop_reason)
+            elif isinstance(message, ResizeExperts):
+                resize_to = message.size
             elif isinstance(message, Shutdown):
                 return
+        if resize_to is not None:
+            _resize(core, resize_to, outputs)
         if core.has_unfinished_requests():
             outputs.send(wire.encode(EngineCoreOutputs(core.step(), core.make_stats())))
         elif changed:
@@ -206,6 +212,21 @@ def _loop(core, inputs, outputs, parent_pid: int, block_size: int, publisher=Non
             events = core.kv_cache.take_events()
             if events:
                 publisher.publish(kv_events_for_publishing(events, block_size))
+
+
+def _resize(core, size: int, outputs) -> None:
+    """Elastic EP between two steps; each phase's stats go out as it begins (the admin endpoint
+    and the metrics show it), then the outputs of the step that was in flight."""
+
+    def progress(_phase: str) -> None:
+        outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))
+
+    try:
+        collected = core.resize_experts(size, progress)
+    except ValueError as e:  # never expected (the API checks the bounds first)
+        log.error("elastic EP: resize to %d refused: %s", size, e)
+        return
+    outputs.send(wire.encode(EngineCoreOutputs(collected, core.make_stats())))
 
 
 def kv_events_for_publishing(events: list, block_size: int) -> list:

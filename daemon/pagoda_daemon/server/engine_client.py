@@ -37,6 +37,7 @@ from pagoda_daemon.engine.messages import (
     EngineStarting,
     EngineStats,
     FinishRequest,
+    ResizeExperts,
     Shutdown,
 )
 from pagoda_daemon.engine.output_processor import OutputProcessor
@@ -92,6 +93,10 @@ class PreparedRequest:
     frame: bytes
 
 
+class ResizeBusy(Exception):
+    """An elastic resize is under way: one at a time."""
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, metrics=None, log_level: str = "INFO",
                  kv_events_endpoint: str | None = None, model_config=None, stats_log_interval: float = 0.0) -> None:
@@ -110,6 +115,7 @@ class EngineClient:
         self._dead = asyncio.Event()
         self.requests: dict[str, _Tracked] = {}
         self._stats: EngineStats | None = None  # the core's gauges, and its counters summed
+        self._resize_requested: int | None = None  # the latest elastic resize asked of the core
         self.stats_log_interval = stats_log_interval  # seconds between engine-stats log lines; 0: none
         self._period: EngineStats | None = None  # the counters since the last engine-stats line
         self._period_tokens = 0  # tokens the engine's steps computed since then
@@ -346,6 +352,39 @@ class EngineClient:
         self._period_tokens += sum(stats.step_tokens)
         if self.metrics is not None:
             self.metrics.record_engine_stats(stats)
+
+    # ---- elastic expert parallelism --------------------------------------------------------
+
+    def elastic_state(self) -> dict | None:
+        """The replica's expert-parallel size, bounds and latest resize (its phase, seconds,
+        error; transitions, failures and bytes moved since start). None: elastic EP is off."""
+        c = self.config
+        if not c.elastic_ep:
+            return None
+        e = self._stats.elastic if self._stats is not None else None
+        state = (_as_dict(e) if e is not None else
+                 {"size": c.expert_parallel_size, "min_size": c.elastic_ep_min_size, "max_size": c.elastic_ep_max_size,
+                  "phase": "idle"})
+        return {**state, "requested": self._resize_requested}
+
+    def is_resizing(self) -> bool:
+        """A resize was asked for and the core has not reported it done or failed yet."""
+        e = self._stats.elastic if self._stats is not None else None
+        if self._resize_requested is None:
+            return False
+        return e is None or e.target != self._resize_requested or e.phase not in ("done", "failed")
+
+    def resize_experts(self, size: int) -> None:
+        """Ask the core for `size` expert-parallel ranks (ValueError: out of bounds; ResizeBusy:
+        one is under way). The core resizes between two steps; the stats say how it went."""
+        c = self.config
+        if not c.elastic_ep_min_size <= size <= c.elastic_ep_max_size:
+            raise ValueError(f"expert-parallel size {size} is outside the elastic bounds "
+                             f"{c.elastic_ep_min_size}..{c.elastic_ep_max_size}")
+        if self.is_resizing():
+            raise ResizeBusy(f"a resize to {self._resize_requested} is under way")
+        self._resize_requested = size
+        self._to_core.send(wire.encode(ResizeExperts(size)))
 
     @property
     def last_stats(self) -> dict:

@@ -20,7 +20,14 @@ from pagoda_daemon import capabilities
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.model_uri import is_uri
 from pagoda_daemon.options import check_value, declared, refusal_message, values_from_args
-from pagoda_daemon.server.auth import API_KEY_ENV, DEFAULT_EXEMPT_PATHS, APIKeys, split_list
+from pagoda_daemon.server.auth import (
+    ADMIN_API_KEY_ENV,
+    ADMIN_PATHS,
+    API_KEY_ENV,
+    DEFAULT_EXEMPT_PATHS,
+    APIKeys,
+    split_list,
+)
 from pagoda_daemon.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits, RequestLimits
 from pagoda_daemon.server.reasoning import REASONING_PARSERS
 from pagoda_daemon.server.tool_parsers import PARSERS as TOOL_PARSERS
@@ -61,6 +68,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "a bare port binds loopback; all interfaces only as tcp://*:PORT)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (comma-separated for several; or {API_KEY_ENV})")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the key of the admin routes (elastic EP resizes; docs/elastic-ep.md), never a user's API key "
+                        f"(or {ADMIN_API_KEY_ENV}; unset: the admin routes answer 403)")
     p.add_argument("--auth-exempt-paths", default=",".join(DEFAULT_EXEMPT_PATHS),
                    help="comma-separated paths answered without a key ('' for none)")
     p.add_argument("--enable-fastapi-docs", action="store_true",
@@ -202,7 +212,8 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
 
         model_config = load_config(config.model)  # a bad path or architecture fails here, before any process
         check_layout(model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
-                     config.num_redundant_experts)
+                     config.num_redundant_experts, config.elastic_ep_max_size)
+        _keys(options)
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
@@ -215,6 +226,18 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len))
 
 
+def _keys(options: dict) -> tuple[APIKeys, APIKeys]:
+    """(the users' keys, the admin key). The admin routes check the admin key themselves
+    (server/admin.py) and never take a user's, so the users' check lets them through; an admin
+    key that is also a user key is refused."""
+    keys = APIKeys.from_options(options["api_key"], os.environ,
+                                [*split_list(options["auth_exempt_paths"]), *ADMIN_PATHS])
+    admin_keys = APIKeys.from_options(options["admin_api_key"], os.environ, (), env=ADMIN_API_KEY_ENV)
+    if set(admin_keys.keys) & set(keys.keys):
+        raise ValueError("the admin API key must differ from every user API key")
+    return keys, admin_keys
+
+
 async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int) -> int:
     import uvicorn
 
@@ -222,7 +245,7 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError
     from pagoda_daemon.server.http_protocol import DrainingServer, GuardedH11Protocol
 
-    keys = APIKeys.from_options(options["api_key"], os.environ, split_list(options["auth_exempt_paths"]))
+    keys, admin_keys = _keys(options)
     if not keys.enabled:
         log.warning("the API is unauthenticated: anyone who reaches port %d can use it (set --api-key or %s)",
                     options["port"], API_KEY_ENV)
@@ -239,7 +262,7 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
     settings = ServerSettings(served_name, options["max_waiting_requests"], tool_call_parser=options["tool_call_parser"],
                               reasoning_parser=options["reasoning_parser"])
-    app = build_app(client, settings, tracer, keys=keys,
+    app = build_app(client, settings, tracer, keys=keys, admin_keys=admin_keys,
                     limits=RequestLimits(options["max_request_body_bytes"]), api_docs=options["enable_fastapi_docs"])
     await client.start()
     waiter = asyncio.create_task(client.wait_ready(options["ready_timeout"]))

@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagoda_daemon.engine.messages import EngineStats
+from pagoda_daemon.engine.messages import ELASTIC_PHASES, EngineStats
 
 FINISHED_REASONS = ("stop", "length", "abort")
 
@@ -247,6 +247,22 @@ class EngineMetrics:
         self._expert_parallel = Gauge(
             "pagoda:expert_parallel_size", "Current expert-parallel size of this replica.", labels, registry=r
         ).labels(model_name)
+        # Elastic expert parallelism (executor/resize.py; docs/elastic-ep.md)
+        self._elastic_transitions = Counter(
+            "pagoda:elastic_ep_transitions", "Expert-parallel resizes since start, by outcome (done, or failed and "
+            "rolled back).", [*labels, "outcome"], registry=r,
+        )
+        self._elastic_seconds = Histogram(
+            "pagoda:elastic_ep_transition_seconds", "How long each expert-parallel resize paused scheduling.", labels,
+            buckets=(0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120), registry=r,
+        ).labels(model_name)
+        self._elastic_bytes = Counter(
+            "pagoda:elastic_ep_bytes_moved", "Expert weight bytes resizes moved between ranks.", labels, registry=r,
+        ).labels(model_name)
+        self._elastic_phase = Gauge(
+            "pagoda:elastic_ep_phase", "The latest expert-parallel resize's phase (1 for the current one).",
+            [*labels, "phase"], registry=r,
+        )
         # KV offload (kv_offload/): vLLM's names for a KV connector's lookups, then Pagoda's own
         self._offload_queries = Counter(
             "vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance "
@@ -346,6 +362,16 @@ class EngineMetrics:
             for tier, n in o.saved_bytes.items():
                 self._offload_saved.labels(self.model_name, tier.upper()).inc(n)
             self._offload_seconds.inc(o.transfer_seconds)
+        e = stats.elastic
+        if e is not None:
+            self._expert_parallel.set(e.size)
+            for phase in ELASTIC_PHASES:
+                self._elastic_phase.labels(self.model_name, phase).set(1 if phase == e.phase else 0)
+            if e.transitions:
+                self._elastic_transitions.labels(self.model_name, "done").inc(e.transitions - e.failures)
+                self._elastic_transitions.labels(self.model_name, "failed").inc(e.failures)
+                self._elastic_seconds.observe(e.last_seconds)
+                self._elastic_bytes.inc(e.bytes_moved)
         b = stats.balancer
         if b is not None and b.rebalances:
             self._eplb_rebalances.inc(b.rebalances)

@@ -470,3 +470,39 @@ class ModelRunner:
             return tensor
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)  # cached by torch's host allocator
         return host.copy_(tensor, non_blocking=True)
+
+    # ---- elastic EP: the state a joining rank takes over from rank 0 ----------------------
+
+    def random_states(self) -> dict[str, bytes]:
+        """Every random state a step draws from. Ranks sample the same tokens only while these
+        agree: a rank that joins a running replica takes rank 0's."""
+        states = {"host": torch.get_rng_state().numpy().tobytes(),
+                  "runner": self.generator.get_state().numpy().tobytes(),
+                  "sampler": self.sampler.seed_state()}
+        if self.device.type == "cuda":
+            states["device"] = torch.cuda.get_rng_state(self.device).numpy().tobytes()
+        return states
+
+    def set_random_states(self, states: dict[str, bytes]) -> None:
+        def tensor(data: bytes) -> torch.Tensor:
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+        torch.set_rng_state(tensor(states["host"]))
+        self.generator.set_state(tensor(states["runner"]))
+        self.sampler.set_seed_state(states["sampler"])
+        if "device" in states:
+            torch.cuda.set_rng_state(tensor(states["device"]), self.device)
+
+    def request_state(self, request_id: str) -> tuple[list[int], bytes | None]:
+        """(block ids, seeded generator's state) of a request in flight."""
+        state = self.requests[request_id]
+        generator = None if state.generator is None else state.generator.get_state().numpy().tobytes()
+        return state.block_table[: state.num_blocks].tolist(), generator
+
+    def adopt_request(self, request_id: str, block_ids: list[int], generator: bytes | None) -> None:
+        state = RunnerRequestState(np.zeros(self.max_blocks_per_seq, dtype=np.int32))
+        state.set_blocks(block_ids)
+        if generator is not None:
+            state.generator = torch.Generator(device=self.device)
+            state.generator.set_state(torch.frombuffer(bytearray(generator), dtype=torch.uint8))
+        self.requests[request_id] = state

@@ -10,6 +10,7 @@ instead of the half dozen passes and launches below); everything else takes the 
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -142,6 +143,15 @@ class Sampler:
     def __init__(self, seed: int = 0, fused: bool | None = None) -> None:
         self.fused = fused
         self._rng = random.Random(seed)
+
+    def seed_state(self) -> bytes:
+        """The per-step seed source's state, as bytes (a rank joining a replica takes rank 0's)."""
+        version, internal, gauss = self._rng.getstate()
+        return json.dumps([version, list(internal), gauss]).encode()
+
+    def set_seed_state(self, state: bytes) -> None:
+        version, internal, gauss = json.loads(state)
+        self._rng.setstate((version, tuple(internal), gauss))
 
     def _use_fused(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
         if self.fused is False or not _temperature_only(batch):

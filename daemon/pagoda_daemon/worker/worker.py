@@ -42,6 +42,10 @@ class WorkerInfo:
     kv_block_bytes: int = 0  # one KV block over every layer, K and V, of this rank's heads
 
 
+def num_experts_of(model_config) -> int:
+    return getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,6 +84,11 @@ class Worker:
         self.tp = tensor_parallel_group(config.world_size, config.expert_parallel_size)
         if config.enable_eplb:
             self.tp = dataclasses.replace(self.tp, eplb=True, redundant_experts=config.num_redundant_experts)
+        if config.elastic_ep:  # experts only are spread, with as many redundant slots as this size needs
+            from pagoda_daemon.distributed.elastic import redundant_experts_for
+
+            self.tp = dataclasses.replace(self.tp, replicated_dense=True, redundant_experts=redundant_experts_for(
+                num_experts_of(model_config), self.tp.size, config.num_redundant_experts))
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and self.tp.enabled:  # one GPU per rank, in launch order on the node
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.tp.rank)))
@@ -150,14 +159,29 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
         free_after_profile = total - non_torch - peak
-        budget = int(free_after_profile * self.config.gpu_memory_utilization)
+        budget = int(free_after_profile * self.config.gpu_memory_utilization) - self.elastic_reserve_bytes()
         log.info("start-up: memory profile: total %.1f GiB, peak torch %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
                  total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
         torch.cuda.empty_cache()
         return max(budget // per_block, 0)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode CUDA graphs over it."""
+    def elastic_reserve_bytes(self) -> int:
+        """Under elastic EP, the memory a resize may need beyond today's experts: during a
+        transition the old and the new experts live side by side (a failed one rolls back to
+        weights never touched), and the most a rank ever holds is the smallest size's slots,
+        twice. The KV cache is sized without it."""
+        if not self.config.elastic_ep or self.balancer is None:
+            return 0
+        from pagoda_daemon.distributed.elastic import layout_for
+
+        layers = self.balancer.layers
+        slot_bytes = sum((m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size() for m in layers)
+        smallest = layout_for(layers[0].num_experts, self.config.elastic_ep_min_size, self.config.num_redundant_experts)
+        return max(0, 2 * smallest.slots - layers[0].w13.shape[0]) * slot_bytes
+
+    def initialize_cache(self, num_blocks: int, capture: bool = True) -> None:
+        """Allocate the KV cache, then capture the decode CUDA graphs over it (a rank joining
+        an elastic replica captures once its experts have arrived)."""
         started = time.monotonic()
         self.runner.allocate_kv_cache(self.kv_cache_spec, num_blocks)
         block_size = self.config.block_size
@@ -168,6 +192,10 @@ class Worker:
 
         assert self.runner.kv_cache is not None
         self.offload = build_worker(self.config, self.tp.rank, self.runner.kv_cache, self.kv_block_bytes())
+        if capture:
+            self.capture_cuda_graphs()
+
+    def capture_cuda_graphs(self) -> None:
         if self.uses_cuda_graphs:
             started = time.monotonic()
             self.runner.capture_cuda_graphs()
@@ -203,3 +231,29 @@ class Worker:
     def release_cuda_graphs(self) -> None:
         self.synchronize()
         self.runner.release_cuda_graphs()
+
+    # ---- elastic expert parallelism (executor/resize.py runs the protocol) ----------------
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        """Every weight and buffer but the experts' and their tables: what a joining rank
+        takes from rank 0 as it is."""
+        assert self.balancer is not None
+        expert = {id(t) for m in self.balancer.layers
+                  for t in (m.w13, m.w2, m.expert_load, m.replica_slots, m.replica_counts)}
+        model = self.runner.model
+        return ([p for p in model.parameters() if id(p) not in expert]
+                + [b for b in model.buffers() if id(b) not in expert])
+
+    def take_layout(self, tp, placements: list[list[int]], experts: list[list[torch.Tensor]]) -> None:
+        """Serve with another expert-parallel layout: `tp` the new group, and for every MoE layer
+        the replica's placement and this rank's (w13, w2). Graphs are captured again after."""
+        assert self.balancer is not None
+        self.tp = tp
+        self.config = dataclasses.replace(self.config, expert_parallel_size=tp.size)
+        for layer, placement, (w13, w2) in zip(self.balancer.layers, placements, experts, strict=True):
+            layer.resize(tp, placement, w13, w2)
+        self.runner.model.tp = tp
+        self.balancer.tp = tp
+        self.balancer.reset()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old experts' memory back to the driver's pool
