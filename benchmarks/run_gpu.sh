@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload] ...
+#                                               kv-offload|elastic] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -235,6 +235,13 @@ if has multi-gpu || has multi-gpu-tests; then
   timeout "${MG_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py \
     >"$OUT/multi-gpu-pytest.txt" 2>&1 || status=1
   tail -40 "$OUT/multi-gpu-pytest.txt"
+fi
+if has elastic; then
+  # Elastic EP over NCCL (issue #18): the tiny Qwen3-MoE resized 1 -> 2 -> 1 while requests run
+  step "elastic expert parallelism on two GPUs: 1 -> 2 -> 1 over NCCL"
+  timeout "${ELASTIC_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider -rf tests/gpu/test_elastic_ep_gpu.py \
+    >"$OUT/elastic-pytest.txt" 2>&1 || status=1
+  grep -E "ELASTIC_GPU|passed|failed|Error" "$OUT/elastic-pytest.txt" | tail -20
 fi
 if has vllm-moe-stash; then
   step "vLLM anchor, MoE kernels: stash moe.tar.xz"

@@ -129,8 +129,9 @@ class EngineConfig:
         EPLB on, attention not split over the expert ranks, one node)."""
         problems = []
         low, high, size = self.elastic_ep_min_size, self.elastic_ep_max_size, self.expert_parallel_size
-        if not 2 <= low <= high:
-            problems.append(f"elastic_ep_min_size ({low}) must be at least 2 and at most elastic_ep_max_size ({high})")
+        if not 1 <= low <= high or high < 2:
+            problems.append(f"elastic_ep_min_size ({low}) must be at least 1 and at most elastic_ep_max_size ({high}), "
+                            "which must be at least 2")
         elif not low <= size <= high:
             problems.append(f"expert_parallel_size {size} must lie within the elastic bounds {low}..{high}")
         if not self.enable_eplb:

@@ -559,10 +559,10 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
         errors.append("parallelism.eplb needs parallelism.expert of 2 or more (it balances experts between ranks)")
     el = par.elastic
     if el is not None:
-        if not 2 <= el.min_expert <= par.expert <= el.max_expert:
+        if not 1 <= el.min_expert <= par.expert <= el.max_expert or el.max_expert < 2:
             errors.append(
-                f"parallelism.elastic needs 2 <= minExpert ({el.min_expert}) <= expert ({par.expert}) "
-                f"<= maxExpert ({el.max_expert})"
+                f"parallelism.elastic needs 1 <= minExpert ({el.min_expert}) <= expert ({par.expert}) "
+                f"<= maxExpert ({el.max_expert}), and maxExpert >= 2"
             )
         if par.tensor != 1:
             errors.append("parallelism.elastic needs parallelism.tensor 1: attention is whole on every rank "

@@ -20,7 +20,7 @@ from pagoda_daemon.distributed.elastic import (
 )
 from pagoda_daemon.executor.resize import FAULT_ENV
 
-ELASTIC = {"enable_eplb": True, "elastic_ep_min_size": 2, "elastic_ep_max_size": 4, "eplb_step_interval": 7}
+ELASTIC = {"enable_eplb": True, "elastic_ep_min_size": 1, "elastic_ep_max_size": 4, "eplb_step_interval": 7}
 LENGTHS = [5, 17, 33, 48, 70, 9, 100, 21]
 
 
@@ -28,13 +28,14 @@ LENGTHS = [5, 17, 33, 48, 70, 9, 100, 21]
 
 
 @pytest.mark.parametrize("experts,ranks,configured,expected", [(8, 2, 0, 0), (8, 3, 0, 1), (8, 3, 2, 4), (128, 5, 0, 2),
-                                                              (8, 4, 3, 4)])
+                                                              (8, 4, 3, 4), (8, 1, 3, 0)])
 def test_redundant_slots_make_every_size_even(experts, ranks, configured, expected):
     assert redundant_experts_for(experts, ranks, configured) == expected
     assert (experts + expected) % ranks == 0
 
 
-@pytest.mark.parametrize("experts,sizes", [(8, [2, 3, 4, 2]), (16, [4, 2, 3, 5, 4]), (128, [2, 7, 8, 3])])
+@pytest.mark.parametrize("experts,sizes", [(8, [2, 3, 4, 2]), (16, [4, 2, 3, 5, 4]), (128, [2, 7, 8, 3]),
+                                           (8, [1, 3, 1, 2])])
 def test_a_resize_places_every_expert_and_moves_only_what_changes(experts, sizes):
     rng = random.Random(experts)
     load = [rng.random() * 100 for _ in range(experts)]
@@ -62,13 +63,14 @@ def test_a_resize_places_every_expert_and_moves_only_what_changes(experts, sizes
 # ---- the engine --------------------------------------------------------------------------------
 
 
-def _run(path: str, resizes: dict[int, int], extra: dict | None = None, fault_at: int | None = None):
+def _run(path: str, resizes: dict[int, int], extra: dict | None = None, fault_at: int | None = None,
+         start: int = 2, device: str = "cpu"):
     """Requests arrive over the first steps; at step i the replica is resized to resizes[i].
-    Returns (tokens by request, outcomes of each resize, no block leaked)."""
+    Returns (tokens by request, (size, phase, error, seconds) of each resize, no block leaked)."""
     from pagoda_daemon import LLM, SamplingParams
 
-    llm = LLM(path, dtype="float32", device="cpu", expert_parallel_size=2, num_kv_blocks=96, max_model_len=256,
-              max_num_batched_tokens=64, **{**ELASTIC, **(extra or {})})
+    llm = LLM(path, dtype="float32", device=device, expert_parallel_size=start, num_kv_blocks=96,
+              max_model_len=256, max_num_batched_tokens=64, **{**ELASTIC, **(extra or {})})
     engine, core = llm.engine, llm.engine.core
     prompts = random_prompts(engine.model_config.vocab_size, LENGTHS, seed=11)
     tokens: dict[str, list[int]] = {}
@@ -94,7 +96,8 @@ def _run(path: str, resizes: dict[int, int], extra: dict | None = None, fault_at
                     import os
 
                     os.environ.pop(FAULT_ENV, None)
-                outcomes.append((core.elastic.size, core.elastic.phase, core.elastic.last_error))
+                e = core.elastic
+                outcomes.append((e.size, e.phase, e.last_error, e.last_seconds))
             for out in engine.step():
                 if out.finished:
                     tokens[out.request_id] = out.outputs[0].token_ids
@@ -120,11 +123,20 @@ def test_resizing_while_serving_keeps_every_request_and_its_tokens(tiny_models, 
     assert leak_free
 
 
+def test_one_rank_grows_to_three_and_back_to_one(tiny_models):
+    """At one rank every expert is on rank 0 and nothing is all-reduced; a replica can idle there."""
+    path = tiny_models["qwen3_moe"]
+    fixed, _, _ = _run(path, {}, start=1)
+    tokens, outcomes, leak_free = _run(path, {3: 3, 9: 1}, start=1)
+    assert [o[:2] for o in outcomes] == [(3, "done"), (1, "done")]
+    assert tokens == fixed and leak_free
+
+
 def test_a_joiner_that_dies_mid_transfer_rolls_back_and_the_replica_serves_on(tiny_models):
     path = tiny_models["qwen3_moe"]
     fixed, _, _ = _run(path, {})
     tokens, outcomes, leak_free = _run(path, {3: 3, 9: 3}, fault_at=3)
-    (size, phase, error), after = outcomes
+    (size, phase, error, _), after = outcomes
     assert (size, phase) == (2, "failed") and error
     assert after[:2] == (3, "done")  # the next resize, with a healthy joiner, goes through
     assert tokens == fixed and leak_free
@@ -138,7 +150,9 @@ def test_elastic_requirements_are_named_in_one_message(tiny_models):
                      elastic_ep_min_size=2, elastic_ep_max_size=4, kv_offload_cpu_gib=1.0)
     for words in ("within the elastic bounds", "enable_eplb", "tensor_parallel_size 1", "KV offload"):
         assert words in str(e.value)
-    with pytest.raises(ValueError, match="at least 2"):
-        EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, elastic_ep_min_size=1, elastic_ep_max_size=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, elastic_ep_min_size=0, elastic_ep_max_size=4)
+    with pytest.raises(ValueError, match="which must be at least 2"):
+        EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, elastic_ep_min_size=1, elastic_ep_max_size=1)
     with pytest.raises(ValueError, match="at most elastic_ep_max_size"):
         EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, elastic_ep_min_size=4, elastic_ep_max_size=0)

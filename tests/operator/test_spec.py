@@ -104,8 +104,8 @@ INVALID = [
         "parallelism.elastic needs parallelism.tensor 1",
     ),
     (
-        {"resources": {"gpusPerReplica": 4}, "parallelism": {"expert": 2, "elastic": {"minExpert": 1, "maxExpert": 4}}},
-        "2 <= minExpert (1)",
+        {"resources": {"gpusPerReplica": 4}, "parallelism": {"expert": 2, "elastic": {"minExpert": 0, "maxExpert": 4}}},
+        "1 <= minExpert (0)",
     ),
     (
         {"resources": {"gpusPerReplica": 4}, "parallelism": {"expert": 2, "elastic": {"minExpert": 2, "maxExpert": 4}},

@@ -41,7 +41,10 @@ class Layout:
 
 def redundant_experts_for(num_experts: int, ranks: int, configured: int) -> int:
     """The redundant slots at `ranks` ranks: the configured number, raised to the next one that
-    gives every rank the same number of slots (8 experts over 3 ranks take one: 3 slots each)."""
+    gives every rank the same number of slots (8 experts over 3 ranks take one: 3 slots each).
+    One rank holds every expert once: a copy on the same rank would take no load off it."""
+    if ranks == 1:
+        return 0
     redundant = configured
     while (num_experts + redundant) % ranks:
         redundant += 1

@@ -58,7 +58,7 @@ def default_executor(config: EngineConfig, model_config, max_model_len: int,
     exits at once when another rank dies, rather than wait in a collective."""
     import torch.distributed as dist
 
-    if config.world_size > 1 and not dist.is_initialized():
+    if (config.world_size > 1 or config.elastic_ep) and not dist.is_initialized():  # elastic: ranks may join
         from pagoda_daemon.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config, model_config, max_model_len, exit_on_worker_death)
