@@ -100,8 +100,7 @@ class Transition:
 class Exchanged:
     """What a rank holds once the transfer is done: the new layout, not yet in use."""
 
-    old_placements: list[list[int]]
-    placements: list[list[int]]
+    placements: list[list[int]]  # every MoE layer's, for the new size
     experts: list[list[torch.Tensor]] | None  # per layer (w13, w2); None for a leaving rank
     rank_state: step_plan.RankState | None  # a joining rank's take of rank 0's requests
     bytes_moved: int
@@ -178,7 +177,7 @@ def exchange(seat: RankSeat, t: Transition, rank_state: step_plan.RankState | No
             logging.shutdown()
             os._exit(1)
     state = _bring_joiners_up(seat, t, groups, rank_state) if groups is not None else None
-    return Exchanged(old_placements, placements, experts, state, moved)
+    return Exchanged(placements, experts, state, moved)
 
 
 def _joiner_groups(seat: RankSeat, t: Transition) -> tuple[Any, Any]:
