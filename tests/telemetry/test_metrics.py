@@ -95,6 +95,28 @@ def test_placement_info_for_the_operator(metrics):
     assert samples[key("pagoda:expert_parallel_size")] == 1
 
 
+def test_an_elastic_resize_moves_the_size_the_phase_and_the_placement(metrics):
+    from pagoda_daemon.engine.messages import ElasticStats
+
+    metrics.set_placement([0, 1], [0], expert_parallel_size=2)
+    moving = ElasticStats(2, 1, 4, phase="transferring", target=4)
+    metrics.record_engine_stats(EngineStats(0, 0, 0.0, 64, 64, elastic=moving))
+    s = scrape(metrics)
+    assert s[key("pagoda:elastic_ep_phase", phase="transferring")] == 1
+    assert s[key("pagoda:elastic_ep_phase", phase="done")] == 0
+    done = ElasticStats(4, 1, 4, phase="done", target=4, last_seconds=1.5, transitions=1, bytes_moved=1024,
+                        gpus=[0, 1, 2, 3], numa_nodes=[0, 1])
+    metrics.record_engine_stats(EngineStats(0, 0, 0.0, 64, 64, elastic=done))
+    s = scrape(metrics)
+    assert s[key("pagoda:expert_parallel_size")] == 4
+    assert s[key("pagoda:elastic_ep_transitions_total", outcome="done")] == 1
+    assert s[key("pagoda:elastic_ep_transitions_total", outcome="failed")] == 0
+    assert s[key("pagoda:elastic_ep_bytes_moved_total")] == 1024
+    assert s[key("pagoda:elastic_ep_transition_seconds_count")] == 1
+    placement = {k: v for k, v in s.items() if k[0] == "pagoda:placement_info"}
+    assert placement == {key("pagoda:placement_info", gpus="0,1,2,3", numa_nodes="0,1"): 1.0}
+
+
 def test_histogram_buckets_are_vllms(metrics):
     samples = scrape(metrics)
     for name, buckets in HISTOGRAMS.items():

@@ -323,6 +323,9 @@ class EngineCore:
         state.transitions += 1
         state.failures += not outcome.committed
         state.bytes_moved += outcome.bytes_moved
+        ranks = self.executor.worker_infos()
+        state.gpus = [r.gpu for r in ranks if r.gpu is not None]
+        state.numa_nodes = sorted({r.numa_node for r in ranks if r.numa_node is not None})
         log.info("elastic EP: %s %d -> %d in %.2f s (%.1f MiB of experts moved)%s",
                  "resized" if outcome.committed else "rolled back a resize", old, size, state.last_seconds,
                  outcome.bytes_moved / 2**20,

@@ -161,6 +161,8 @@ class ElasticStats(msgspec.Struct, array_like=True, gc=False):
     transitions: int = 0
     failures: int = 0
     bytes_moved: int = 0
+    gpus: list[int] = msgspec.field(default_factory=list)  # the ranks' GPUs and NUMA nodes after the
+    numa_nodes: list[int] = msgspec.field(default_factory=list)  # latest transition (READY's before one)
 
     def add(self, later: ElasticStats | None) -> ElasticStats:
         if later is None:

@@ -365,6 +365,8 @@ class EngineMetrics:
         e = stats.elastic
         if e is not None:
             self._expert_parallel.set(e.size)
+            if e.transitions:  # the ranks, hence the GPUs the operator shows in status.placement, changed
+                self.set_placement(e.gpus, e.numa_nodes, e.size)
             for phase in ELASTIC_PHASES:
                 self._elastic_phase.labels(self.model_name, phase).set(1 if phase == e.phase else 0)
             if e.transitions:
