@@ -236,6 +236,7 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
     already). Returns with ``seat.control`` the control group of the world this rank serves in
     (a leaving rank has left every world)."""
     error = ""
+    worker = seat.worker
     exchanged: Exchanged | None = None
     try:
         if t.grows and not joined:
@@ -245,7 +246,12 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         log.error("rank %d: resize %d -> %d failed in the transfer: %s", seat.rank, t.old_size, t.new_size, error)
-    ok = vote(seat, exchanged is not None)
+    if exchanged is not None:
+        ok = vote(seat, True)
+    else:  # no vote: leave at once, so that a peer waiting in its vote fails now rather than time out
+        ok = False
+        if decide is None:
+            leave_world(worker)
     if decide is not None:
         decide(ok)
         commit = ok
@@ -253,7 +259,6 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
         commit = t.decision()
     if not commit and not error:
         error = "another rank failed the transfer (a joining rank died, or a transfer timed out)"
-    worker = seat.worker
     if commit:
         assert exchanged is not None
         if seat.rank >= t.new_size:  # a leaving rank
