@@ -56,11 +56,6 @@ log = logging.getLogger(__name__)
 # starts answering on its ready port (a pod's tcpSocket readiness probe; a socket, unlike a file
 # in the pod's /tmp volume, does not outlive a restarted container).
 NODE_READY_ENV = "PAGODA_NODE_READY_FILE"
-# Elastic EP: a rank started ahead of need imports torch and brings up its device (this variable
-# names it: cuda:N or cpu), then waits for its arguments; a resize that grows hands them over
-# instead of starting a process, which took about 9 of the 11 s of a 1 -> 2 resize on two H200s
-# (docs/benchmarks/2026-11-26-elastic-ep-h200-x2.md).
-SPARE_ENV = "PAGODA_SPARE_DEVICE"
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -80,7 +75,6 @@ class JoinSpec:
     old_size: int
     new_size: int
     num_blocks: int
-    fault: str = ""  # resize.FAULT_ENV as rank 0 had it when the resize began (a spare started before)
 
 
 def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, model_config, max_model_len: int,
@@ -95,8 +89,6 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
     folder = os.path.dirname(rdv.file) if rdv.file else ""
     mirrors = step_plan.RequestMirrors(config.block_size)
     if join is not None:
-        if join.fault:
-            os.environ[resize.FAULT_ENV] = join.fault
         t = resize.Transition(join.epoch, join.old_size, join.new_size, folder)
         control = join_world(rank, join.new_size, t.rendezvous("grow"), device_type, local_rank, stopped,
                              resize.TRANSITION_TIMEOUT)
@@ -162,38 +154,20 @@ def _spawn_ranks(ranks: range, rdv: Rendezvous, config: EngineConfig, model_conf
     """Plain child processes (``python -m pagoda_daemon.executor.multiproc``, the arguments pickled
     on a local pipe): the engine core is itself a daemonic multiprocessing child, which
     multiprocessing forbids to have children of its own."""
-    if device_type == "cuda" and torch.cuda.device_count() < config.ranks_per_node:
-        raise ValueError(f"{config.ranks_per_node} ranks on this node need {config.ranks_per_node} GPUs; this "
-                         f"process sees {torch.cuda.device_count()}")
+    needed = max(config.ranks_per_node, config.elastic_ep_max_size)  # elastic EP may grow that far
+    if device_type == "cuda" and torch.cuda.device_count() < needed:
+        raise ValueError(f"{needed} ranks on this node need {needed} GPUs; this process sees "
+                         f"{torch.cuda.device_count()}")
     procs = []
     for r in ranks:
-        proc = _start_process(env)
-        _hand_over(proc, (r, config.world_size, rdv, config, model_config, max_model_len, os.getpid(), device_type,
-                          join))
+        proc = subprocess.Popen([sys.executable, "-m", "pagoda_daemon.executor.multiproc"], stdin=subprocess.PIPE,
+                                env={**os.environ, **(env or {})})
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps((r, config.world_size, rdv, config, model_config, max_model_len, os.getpid(),
+                                       device_type, join)))
+        proc.stdin.close()
         procs.append(proc)
     return procs
-
-
-def _start_process(env: dict[str, str] | None = None) -> subprocess.Popen:
-    """The fault hook travels in a JoinSpec only: a spare started meanwhile must not inherit it."""
-    inherited = {k: v for k, v in os.environ.items() if k != resize.FAULT_ENV}
-    return subprocess.Popen([sys.executable, "-m", "pagoda_daemon.executor.multiproc"], stdin=subprocess.PIPE,
-                            env={**inherited, **(env or {})})
-
-
-def _hand_over(proc: subprocess.Popen, args: tuple) -> None:
-    """A rank's arguments, pickled on its private pipe; closing it starts the rank."""
-    assert proc.stdin is not None
-    proc.stdin.write(pickle.dumps(args))
-    proc.stdin.close()
-
-
-def _release_spares(spares: list[subprocess.Popen]) -> None:
-    """Spares not needed: an empty pipe ends them (they have started nothing yet)."""
-    for proc in spares:
-        if proc.stdin is not None and not proc.stdin.closed:
-            proc.stdin.close()
-    _stop(spares, 10.0)
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
@@ -286,7 +260,6 @@ class MultiprocExecutor(Executor):
         self.config, self.model_config, self.max_model_len, self.device_type = (config, model_config, max_model_len,
                                                                                 device_type)
         self.size = size
-        self._spares: dict[int, subprocess.Popen] = {}  # elastic EP: ranks started ahead of need
         self._epoch = 0  # elastic resizes so far
         self._resizing = threading.Event()  # a rank that exits meanwhile is the transition's business
         self.procs = _spawn_ranks(range(1, config.ranks_per_node), rdv, config, model_config, max_model_len,
@@ -302,7 +275,6 @@ class MultiprocExecutor(Executor):
         # Whoever built the engine may simply exit (a script, the benchmark): stop the ranks
         # first, or they wait in the next broadcast until its connection breaks.
         atexit.register(self.shutdown)
-        self._keep_spares()
         log.info("tensor parallel: %d ranks over %d node(s) (%s), local ranks 1..%d in pids %s", size,
                  config.nnodes, dist.get_backend(), config.ranks_per_node - 1, [p.pid for p in self.procs])
 
@@ -366,14 +338,9 @@ class MultiprocExecutor(Executor):
             self.synchronize()
             if t.grows:
                 config = dataclasses.replace(self.config, expert_parallel_size=new_size, load_format="dummy")
-                join = JoinSpec(t.epoch, t.old_size, new_size, self.num_blocks,
-                                os.environ.get(resize.FAULT_ENV, ""))
-                for r in t.joiners:
-                    spare = self._spares.pop(r, None)
-                    proc = spare if spare is not None and spare.poll() is None else _start_process()
-                    _hand_over(proc, (r, new_size, t.rendezvous("grow"), config, self.model_config,
-                                      self.max_model_len, os.getpid(), self.device_type, join))
-                    joiners.append(proc)
+                joiners = _spawn_ranks(t.joiners, t.rendezvous("grow"), config, self.model_config,
+                                       self.max_model_len, self.device_type,
+                                       join=JoinSpec(t.epoch, t.old_size, new_size, self.num_blocks))
             self._send(step_plan.Resize(t.epoch, t.old_size, new_size))
             seat = resize.RankSeat(self.worker, 0, self.control, self.device_type, 0, self._stopped)
             outcome = resize.follow(seat, t, rank_state=state, on_phase=on_phase, decide=t.decide)
@@ -390,20 +357,6 @@ class MultiprocExecutor(Executor):
             return outcome
         finally:
             self._resizing.clear()
-            self._keep_spares()
-
-    def _keep_spares(self) -> None:
-        """Under elastic EP, one process waiting for each rank the replica may grow to."""
-        if not self.config.elastic_ep or self._private is None:
-            return
-        for r, proc in list(self._spares.items()):
-            if r < self.size or proc.poll() is not None:
-                self._spares.pop(r)
-                _release_spares([proc])
-        for r in range(self.size, self.config.elastic_ep_max_size):
-            if r not in self._spares:
-                device = f"cuda:{r}" if self.device_type == "cuda" else "cpu"
-                self._spares[r] = _start_process({SPARE_ENV: device})
 
     def shutdown(self) -> None:
         """Stop the other ranks (they leave the world) and wait for the local ones. Runs once."""
@@ -417,21 +370,13 @@ class MultiprocExecutor(Executor):
             except RuntimeError as e:
                 log.warning("could not tell the workers to stop: %s", e)
         leave_world(self.worker)
-        _release_spares(list(self._spares.values()))
         _stop(self.procs)
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
 
 
 def main() -> None:
-    spare = os.environ.get(SPARE_ENV)
-    if spare and spare.startswith("cuda"):  # a spare: its device's context up before the wait
-        torch.cuda.set_device(torch.device(spare))
-        torch.zeros(1, device=spare)
-    data = sys.stdin.buffer.read()
-    if not data:  # a spare no longer needed, or rank 0 gone: nothing to run
-        return
-    worker_main(*pickle.loads(data))
+    worker_main(*pickle.loads(sys.stdin.buffer.read()))
 
 
 if __name__ == "__main__":
