@@ -34,15 +34,17 @@ CHOICES = ["red", "green", "blue", "東京"]
 REGEX = r"[a-f]{3,6}-\d{2}"
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["ahead", "sync"])
-def test_constrained_rows_under_graphs_and_scheduling_ahead(tiny_models, async_scheduling):
+def test_constrained_rows_under_graphs_and_scheduling_ahead(tiny_models, async_scheduling, backend):
+    pytest.importorskip(backend)
     import jsonschema
 
     from pagoda_daemon import LLM, SamplingParams
     from pagoda_daemon.structured_outputs import StructuredOutputsParams as SO
 
     llm = LLM(tiny_models["qwen3"], device="cuda", dtype="bfloat16", num_kv_blocks=512, max_model_len=1024,
-              max_num_seqs=64, async_scheduling=async_scheduling)
+              max_num_seqs=64, async_scheduling=async_scheduling, structured_outputs_backend=backend)
     core = llm.engine.core
     assert core.worker_info.uses_cuda_graphs and core.async_scheduling == async_scheduling
     kinds = ["json", "plain", "choice", "plain", "regex", "plain"] * 8
