@@ -28,7 +28,7 @@ from typing import Any
 
 from pagoda_operator import autoscaler
 from pagoda_operator.placement import pod_ready
-from pagoda_operator.spec import Autoscaling, Elastic, ServiceSpec
+from pagoda_operator.spec import Elastic, ServiceSpec
 
 ADMIN_KEY_ENV = "PAGODA_ADMIN_API_KEY"  # the daemon's (pagoda_daemon.server.auth.ADMIN_API_KEY_ENV)
 ADMIN_KEY_KEY = "admin-api-key"
@@ -72,13 +72,6 @@ def admin_key_env(spec: ServiceSpec) -> dict[str, Any]:
                                                                   "key": ADMIN_KEY_KEY, "optional": True}}}
 
 
-def rule(e: Elastic) -> Autoscaling:
-    """The replica autoscaler's rule, over expert-parallel sizes."""
-    return Autoscaling(min_replicas=e.min_expert, max_replicas=e.max_expert, metric=e.metric, target=e.target,
-                       tolerance=e.tolerance, scale_up_window_s=e.scale_up_window_s,
-                       scale_down_window_s=e.scale_down_window_s)
-
-
 @dataclass(frozen=True)
 class Decision:
     desired: int
@@ -91,7 +84,7 @@ def evaluate(e: Elastic, current: int, samples: Sequence[float], history: Sequen
     """The next expert-parallel size from the current one (the smallest a replica serves with);
     `samples` come from the `pods` serving pods (those that did not answer count as the
     replica autoscaler counts them)."""
-    ev = autoscaler.evaluate(rule(e), current, samples, history, now, expected=pods)
+    ev = autoscaler.evaluate(e.rule, current, samples, history, now, expected=pods)
     if ev.desired < current and replicas_can_shrink:
         return Decision(current, ev, "ReplicasFirst: replicas shrink before the expert-parallel size does")
     return Decision(ev.desired, ev, None)
@@ -101,7 +94,7 @@ def status_of(e: Elastic, previous: Mapping[str, Any], decision: Decision | None
               states: Mapping[str, Mapping[str, Any]], now: float) -> dict[str, Any]:
     """status.elastic: the bounds, the last decision (with its history) and each pod's state."""
     out: dict[str, Any] = {k: v for k, v in previous.items() if k in ("decisions", "lastScaleTime")}
-    out.update(minExpert=e.min_expert, maxExpert=e.max_expert, metric=e.metric, target=e.target,
+    out.update(minExpert=e.min_expert, maxExpert=e.max_expert, metric=e.metric, target=e.rule.target,
                currentExpertParallel=current)
     if decision is not None:
         ev = decision.evaluation
@@ -112,7 +105,7 @@ def status_of(e: Elastic, previous: Mapping[str, Any], decision: Decision | None
             out["value"] = round(ev.value, 6)
         if decision.desired != current:
             entry = {"time": autoscaler.to_iso(now), "from": current, "to": decision.desired, "reason": ev.reason,
-                     "metric": e.metric, "target": e.target}
+                     "metric": e.metric, "target": e.rule.target}
             if ev.value is not None:
                 entry["value"] = round(ev.value, 6)
             out["decisions"] = autoscaler.record(out.get("decisions") or [], entry)

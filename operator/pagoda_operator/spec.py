@@ -88,20 +88,6 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
-class Elastic:
-    """spec.parallelism.elastic: the bounds of a replica's expert-parallel size and the rule the
-    operator resizes it by (the replica autoscaler's rule over expert-parallel sizes: elastic.py)."""
-
-    min_expert: int
-    max_expert: int
-    metric: str = "requestsRunning"
-    target: float = 16.0
-    tolerance: float = 0.1
-    scale_up_window_s: int = 0
-    scale_down_window_s: int = 300
-
-
-@dataclass(frozen=True)
 class Parallelism:
     tensor: int = 1
     expert: int = 1
@@ -141,6 +127,26 @@ class Autoscaling:
     tolerance: float = 0.1
     scale_up_window_s: int = 0
     scale_down_window_s: int = 300
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """spec.parallelism.elastic: the replica autoscaler's rule (``Autoscaling``) over a replica's
+    expert-parallel size, its bounds minExpert and maxExpert (elastic.py)."""
+
+    rule: Autoscaling
+
+    @property
+    def min_expert(self) -> int:
+        return self.rule.min_replicas
+
+    @property
+    def max_expert(self) -> int:
+        return self.rule.max_replicas
+
+    @property
+    def metric(self) -> str:
+        return self.rule.metric
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,21 @@ def _get(d: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _rule(d: Mapping[str, Any], minimum: int, maximum: int, default_metric: str) -> Autoscaling:
+    """The rule spec.autoscaling and spec.parallelism.elastic share: metric, target, tolerance,
+    stabilisation windows, between `minimum` and `maximum`."""
+    metric = _get(d, "metric", default_metric)
+    return Autoscaling(
+        min_replicas=minimum,
+        max_replicas=maximum,
+        metric=metric,
+        target=float(_get(d, "target", DEFAULT_TARGETS.get(metric, 1.0))),
+        tolerance=float(_get(d, "tolerance", 0.1)),
+        scale_up_window_s=int(_get(d, "scaleUpStabilizationSeconds", 0)),
+        scale_down_window_s=int(_get(d, "scaleDownStabilizationSeconds", 300)),
+    )
+
+
 def parse(
     name: str, namespace: str, spec: Mapping[str, Any], supports: Supports = capabilities.supported
 ) -> ServiceSpec:
@@ -257,18 +278,7 @@ def parse(
     p = _get(spec, "parallelism", {})
     el = _get(p, "elastic", None)
     eplb = _get(p, "eplb", None)
-    elastic = None
-    if el:
-        el_metric = _get(el, "metric", "requestsRunning")
-        elastic = Elastic(
-            min_expert=int(el["minExpert"]),
-            max_expert=int(el["maxExpert"]),
-            metric=el_metric,
-            target=float(_get(el, "target", DEFAULT_TARGETS.get(el_metric, 1.0))),
-            tolerance=float(_get(el, "tolerance", 0.1)),
-            scale_up_window_s=int(_get(el, "scaleUpStabilizationSeconds", 0)),
-            scale_down_window_s=int(_get(el, "scaleDownStabilizationSeconds", 300)),
-        )
+    elastic = Elastic(_rule(el, int(el["minExpert"]), int(el["maxExpert"]), "requestsRunning")) if el else None
     parallelism = Parallelism(
         tensor=int(_get(p, "tensor", 1)),
         expert=int(_get(p, "expert", 1)),
@@ -300,16 +310,8 @@ def parse(
     a = spec.get("autoscaling")
     autoscaling = None
     if a and _get(a, "enabled", True):
-        metric = _get(a, "metric", "kvCacheUsage")
-        autoscaling = Autoscaling(
-            min_replicas=int(_get(a, "minReplicas", 1)),
-            max_replicas=int(_get(a, "maxReplicas", _get(a, "minReplicas", 1))),
-            metric=metric,
-            target=float(_get(a, "target", DEFAULT_TARGETS.get(metric, 1.0))),
-            tolerance=float(_get(a, "tolerance", 0.1)),
-            scale_up_window_s=int(_get(a, "scaleUpStabilizationSeconds", 0)),
-            scale_down_window_s=int(_get(a, "scaleDownStabilizationSeconds", 300)),
-        )
+        autoscaling = _rule(a, int(_get(a, "minReplicas", 1)), int(_get(a, "maxReplicas", _get(a, "minReplicas", 1))),
+                            "kvCacheUsage")
     pl = _get(spec, "placement", {})
     placement = Placement(
         node_selector=dict(_get(pl, "nodeSelector", {})),
@@ -574,8 +576,8 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
             )
         if s.kv_offload.cpu_gib or s.kv_offload.disk_path:
             errors.append("parallelism.elastic does not combine with kvOffload yet")
-        if el.metric == "kvCacheUsage" and not 0 < el.target <= 1:
-            errors.append(f"parallelism.elastic.target for kvCacheUsage is a fraction in (0, 1]; got {el.target}")
+        if el.metric == "kvCacheUsage" and not 0 < el.rule.target <= 1:
+            errors.append(f"parallelism.elastic.target for kvCacheUsage is a fraction in (0, 1]; got {el.rule.target}")
     a = s.autoscaling
     if a is not None:
         if a.min_replicas > a.max_replicas:
