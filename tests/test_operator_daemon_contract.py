@@ -124,3 +124,14 @@ def test_unsupported_rendered_options_are_refused_by_name(tmp_path):
     argv = ["serve", "/m", "--config", str(config_file)]
     with pytest.raises(ValueError, match="kv-cache-dtype=fp8: an fp8 KV cache is not supported"):
         resolve_options(build_parser().parse_args(argv), _explicit_options(argv))
+
+
+def test_the_operator_reads_elastic_ep_as_the_daemon_writes_it():
+    """The operator may not import the daemon's engine messages (msgspec); its copies must agree."""
+    from pagoda_daemon.engine.messages import ELASTIC_PHASES
+    from pagoda_daemon.server.auth import ADMIN_API_KEY_ENV, ADMIN_PATHS
+    from pagoda_operator import elastic
+
+    assert elastic.PHASES == ELASTIC_PHASES
+    assert elastic.ADMIN_KEY_ENV == ADMIN_API_KEY_ENV
+    assert {"/elastic_ep", "/scale_elastic_ep"} <= set(ADMIN_PATHS)

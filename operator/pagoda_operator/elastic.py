@@ -21,6 +21,7 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from pagoda_operator.spec import Elastic, ServiceSpec
 ADMIN_KEY_ENV = "PAGODA_ADMIN_API_KEY"  # the daemon's (pagoda_daemon.server.auth.ADMIN_API_KEY_ENV)
 ADMIN_KEY_KEY = "admin-api-key"
 OPERATOR_SECRET_ENV = "PAGODA_OPERATOR_ADMIN_SECRET"  # the chart's Secret, in the operator's pod only
+# The daemon's phases (pagoda_daemon.engine.messages.ELASTIC_PHASES; a contract test keeps them equal).
+PHASES = ("idle", "preparing", "transferring", "capturing", "done", "failed")
 TRANSITIONS = ("preparing", "transferring", "capturing")  # a daemon in one of these is resizing
 MAX_STATE_BYTES = 64 << 10  # a daemon's /elastic_ep is a few hundred bytes
 
@@ -113,11 +116,25 @@ def status_of(e: Elastic, previous: Mapping[str, Any], decision: Decision | None
     else:
         out.update({k: previous[k] for k in ("desiredExpertParallel", "reason", "message", "value",
                                              "lastEvaluationTime", "recommendations") if k in previous})
-    out["pods"] = [{"pod": pod, "expertParallel": s.get("size"), "phase": s.get("phase"),
-                    **({"lastTransitionSeconds": s["last_seconds"]} if s.get("last_seconds") else {}),
-                    **({"lastError": str(s["last_error"])[:500]} if s.get("last_error") else {})}
-                   for pod, s in sorted(states.items())]
+    out["pods"] = [_pod_status(pod, s) for pod, s in sorted(states.items())]
     return out
+
+
+def _pod_status(pod: str, s: Mapping[str, Any]) -> dict[str, Any]:
+    """One pod's entry, from what its daemon answered: only values of the schema's types go into
+    status (a pod that answers anything else must not make the status patch fail)."""
+    entry: dict[str, Any] = {"pod": pod}
+    if _sized(s):
+        entry["expertParallel"] = s["size"]
+    if s.get("phase") in PHASES:
+        entry["phase"] = s["phase"]
+    seconds = s.get("last_seconds")
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds:
+        entry["lastTransitionSeconds"] = seconds
+    error = s.get("last_error") or s.get("unreachable")
+    if error:
+        entry["lastError"] = str(error)[:500]
+    return entry
 
 
 def history_of(previous: Mapping[str, Any]) -> list[tuple[float, int]]:
@@ -136,7 +153,7 @@ def scaling_condition(states: Mapping[str, Mapping[str, Any]], desired: int | No
     failed = sorted(p for p, s in states.items() if s.get("phase") == "failed")
     if moving:
         return "True", "Resizing", f"expert-parallel resize in progress on {', '.join(moving)}"
-    off = sorted(p for p, s in states.items() if desired is not None and s.get("size") != desired)
+    off = sorted(p for p, s in states.items() if desired is not None and _sized(s) and s["size"] != desired)
     if failed:
         errors = "; ".join(f"{p}: {states[p].get('last_error') or 'failed'}" for p in failed)
         return "False", "ResizeFailed", f"rolled back, still serving at the old size: {errors}"[:1000]
@@ -146,9 +163,13 @@ def scaling_condition(states: Mapping[str, Mapping[str, Any]], desired: int | No
 
 
 def wanted_resizes(states: Mapping[str, Mapping[str, Any]], desired: int) -> list[str]:
-    """Pods to ask for `desired`: those at another size and not resizing already."""
-    return sorted(p for p, s in states.items() if s.get("size") != desired and s.get("phase") not in TRANSITIONS
-                  and not s.get("is_scaling"))
+    """Pods to ask for `desired`: those that answered, at another size and not resizing already."""
+    return sorted(p for p, s in states.items() if _sized(s) and s["size"] != desired
+                  and s.get("phase") not in TRANSITIONS and not s.get("is_scaling"))
+
+
+def _sized(state: Mapping[str, Any]) -> bool:
+    return isinstance(state.get("size"), int) and not isinstance(state.get("size"), bool)
 
 
 # ---- HTTP to the daemons ---------------------------------------------------------------------
@@ -177,16 +198,17 @@ def _call(url: str, key: str, timeout: float, body: dict | None = None) -> dict[
 
 def read_states(pods: Sequence[Mapping[str, Any]], port: int, key: str, timeout: float,
                 call=_call) -> dict[str, dict[str, Any]]:
-    """Each ready pod's /elastic_ep; a pod that does not answer is left out."""
-    out = {}
+    """Each ready pod's /elastic_ep; a pod whose answer fails (a 401 from a key that is not
+    the operator's, a timeout) gets ``{"unreachable": why}``: shown in status, never resized."""
+    out: dict[str, dict[str, Any]] = {}
     for pod in pods:
         url = _url(pod, port, "/elastic_ep")
         if url is None or pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
             continue
         try:
             out[pod["metadata"]["name"]] = call(url, key, timeout)
-        except Exception:
-            continue
+        except Exception as e:  # reported, tried again next pass
+            out[pod["metadata"]["name"]] = {"unreachable": f"/elastic_ep: {type(e).__name__}: {e}"[:300]}
     return out
 
 

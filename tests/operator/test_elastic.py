@@ -183,7 +183,20 @@ def _pod(name: str = "p0") -> dict:
 
 def test_states_and_resizes_go_over_http_with_the_admin_key(daemon):
     assert elastic.read_states([_pod()], daemon, "right", 2.0) == {"p0": {"size": 2, "phase": "done", "target": 2}}
-    assert elastic.read_states([_pod()], daemon, "wrong", 2.0) == {}  # refused: absent, as a silent pod
+    refused = elastic.read_states([_pod()], daemon, "wrong", 2.0)["p0"]  # a key that is not the daemon's
+    assert set(refused) == {"unreachable"} and "401" in refused["unreachable"]
+    assert elastic.wanted_resizes({"p0": refused}, 3) == []
+    status = elastic.status_of(parse("llama", "default", body()["spec"]).parallelism.elastic, {}, None, 2,
+                               {"p0": refused}, NOW)
+    assert "401" in status["pods"][0]["lastError"]
     assert elastic.request(_pod(), daemon, "right", 3, 2.0) is None and _Daemon.posted[-1] == {
         "new_expert_parallel_size": 3}
     assert "401" in (elastic.request(_pod(), daemon, "wrong", 3, 2.0) or "")
+
+
+def test_what_a_daemon_answers_reaches_status_only_in_the_schemas_types():
+    el = parse("llama", "default", body()["spec"]).parallelism.elastic
+    hostile = {"size": "3", "phase": "evil", "last_seconds": float("nan"), "last_error": "x" * 5000}
+    (pod,) = elastic.status_of(el, {}, None, 2, {"p0": hostile}, NOW)["pods"]
+    assert pod == {"pod": "p0", "lastError": "x" * 500}
+    assert elastic.wanted_resizes({"p0": hostile, "p1": {"size": True}}, 3) == []
