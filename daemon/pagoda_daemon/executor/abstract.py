@@ -12,7 +12,11 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from pagoda_daemon.engine.request import Request
     from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
+    from pagoda_daemon.executor.resize import Outcome
     from pagoda_daemon.worker.model_runner import LaunchedStep
     from pagoda_daemon.worker.worker import WorkerInfo
 
@@ -52,7 +56,7 @@ class Executor(ABC):
         """Every rank's worker, rank 0 first (the pod's GPUs and NUMA nodes, for READY)."""
         return [self.info()]
 
-    def resize(self, new_size: int, requests: dict, on_phase):
+    def resize(self, new_size: int, requests: dict[str, Request], on_phase: Callable[[str], None]) -> Outcome:
         """Elastic EP: serve on `new_size` expert-parallel ranks (MultiprocExecutor only)."""
         raise ValueError("elastic expert parallelism needs the engine to start its own ranks")
 

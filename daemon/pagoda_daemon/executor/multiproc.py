@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.request import Request
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.executor import resize, step_plan
 from pagoda_daemon.executor.abstract import Executor
@@ -322,7 +324,7 @@ class MultiprocExecutor(Executor):
     def synchronize(self) -> None:
         self.worker.synchronize()
 
-    def resize(self, new_size: int, requests: dict, on_phase) -> resize.Outcome:
+    def resize(self, new_size: int, requests: dict[str, Request], on_phase: Callable[[str], None]) -> resize.Outcome:
         """Elastic EP: serve on `new_size` ranks from the next step (executor/resize.py). Call
         between steps, with no step in flight; `requests` are the scheduler's, by id. A failed
         transition rolls back and the replica serves on at its old size."""
