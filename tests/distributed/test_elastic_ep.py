@@ -97,7 +97,7 @@ def _run(path: str, resizes: dict[int, int], extra: dict | None = None, fault_at
 
                     os.environ.pop(FAULT_ENV, None)
                 e = core.elastic
-                outcomes.append((e.size, e.phase, e.last_error, e.last_seconds))
+                outcomes.append((e.size, e.phase, e.last_error, e.last_seconds, e.last_seconds_by_part))
             for out in engine.step():
                 if out.finished:
                     tokens[out.request_id] = out.outputs[0].token_ids
@@ -118,6 +118,9 @@ def test_resizing_while_serving_keeps_every_request_and_its_tokens(tiny_models, 
     fixed, _, _ = _run(path, {}, extra)
     tokens, outcomes, leak_free = _run(path, {3: 3, 7: 4, 12: 2}, extra)
     assert [o[:2] for o in outcomes] == [(3, "done"), (4, "done"), (2, "done")]
+    grow, _, shrink = (o[4] for o in outcomes)
+    assert {"prepare", "worlds", "transfer", "vote", "layout", "capture", "gather"} <= set(grow)
+    assert sum(grow.values()) <= outcomes[0][3] and set(shrink) >= {"worlds", "transfer"}
     assert sorted(tokens) == sorted(fixed) == [str(i) for i in range(len(LENGTHS))]
     assert tokens == fixed
     assert leak_free
@@ -136,7 +139,7 @@ def test_a_joiner_that_dies_mid_transfer_rolls_back_and_the_replica_serves_on(ti
     path = tiny_models["qwen3_moe"]
     fixed, _, _ = _run(path, {})
     tokens, outcomes, leak_free = _run(path, {3: 3, 9: 3}, fault_at=3)
-    (size, phase, error, _), after = outcomes
+    (size, phase, error, *_), after = outcomes
     assert (size, phase) == (2, "failed") and error
     assert after[:2] == (3, "done")  # the next resize, with a healthy joiner, goes through
     assert tokens == fixed and leak_free

@@ -319,6 +319,7 @@ class EngineCore:
 
         outcome = self.executor.resize(size, self.scheduler.requests, enter)
         state.size, state.last_seconds = outcome.size, round(time.monotonic() - started, 3)
+        state.last_seconds_by_part = dict(outcome.seconds)
         state.phase, state.last_error = ("done", "") if outcome.committed else ("failed", outcome.error)
         state.transitions += 1
         state.failures += not outcome.committed

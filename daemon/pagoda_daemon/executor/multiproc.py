@@ -335,6 +335,7 @@ class MultiprocExecutor(Executor):
         on_phase("preparing")
         self._resizing.set()
         joiners: list[subprocess.Popen] = []
+        laps = resize.Laps()
         try:
             state = self.writer.rank_state(requests, self.worker.runner)
             self.synchronize()
@@ -344,8 +345,10 @@ class MultiprocExecutor(Executor):
                                        self.max_model_len, self.device_type,
                                        join=JoinSpec(t.epoch, t.old_size, new_size, self.num_blocks))
             self._send(step_plan.Resize(t.epoch, t.old_size, new_size))
+            laps.lap("prepare")
             seat = resize.RankSeat(self.worker, 0, self.control, self.device_type, 0, self._stopped)
             outcome = resize.follow(seat, t, rank_state=state, on_phase=on_phase, decide=t.decide)
+            outcome.seconds = {**laps.seconds, **outcome.seconds}
             self.control = seat.control
             if outcome.committed:
                 leaving = self.procs[new_size - 1:]

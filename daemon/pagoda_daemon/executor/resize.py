@@ -225,6 +225,21 @@ class Outcome:
     error: str = ""
     infos: list[WorkerInfo] = dataclasses.field(default_factory=list)
     rank_state: step_plan.RankState | None = None  # a joining rank's take of rank 0's requests
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # each part's, on this rank (Laps)
+
+
+class Laps:
+    """The seconds of each part of a transition on one rank: rank 0's reach ``/elastic_ep``
+    (``last_seconds_by_part``), every rank logs its own, so that a slow transition says where."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def lap(self, part: str) -> None:
+        now = time.monotonic()
+        self.seconds[part] = round(self.seconds.get(part, 0.0) + now - self._last, 4)
+        self._last = now
 
 
 def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | None = None,
@@ -238,11 +253,14 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
     error = ""
     worker = seat.worker
     exchanged: Exchanged | None = None
+    laps = Laps()
     try:
         if t.grows and not joined:
             _rejoin(seat, t, "grow", t.new_size)
+            laps.lap("worlds")
         on_phase("transferring")
         exchanged = exchange(seat, t, rank_state)
+        laps.lap("transfer")
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         log.error("rank %d: resize %d -> %d failed in the transfer: %s", seat.rank, t.old_size, t.new_size, error)
@@ -259,6 +277,7 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
         commit = t.decision()
     if not commit and not error:
         error = "another rank failed the transfer (a joining rank died, or a transfer timed out)"
+    laps.lap("vote")
     if commit:
         assert exchanged is not None
         if seat.rank >= t.new_size:  # a leaving rank
@@ -266,6 +285,7 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
             return Outcome(True, t.new_size, exchanged.bytes_moved)
         if not t.grows:
             _rejoin(seat, t, "shrink", t.new_size)
+            laps.lap("worlds")
         _, after = _layouts(worker, t)
         assert exchanged.experts is not None
         worker.take_layout(_tp_of(worker, seat.rank, after), exchanged.placements, exchanged.experts)
@@ -276,6 +296,7 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
             return Outcome(False, t.old_size, 0, error)
         before, _ = _layouts(worker, t)
         _rejoin(seat, t, "rollback", t.old_size)
+        laps.lap("worlds")
         layers = _moe_layers(worker)
         worker.take_layout(_tp_of(worker, seat.rank, before), [list(layer.placement) for layer in layers],
                            [[layer.w13.data, layer.w2.data] for layer in layers])
@@ -284,8 +305,13 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
         if exchanged is None or exchanged.rank_state is None or mirrors is None:
             raise RuntimeError("a joining rank got no request state from rank 0")
         mirrors.adopt(exchanged.rank_state, worker.runner)
+    laps.lap("layout")
     on_phase("capturing")
     worker.capture_cuda_graphs()
+    laps.lap("capture")
     infos = all_gather_infos(worker.info(), size, seat.control)
+    laps.lap("gather")
+    log.info("rank %d: resize %d -> %d %s; seconds by part: %s", seat.rank, t.old_size, t.new_size,
+             "committed" if commit else "rolled back", laps.seconds)
     return Outcome(commit, size, exchanged.bytes_moved if exchanged and commit else 0, error, infos,
-                   exchanged.rank_state if exchanged else None)
+                   exchanged.rank_state if exchanged else None, laps.seconds)
