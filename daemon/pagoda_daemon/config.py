@@ -124,6 +124,15 @@ class EngineConfig:
         if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):
             raise ValueError(f"numa_policy must be auto, none or cpus=<list>, got {self.numa_policy!r}")
 
+    def check_elastic_size(self, size: int) -> None:
+        """A resize's size, refused (ValueError) outside the elastic bounds; the API and the
+        engine core both ask."""
+        if not self.elastic_ep:
+            raise ValueError("elastic expert parallelism is off (elastic_ep_max_size 0)")
+        if not self.elastic_ep_min_size <= size <= self.elastic_ep_max_size:
+            raise ValueError(f"expert-parallel size {size} is outside the elastic bounds "
+                             f"{self.elastic_ep_min_size}..{self.elastic_ep_max_size}")
+
     def _check_elastic(self) -> None:
         """Elastic EP's requirements, all named in one message (vLLM's elastic EP asks the same:
         EPLB on, attention not split over the expert ranks, one node)."""

@@ -139,6 +139,11 @@ def min_over_ranks(value: int, tp: TensorParallel) -> int:
     return int(t.item())
 
 
+def num_experts_of(model_config) -> int:
+    """The MoE experts of a model (Qwen3-MoE's num_experts, Mixtral's num_local_experts), 0 for a dense one."""
+    return getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0
+
+
 def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, redundant: int = 0,
                  elastic_max: int = 0) -> None:
     """Refuse, in one line, a layout the model cannot be split into (before any rank starts;
@@ -149,7 +154,7 @@ def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, red
     ranks = tensor * expert
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0
+    experts = num_experts_of(model_config)
     is_moe = experts > 0 and (getattr(model_config, "num_experts_per_tok", 0) or 0) > 0
     problems = []
     if heads % ranks:
@@ -184,7 +189,7 @@ def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, red
 
 
 def _check_elastic_layout(model_config, elastic_max: int) -> None:
-    experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0
+    experts = num_experts_of(model_config)
     if not experts or not (getattr(model_config, "num_experts_per_tok", 0) or 0):
         raise ValueError("elastic expert parallelism needs a mixture-of-experts model; this one has no experts")
     if elastic_max > experts:

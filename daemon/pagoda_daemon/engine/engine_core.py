@@ -299,11 +299,8 @@ class EngineCore:
         the step in flight is collected first (its outputs are returned), the transition runs
         between steps (executor/resize.py), and a failed one leaves the replica serving at its
         old size with the reason in ``self.elastic``. ``on_phase`` hears each phase."""
-        if self.elastic is None:
-            raise ValueError("elastic expert parallelism is off (elastic_ep_max_size 0)")
-        if not self.elastic.min_size <= size <= self.elastic.max_size:
-            raise ValueError(f"expert-parallel size {size} is outside the elastic bounds "
-                             f"{self.elastic.min_size}..{self.elastic.max_size}")
+        self.config.check_elastic_size(size)
+        assert self.elastic is not None
         outputs = self._failed_outputs() + self._finish_in_flight()
         if size == self.elastic.size:
             self.elastic.target, self.elastic.phase = size, "done"

@@ -261,7 +261,6 @@ class MultiprocExecutor(Executor):
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         self.config, self.model_config, self.max_model_len, self.device_type = (config, model_config, max_model_len,
                                                                                 device_type)
-        self.size = size
         self._epoch = 0  # elastic resizes so far
         self._resizing = threading.Event()  # a rank that exits meanwhile is the transition's business
         self.procs = _spawn_ranks(range(1, config.ranks_per_node), rdv, config, model_config, max_model_len,
@@ -331,7 +330,7 @@ class MultiprocExecutor(Executor):
         if self._private is None:
             raise ValueError("elastic expert parallelism runs every rank in one pod")
         self._epoch += 1
-        t = resize.Transition(self._epoch, self.size, new_size, self._private)
+        t = resize.Transition(self._epoch, self.config.world_size, new_size, self._private)
         on_phase("preparing")
         self._resizing.set()
         joiners: list[subprocess.Popen] = []
@@ -354,7 +353,6 @@ class MultiprocExecutor(Executor):
                 leaving = self.procs[new_size - 1:]
                 self.procs = self.procs[:new_size - 1] + joiners
                 _stop(leaving)
-                self.size = new_size
                 self.config = dataclasses.replace(self.config, expert_parallel_size=new_size)
             else:
                 _terminate(joiners)

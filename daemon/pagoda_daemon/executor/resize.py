@@ -170,7 +170,7 @@ def exchange(seat: RankSeat, t: Transition, rank_state: step_plan.RankState | No
         got = reshard(current, tails, plan, rank, before, after, dist.group.WORLD, worker.device)
         if experts is not None and got is not None:
             experts.append(got)
-        slot_bytes = sum(shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in tails)
+        slot_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in tails)
         moved += moved_bytes(plan, before, after, slot_bytes)
         if fault == "exit-in-transfer":
             log.error("%s=%s: rank %d exits in the middle of the transfer", FAULT_ENV, fault, rank)

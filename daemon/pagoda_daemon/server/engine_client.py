@@ -377,10 +377,7 @@ class EngineClient:
     def resize_experts(self, size: int) -> None:
         """Ask the core for `size` expert-parallel ranks (ValueError: out of bounds; ResizeBusy:
         one is under way). The core resizes between two steps; the stats say how it went."""
-        c = self.config
-        if not c.elastic_ep_min_size <= size <= c.elastic_ep_max_size:
-            raise ValueError(f"expert-parallel size {size} is outside the elastic bounds "
-                             f"{c.elastic_ep_min_size}..{c.elastic_ep_max_size}")
+        self.config.check_elastic_size(size)
         if self.is_resizing():
             raise ResizeBusy(f"a resize to {self._resize_requested} is under way")
         self._resize_requested = size

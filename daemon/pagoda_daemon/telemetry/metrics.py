@@ -263,6 +263,7 @@ class EngineMetrics:
             "pagoda:elastic_ep_phase", "The latest expert-parallel resize's phase (1 for the current one).",
             [*labels, "phase"], registry=r,
         )
+        self._elastic_phase_shown: str | None = None  # stats come every step; the gauges move on a change
         # KV offload (kv_offload/): vLLM's names for a KV connector's lookups, then Pagoda's own
         self._offload_queries = Counter(
             "vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance "
@@ -367,8 +368,10 @@ class EngineMetrics:
             self._expert_parallel.set(e.size)
             if e.transitions:  # the ranks, hence the GPUs the operator shows in status.placement, changed
                 self.set_placement(e.gpus, e.numa_nodes, e.size)
-            for phase in ELASTIC_PHASES:
-                self._elastic_phase.labels(self.model_name, phase).set(1 if phase == e.phase else 0)
+            if e.phase != self._elastic_phase_shown:
+                self._elastic_phase_shown = e.phase
+                for phase in ELASTIC_PHASES:
+                    self._elastic_phase.labels(self.model_name, phase).set(1 if phase == e.phase else 0)
             if e.transitions:
                 self._elastic_transitions.labels(self.model_name, "done").inc(e.transitions - e.failures)
                 self._elastic_transitions.labels(self.model_name, "failed").inc(e.failures)

@@ -484,14 +484,11 @@ class ModelRunner:
         return states
 
     def set_random_states(self, states: dict[str, bytes]) -> None:
-        def tensor(data: bytes) -> torch.Tensor:
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-        torch.set_rng_state(tensor(states["host"]))
-        self.generator.set_state(tensor(states["runner"]))
+        torch.set_rng_state(_state_tensor(states["host"]))
+        self.generator.set_state(_state_tensor(states["runner"]))
         self.sampler.set_seed_state(states["sampler"])
         if "device" in states:
-            torch.cuda.set_rng_state(tensor(states["device"]), self.device)
+            torch.cuda.set_rng_state(_state_tensor(states["device"]), self.device)
 
     def request_state(self, request_id: str) -> tuple[list[int], bytes | None]:
         """(block ids, seeded generator's state) of a request in flight."""
@@ -504,5 +501,10 @@ class ModelRunner:
         state.set_blocks(block_ids)
         if generator is not None:
             state.generator = torch.Generator(device=self.device)
-            state.generator.set_state(torch.frombuffer(bytearray(generator), dtype=torch.uint8))
+            state.generator.set_state(_state_tensor(generator))
         self.requests[request_id] = state
+
+
+def _state_tensor(data: bytes) -> torch.Tensor:
+    """A generator state sent as bytes, as torch's set_state takes it."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

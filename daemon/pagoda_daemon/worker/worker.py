@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from pagoda_daemon.distributed.parallel_state import min_over_ranks, tensor_parallel_group
+from pagoda_daemon.distributed.parallel_state import min_over_ranks, num_experts_of, tensor_parallel_group
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.kv_offload.connector import OffloadWorker
 from pagoda_daemon.models import loader
@@ -40,10 +40,6 @@ class WorkerInfo:
     attention_backend: str
     uses_cuda_graphs: bool
     kv_block_bytes: int = 0  # one KV block over every layer, K and V, of this rank's heads
-
-
-def num_experts_of(model_config) -> int:
-    return getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0
 
 
 def resolve_device(name: str) -> torch.device:
