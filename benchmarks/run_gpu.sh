@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|elastic] ...
+#                                               kv-offload|elastic|elastic-bench] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -242,6 +242,16 @@ if has elastic; then
   timeout "${ELASTIC_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider -rf tests/gpu/test_elastic_ep_gpu.py \
     >"$OUT/elastic-pytest.txt" 2>&1 || status=1
   grep -E "ELASTIC_GPU|passed|failed|Error" "$OUT/elastic-pytest.txt" | tail -20
+fi
+if has elastic-bench; then
+  # Elastic EP at the Qwen3-30B-A3B shape (issue #18): 2 -> 4 -> 2 idle and under the nano-vllm
+  # workload, on one engine (benchmarks/elastic_ep.py); needs ELASTIC_BENCH_GROW_TO GPUs.
+  step "elastic expert parallelism, Qwen3-30B-A3B shape: ${ELASTIC_BENCH_START:-2} -> ${ELASTIC_BENCH_GROW_TO:-4} -> ${ELASTIC_BENCH_START:-2}"
+  nvidia-smi topo -m | tee "$OUT/topo.txt"
+  timeout "${ELASTIC_BENCH_TIMEOUT:-400}" python3 -m benchmarks.elastic_ep $CFG/qwen3-30b-a3b \
+    --start "${ELASTIC_BENCH_START:-2}" --grow-to "${ELASTIC_BENCH_GROW_TO:-4}" >"$OUT/elastic-bench.log" 2>&1 || status=1
+  grep -E "elastic EP|seconds by part|start-up: (memory|KV)" "$OUT/elastic-bench.log" | tail -30
+  grep '^RESULT' "$OUT/elastic-bench.log" | tee -a "$OUT/elastic-bench.jsonl" || { status=1; tail -30 "$OUT/elastic-bench.log"; }
 fi
 if has vllm-moe-stash; then
   step "vLLM anchor, MoE kernels: stash moe.tar.xz"

@@ -64,22 +64,25 @@ def test_a_resize_places_every_expert_and_moves_only_what_changes(experts, sizes
 
 
 def _run(path: str, resizes: dict[int, int], extra: dict | None = None, fault_at: int | None = None,
-         start: int = 2, device: str = "cpu"):
-    """Requests arrive over the first steps; at step i the replica is resized to resizes[i].
-    Returns (tokens by request, (size, phase, error, seconds) of each resize, no block leaked)."""
+         start: int = 2, device: str = "cpu", prompts: list[list[int]] | None = None,
+         arrivals: list[int] | None = None):
+    """Requests arrive over the first steps (request i at step arrivals[i], 2i unless given); at
+    step i the replica is resized to resizes[i]. Returns (tokens by request, (size, phase,
+    error, seconds) of each resize, no block leaked)."""
     from pagoda_daemon import LLM, SamplingParams
 
     llm = LLM(path, dtype="float32", device=device, expert_parallel_size=start, num_kv_blocks=96,
               max_model_len=256, max_num_batched_tokens=64, **{**ELASTIC, **(extra or {})})
     engine, core = llm.engine, llm.engine.core
-    prompts = random_prompts(engine.model_config.vocab_size, LENGTHS, seed=11)
+    prompts = prompts or random_prompts(engine.model_config.vocab_size, LENGTHS, seed=11)
+    arriving = {step: i for i, step in enumerate(arrivals or [2 * i for i in range(len(prompts))])}
     tokens: dict[str, list[int]] = {}
     outcomes = []
     try:
         step = 0
-        while step < 2 * len(prompts) or engine.has_unfinished_requests():
-            if step < 2 * len(prompts) and step % 2 == 0:
-                i = step // 2
+        while step <= max(arriving) or engine.has_unfinished_requests():
+            if step in arriving:
+                i = arriving[step]
                 params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i if i % 4 == 1 else None,
                                         max_tokens=10 + i, ignore_eos=True)
                 engine.add_request(prompts[i], params, request_id=str(i))
@@ -119,11 +122,27 @@ def test_resizing_while_serving_keeps_every_request_and_its_tokens(tiny_models, 
     tokens, outcomes, leak_free = _run(path, {3: 3, 7: 4, 12: 2}, extra)
     assert [o[:2] for o in outcomes] == [(3, "done"), (4, "done"), (2, "done")]
     grow, _, shrink = (o[4] for o in outcomes)
-    assert {"prepare", "worlds", "transfer", "vote", "layout", "capture", "gather"} <= set(grow)
+    assert {"prepare", "leave", "worlds", "plan", "transfer", "joiners", "vote", "layout", "capture", "gather"} <= set(grow)
     assert sum(grow.values()) <= outcomes[0][3] and set(shrink) >= {"worlds", "transfer"}
     assert sorted(tokens) == sorted(fixed) == [str(i) for i in range(len(LENGTHS))]
     assert tokens == fixed
     assert leak_free
+
+
+def test_a_prefix_cached_before_a_growth_is_read_after_it(tiny_models):
+    """A joining rank copies only the KV blocks with content: those of requests in flight and
+    those of finished requests kept as cached prefixes. A request arriving after the growth
+    reuses a prefix that no request held during it, and decodes as on a replica that kept its size."""
+    path = tiny_models["qwen3_moe"]
+    from pagoda_daemon.models.loader import load_config
+
+    vocab = load_config(path).vocab_size
+    prefix, a, b = random_prompts(vocab, [64, 7, 9], seed=5)
+    prompts = [prefix + a, prefix + b]
+    fixed, _, _ = _run(path, {}, prompts=prompts, arrivals=[0, 16])
+    tokens, outcomes, leak_free = _run(path, {14: 3}, prompts=prompts, arrivals=[0, 16])
+    assert [o[:2] for o in outcomes] == [(3, "done")]
+    assert tokens == fixed and leak_free
 
 
 def test_one_rank_grows_to_three_and_back_to_one(tiny_models):

@@ -120,3 +120,15 @@ def test_kv_events_carry_parent_tokens_and_extra_keys():
     kv.free(req)
     assert kv.reset_prefix_cache()
     assert kv.pool.drain_events() == ["cleared"]
+
+
+def test_blocks_with_content_are_the_held_and_the_cached_prefixes():
+    """What a rank joining an elastic replica copies: a block freed with its hash may still be
+    a prefix hit; a block freed without one, or evicted for reuse, holds nothing to read."""
+    pool = BlockPool(6, enable_caching=True)
+    held, cached, plain = pool.allocate(2), pool.allocate(1)[0], pool.allocate(1)[0]
+    pool.cache_full_block(cached, b"prefix")
+    pool.free([cached, plain])
+    assert pool.ids_with_content() == sorted(b.block_id for b in [*held, cached])
+    reused = pool.allocate(4)  # every free block, the cached one evicted on the way
+    assert pool.ids_with_content() == sorted(b.block_id for b in [*held, *reused])

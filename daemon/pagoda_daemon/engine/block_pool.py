@@ -59,6 +59,11 @@ class BlockPool:
         """Fraction of blocks held by live requests (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def ids_with_content(self) -> list[int]:
+        """Blocks whose KV a request may still read: held by a request, or free but holding a
+        cached prefix. The rest hold nothing anyone will look at."""
+        return [b.block_id for b in self.blocks if b.ref_cnt > 0 or b.block_hash is not None]
+
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 

@@ -314,7 +314,7 @@ class EngineCore:
             if on_phase is not None:
                 on_phase(name)
 
-        outcome = self.executor.resize(size, self.scheduler.requests, enter)
+        outcome = self.executor.resize(size, self.scheduler.requests, self.kv_cache.block_ids_with_content(), enter)
         state.size, state.last_seconds = outcome.size, round(time.monotonic() - started, 3)
         state.last_seconds_by_part = dict(outcome.seconds)
         state.phase, state.last_error = ("done", "") if outcome.committed else ("failed", outcome.error)

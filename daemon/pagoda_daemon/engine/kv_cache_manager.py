@@ -120,6 +120,9 @@ class KVCacheManager:
         self.num_hashed_blocks.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
 
+    def block_ids_with_content(self) -> list[int]:
+        return self.pool.ids_with_content()
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 

@@ -56,8 +56,10 @@ class Executor(ABC):
         """Every rank's worker, rank 0 first (the pod's GPUs and NUMA nodes, for READY)."""
         return [self.info()]
 
-    def resize(self, new_size: int, requests: dict[str, Request], on_phase: Callable[[str], None]) -> Outcome:
-        """Elastic EP: serve on `new_size` expert-parallel ranks (MultiprocExecutor only)."""
+    def resize(self, new_size: int, requests: dict[str, Request], kv_block_ids: list[int],
+               on_phase: Callable[[str], None]) -> Outcome:
+        """Elastic EP: serve on `new_size` expert-parallel ranks (MultiprocExecutor only);
+        `kv_block_ids` are the KV blocks with content, which a joining rank copies."""
         raise ValueError("elastic expert parallelism needs the engine to start its own ranks")
 
     def shutdown(self) -> None:  # noqa: B027 - nothing to release for an in-process worker

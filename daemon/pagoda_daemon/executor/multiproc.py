@@ -52,12 +52,18 @@ from pagoda_daemon.worker.model_runner import LaunchedStep
 from pagoda_daemon.worker.worker import Worker, WorkerInfo
 
 log = logging.getLogger(__name__)
+_PROCESS_UP = time.time()  # once this module's imports (torch's among them) are done
 
 # A node other than 0 is ready once its ranks are in the world with their KV caches: its first
 # rank then writes the file this variable names (in the node's private folder), and the node
 # starts answering on its ready port (a pod's tcpSocket readiness probe; a socket, unlike a file
 # in the pod's /tmp volume, does not outlive a restarted container).
 NODE_READY_ENV = "PAGODA_NODE_READY_FILE"
+# Elastic EP: a spare rank, started ahead of need, imports torch and brings up the device this
+# variable names (cuda:N or cpu), then waits for its arguments. A process started at the resize
+# took 8.9-9.6 s to import what a rank needs while its replica waited (Qwen3-30B-A3B shape on
+# 4 x H200, 2026-11-26: 9.2-9.7 s of a 17.9 s 2 -> 4), against 4.2 s on the same machine at rest.
+SPARE_ENV = "PAGODA_SPARE_DEVICE"
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -77,6 +83,8 @@ class JoinSpec:
     old_size: int
     new_size: int
     num_blocks: int
+    handed_at: float = 0.0  # time.time() when rank 0 handed the rank over: how long it took to join, logged
+    fault: str = ""  # resize.FAULT_ENV as rank 0 had it at the resize (a spare was started before)
 
 
 def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, model_config, max_model_len: int,
@@ -91,6 +99,11 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
     folder = os.path.dirname(rdv.file) if rdv.file else ""
     mirrors = step_plan.RequestMirrors(config.block_size)
     if join is not None:
+        ahead = join.handed_at - _PROCESS_UP
+        log.info("rank %d: joining %.2f s after rank 0 handed it the resize (its imports done %.2f s %s)", rank,
+                 time.time() - join.handed_at, abs(ahead), "before: a spare" if ahead >= 0 else "after")
+        if join.fault:
+            os.environ[resize.FAULT_ENV] = join.fault
         t = resize.Transition(join.epoch, join.old_size, join.new_size, folder)
         control = join_world(rank, join.new_size, t.rendezvous("grow"), device_type, local_rank, stopped,
                              resize.TRANSITION_TIMEOUT)
@@ -162,14 +175,41 @@ def _spawn_ranks(ranks: range, rdv: Rendezvous, config: EngineConfig, model_conf
                          f"{torch.cuda.device_count()}")
     procs = []
     for r in ranks:
-        proc = subprocess.Popen([sys.executable, "-m", "pagoda_daemon.executor.multiproc"], stdin=subprocess.PIPE,
-                                env={**os.environ, **(env or {})})
-        assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps((r, config.world_size, rdv, config, model_config, max_model_len, os.getpid(),
-                                       device_type, join)))
-        proc.stdin.close()
+        proc = _start_process(model_config, max_model_len, device_type, env)
+        _hand_over(proc, (r, config.world_size, rdv, config, join))
         procs.append(proc)
     return procs
+
+
+def _start_process(model_config, max_model_len: int, device_type: str,
+                   env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A rank's process, sent at once what any rank of this replica needs (unpickling the
+    model's transformers config imports transformers: 6.8 s of a spare's 7 s wait on 4 x H200,
+    2026-11-26, when it came with the resize), then waiting for its rank on stdin. The fault hook
+    travels in a JoinSpec only: a spare started before the resize must not inherit it, nor miss it."""
+    inherited = {k: v for k, v in os.environ.items() if k != resize.FAULT_ENV}
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda_daemon.executor.multiproc"], stdin=subprocess.PIPE,
+                            env={**inherited, **(env or {})})
+    assert proc.stdin is not None
+    proc.stdin.write(pickle.dumps((model_config, max_model_len, os.getpid(), device_type)))
+    proc.stdin.flush()
+    return proc
+
+
+def _hand_over(proc: subprocess.Popen, args: tuple) -> None:
+    """A rank's own arguments (rank, size, rendezvous, config, JoinSpec), pickled on its
+    private pipe; closing the pipe starts the rank."""
+    assert proc.stdin is not None
+    proc.stdin.write(pickle.dumps(args))
+    proc.stdin.close()
+
+
+def _release(spares: list[subprocess.Popen]) -> None:
+    """Spares no longer needed: an empty pipe ends them (they have started nothing)."""
+    for proc in spares:
+        if proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()
+    _stop(spares, 10.0)
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
@@ -262,6 +302,7 @@ class MultiprocExecutor(Executor):
         self.config, self.model_config, self.max_model_len, self.device_type = (config, model_config, max_model_len,
                                                                                 device_type)
         self._epoch = 0  # elastic resizes so far
+        self._spares: dict[int, subprocess.Popen] = {}  # elastic EP: a process waiting for each rank it may grow to
         self._resizing = threading.Event()  # a rank that exits meanwhile is the transition's business
         self.procs = _spawn_ranks(range(1, config.ranks_per_node), rdv, config, model_config, max_model_len,
                                   device_type)
@@ -276,6 +317,7 @@ class MultiprocExecutor(Executor):
         # Whoever built the engine may simply exit (a script, the benchmark): stop the ranks
         # first, or they wait in the next broadcast until its connection breaks.
         atexit.register(self.shutdown)
+        self._keep_spares()
         log.info("tensor parallel: %d ranks over %d node(s) (%s), local ranks 1..%d in pids %s", size,
                  config.nnodes, dist.get_backend(), config.ranks_per_node - 1, [p.pid for p in self.procs])
 
@@ -323,7 +365,8 @@ class MultiprocExecutor(Executor):
     def synchronize(self) -> None:
         self.worker.synchronize()
 
-    def resize(self, new_size: int, requests: dict[str, Request], on_phase: Callable[[str], None]) -> resize.Outcome:
+    def resize(self, new_size: int, requests: dict[str, Request], kv_block_ids: list[int],
+               on_phase: Callable[[str], None]) -> resize.Outcome:
         """Elastic EP: serve on `new_size` ranks from the next step (executor/resize.py). Call
         between steps, with no step in flight; `requests` are the scheduler's, by id. A failed
         transition rolls back and the replica serves on at its old size."""
@@ -336,13 +379,18 @@ class MultiprocExecutor(Executor):
         joiners: list[subprocess.Popen] = []
         laps = resize.Laps()
         try:
-            state = self.writer.rank_state(requests, self.worker.runner)
+            state = self.writer.rank_state(requests, self.worker.runner, kv_block_ids)
             self.synchronize()
             if t.grows:
                 config = dataclasses.replace(self.config, expert_parallel_size=new_size, load_format="dummy")
-                joiners = _spawn_ranks(t.joiners, t.rendezvous("grow"), config, self.model_config,
-                                       self.max_model_len, self.device_type,
-                                       join=JoinSpec(t.epoch, t.old_size, new_size, self.num_blocks))
+                join = JoinSpec(t.epoch, t.old_size, new_size, self.num_blocks, time.time(),
+                                os.environ.get(resize.FAULT_ENV, ""))
+                for r in t.joiners:
+                    spare = self._spares.pop(r, None)
+                    proc = (spare if spare is not None and spare.poll() is None
+                            else _start_process(self.model_config, self.max_model_len, self.device_type))
+                    _hand_over(proc, (r, new_size, t.rendezvous("grow"), config, join))
+                    joiners.append(proc)
             self._send(step_plan.Resize(t.epoch, t.old_size, new_size))
             laps.lap("prepare")
             seat = resize.RankSeat(self.worker, 0, self.control, self.device_type, 0, self._stopped)
@@ -360,6 +408,22 @@ class MultiprocExecutor(Executor):
             return outcome
         finally:
             self._resizing.clear()
+            self._keep_spares()
+
+    def _keep_spares(self) -> None:
+        """Under elastic EP, one process started ahead of need for each rank the replica may
+        grow to, its imports done and its GPU's context up (on the GPU it would use anyway)."""
+        if not self.config.elastic_ep or self._private is None:
+            return
+        size = self.config.world_size
+        for r, proc in list(self._spares.items()):
+            if r < size or proc.poll() is not None:
+                _release([self._spares.pop(r)])
+        for r in range(size, self.config.elastic_ep_max_size):
+            if r not in self._spares:
+                device = f"cuda:{r}" if self.device_type == "cuda" else "cpu"
+                self._spares[r] = _start_process(self.model_config, self.max_model_len, self.device_type,
+                                                 {SPARE_ENV: device})
 
     def shutdown(self) -> None:
         """Stop the other ranks (they leave the world) and wait for the local ones. Runs once."""
@@ -373,13 +437,23 @@ class MultiprocExecutor(Executor):
             except RuntimeError as e:
                 log.warning("could not tell the workers to stop: %s", e)
         leave_world(self.worker)
+        _release(list(self._spares.values()))
         _stop(self.procs)
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
 
 
 def main() -> None:
-    worker_main(*pickle.loads(sys.stdin.buffer.read()))
+    spare = os.environ.get(SPARE_ENV)
+    if spare and spare.startswith("cuda"):  # a spare: its device's context up before the wait
+        torch.cuda.set_device(torch.device(spare))
+        torch.zeros(1, device=spare)
+    model_config, max_model_len, parent_pid, device_type = pickle.load(sys.stdin.buffer)
+    try:
+        rank, size, rdv, config, join = pickle.load(sys.stdin.buffer)
+    except EOFError:  # a spare no longer needed, or rank 0 gone: nothing to run
+        return
+    worker_main(rank, size, rdv, config, model_config, max_model_len, parent_pid, device_type, join)
 
 
 if __name__ == "__main__":

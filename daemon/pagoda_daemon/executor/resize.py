@@ -1,14 +1,15 @@
 """Resizing the expert-parallel group of a running replica (elastic EP): the protocol every
 rank follows between two steps of the engine core. docs/elastic-ep.md tells it with figures.
 
-1. preparing: rank 0 starts the joining ranks (growth) and sends the others ``Resize``.
+1. preparing: rank 0 hands the joining ranks their arguments (growth: spare processes started
+   ahead of need, ``multiproc.py``) and sends the others ``Resize``.
    Growing, every rank leaves the world and all meet in one of new_size ranks at a rendezvous
    of its own: torch.distributed's point-to-point calls need the world's groups, so each
    configuration is a world of its own rather than a stateless group beside the old one.
 2. transferring: rank 0 sends every layer's old and new placement (balanced for the load
    counted so far); experts move point to point (``distributed/elastic.reshard``) into new
-   tensors, the old ones untouched; joiners take the dense weights, the KV cache and rank 0's
-   request and random state by broadcast.
+   tensors, the old ones untouched; joiners take the dense weights, the KV blocks with content
+   and rank 0's request and random state by broadcast.
 3. every rank votes (an all-reduce of "ok"); rank 0 writes the decision to a file in the
    replica's private folder, which outlives any rank, and every rank reads it there.
 4. commit: the new experts replace the old. Shrinking, the leaving ranks exit and the others
@@ -54,6 +55,8 @@ TRANSITION_TIMEOUT = datetime.timedelta(seconds=60)
 # Test hook (tests/distributed/test_elastic_ep.py): a joining rank told "exit-in-transfer" dies
 # after its first layer of experts arrives, as a crashed joiner would.
 FAULT_ENV = "PAGODA_ELASTIC_FAULT"
+# KV blocks per broadcast to joining ranks: bounds the staging copy (Qwen3-30B-A3B, bf16: 1.5 MiB a block).
+KV_BLOCKS_PER_BROADCAST = 512
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class Exchanged:
     experts: list[list[torch.Tensor]] | None  # per layer (w13, w2); None for a leaving rank
     rank_state: step_plan.RankState | None  # a joining rank's take of rank 0's requests
     bytes_moved: int
+    seconds: dict[str, float]  # "plan" (placements, groups), "transfer" (experts), "joiners" (dense, KV, state)
 
 
 @dataclass
@@ -137,8 +141,9 @@ def _tp_of(worker: Worker, rank: int, layout: Layout) -> TensorParallel:
                           eplb=True, redundant_experts=redundant, replicated_dense=True)
 
 
-def _rejoin(seat: RankSeat, t: Transition, stage: str, size: int) -> None:
+def _rejoin(seat: RankSeat, t: Transition, stage: str, size: int, laps: Laps) -> None:
     leave_world(seat.worker)
+    laps.lap("leave")
     seat.control = join_world(seat.rank, size, t.rendezvous(stage), seat.device_type, seat.local_rank, seat.stopped,
                               TRANSITION_TIMEOUT)
 
@@ -147,6 +152,7 @@ def exchange(seat: RankSeat, t: Transition, rank_state: step_plan.RankState | No
     """Step 2, in a world of max(old, new) ranks: move the experts, and bring the joiners up
     to date (rank 0 passes its ``rank_state``)."""
     worker, rank = seat.worker, seat.rank
+    started = time.monotonic()
     before, after = _layouts(worker, t)
     layers = _moe_layers(worker)
     frame = None
@@ -162,6 +168,7 @@ def exchange(seat: RankSeat, t: Transition, rank_state: step_plan.RankState | No
         dist.all_reduce(torch.zeros(1, device=worker.device))
     experts: list[list[torch.Tensor]] | None = [] if rank < t.new_size else None
     moved = 0
+    planned = time.monotonic()
     fault = os.environ.get(FAULT_ENV) if rank in t.joiners else None
     for layer, old_p, new_p in zip(layers, old_placements, placements):
         plan = transfer_plan(old_p, new_p, before, after)
@@ -176,8 +183,11 @@ def exchange(seat: RankSeat, t: Transition, rank_state: step_plan.RankState | No
             log.error("%s=%s: rank %d exits in the middle of the transfer", FAULT_ENV, fault, rank)
             logging.shutdown()
             os._exit(1)
+    experts_done = time.monotonic()
     state = _bring_joiners_up(seat, t, groups, rank_state) if groups is not None else None
-    return Exchanged(placements, experts, state, moved)
+    seconds = {"plan": round(planned - started, 4), "transfer": round(experts_done - planned, 4),
+               "joiners": round(time.monotonic() - experts_done, 4)}
+    return Exchanged(placements, experts, state, moved, seconds)
 
 
 def _joiner_groups(seat: RankSeat, t: Transition) -> tuple[Any, Any]:
@@ -189,21 +199,34 @@ def _joiner_groups(seat: RankSeat, t: Transition) -> tuple[Any, Any]:
 
 def _bring_joiners_up(seat: RankSeat, t: Transition, groups: tuple[Any, Any],
                       rank_state: step_plan.RankState | None) -> step_plan.RankState | None:
-    """Rank 0's dense weights, KV cache and request state to the joining ranks."""
+    """Rank 0's dense weights, request state and KV blocks with content to the joining ranks."""
     if seat.rank != 0 and seat.rank not in t.joiners:
         return None
     tensors_group, frames_group = groups
     worker = seat.worker
-    with torch.no_grad():
-        for tensor in worker.dense_tensors():
-            dist.broadcast(tensor.data, src=0, group=tensors_group)
-        assert worker.runner.kv_cache is not None
-        dist.broadcast(worker.runner.kv_cache, src=0, group=tensors_group)
     frame = broadcast(step_plan.encode(rank_state) if rank_state is not None else None, frames_group)
     state = step_plan.decode(frame)
     if not isinstance(state, step_plan.RankState):
         raise RuntimeError(f"rank 0 sent {type(state).__name__} where its request state belongs")
+    with torch.no_grad():
+        for tensor in worker.dense_tensors():
+            dist.broadcast(tensor.data, src=0, group=tensors_group)
+        assert worker.runner.kv_cache is not None
+        _broadcast_blocks(worker.runner.kv_cache, state.kv_block_ids, seat.rank, tensors_group)
     return state if seat.rank != 0 else None
+
+
+
+def _broadcast_blocks(kv_cache: torch.Tensor, block_ids: list[int], rank: int, group: Any) -> None:
+    """Rank 0's KV blocks `block_ids` into the joiners' caches, a chunk at a time: only blocks a
+    request may read (an idle replica sends none; the whole cache was 70 GiB a rank on H200)."""
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    for start in range(0, len(block_ids), KV_BLOCKS_PER_BROADCAST):
+        chunk = ids[start:start + KV_BLOCKS_PER_BROADCAST]
+        staged = kv_cache.index_select(2, chunk)  # [layers, K/V, blocks, ...]: any rank's cache has the shape
+        dist.broadcast(staged, src=0, group=group)
+        if rank != 0:
+            kv_cache.index_copy_(2, chunk, staged)
 
 
 def vote(seat: RankSeat, ok: bool) -> bool:
@@ -241,6 +264,12 @@ class Laps:
         self.seconds[part] = round(self.seconds.get(part, 0.0) + now - self._last, 4)
         self._last = now
 
+    def add(self, parts: dict[str, float]) -> None:
+        """Parts timed by the callee, in place of one lap."""
+        for part, seconds in parts.items():
+            self.seconds[part] = round(self.seconds.get(part, 0.0) + seconds, 4)
+        self._last = time.monotonic()
+
 
 def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | None = None,
            on_phase: Callable[[str], None] = lambda _p: None,
@@ -256,11 +285,11 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
     laps = Laps()
     try:
         if t.grows and not joined:
-            _rejoin(seat, t, "grow", t.new_size)
+            _rejoin(seat, t, "grow", t.new_size, laps)
             laps.lap("worlds")
         on_phase("transferring")
         exchanged = exchange(seat, t, rank_state)
-        laps.lap("transfer")
+        laps.add(exchanged.seconds)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         log.error("rank %d: resize %d -> %d failed in the transfer: %s", seat.rank, t.old_size, t.new_size, error)
@@ -284,7 +313,7 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
             leave_world(worker)
             return Outcome(True, t.new_size, exchanged.bytes_moved)
         if not t.grows:
-            _rejoin(seat, t, "shrink", t.new_size)
+            _rejoin(seat, t, "shrink", t.new_size, laps)
             laps.lap("worlds")
         _, after = _layouts(worker, t)
         assert exchanged.experts is not None
@@ -295,7 +324,7 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
             leave_world(worker)
             return Outcome(False, t.old_size, 0, error)
         before, _ = _layouts(worker, t)
-        _rejoin(seat, t, "rollback", t.old_size)
+        _rejoin(seat, t, "rollback", t.old_size, laps)
         laps.lap("worlds")
         layers = _moe_layers(worker)
         worker.take_layout(_tp_of(worker, seat.rank, before), [list(layer.placement) for layer in layers],

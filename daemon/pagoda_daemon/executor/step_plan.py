@@ -92,6 +92,7 @@ class RankState(msgspec.Struct, tag="rank_state", array_like=True, gc=False):
 
     requests: list[MirroredRequest]
     random_states: dict[str, bytes]
+    kv_block_ids: list[int]  # the KV blocks with content (held, or a cached prefix): all a joiner copies
 
 
 ToWorker = StepPlan | SampleTokens | InitCache | Stop | Resize | RankState
@@ -130,9 +131,9 @@ class PlanWriter:
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
                         sched.samples_under_grammar, list(sched.kv_loads), list(sched.kv_saves))
 
-    def rank_state(self, requests: dict[str, Request], runner) -> RankState:
+    def rank_state(self, requests: dict[str, Request], runner, kv_block_ids: list[int]) -> RankState:
         """The requests the ranks know of, as a joining rank must know them: each with the
-        tokens sent so far, rank 0's block table and generator."""
+        tokens sent so far, rank 0's block table and generator; and the KV blocks to copy."""
         mirrored = []
         for rid, sent in self._sent.items():
             req = requests.get(rid)
@@ -142,7 +143,7 @@ class PlanWriter:
             mirrored.append(MirroredRequest(
                 NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params)),
                 req.all_token_ids[req.num_prompt_tokens:sent], blocks, generator))
-        return RankState(mirrored, runner.random_states())
+        return RankState(mirrored, runner.random_states(), kv_block_ids)
 
     @staticmethod
     def sample_tokens(grammar: GrammarBitmask) -> SampleTokens:

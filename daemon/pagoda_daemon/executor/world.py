@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -49,8 +50,10 @@ def join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_ra
     """Join the world; return the gloo group for control messages. Across pods the heartbeats
     start before the world forms: a peer that dies while the others wait for it ends them too."""
     backend = "nccl" if device_type == "cuda" else "gloo"
+    laps = [time.monotonic()]
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
+    laps.append(time.monotonic())
     store = None
     if rdv.file is not None:
         dist.init_process_group(backend, init_method=f"file://{rdv.file}", rank=rank, world_size=size,
@@ -63,7 +66,13 @@ def join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_ra
         threading.Thread(target=_watch_peers, args=(store, rank, size, stopped, incarnation), name="peer-watch",
                          daemon=True).start()
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    laps.append(time.monotonic())
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    laps.append(time.monotonic())
+    device_s, world_s, control_s = (b - a for a, b in itertools.pairwise(laps))
+    log.info("rank %d: joined a world of %d in %.2f s (device %.2f s, process group %.2f s, control group %.2f s)",
+             rank, size, laps[-1] - laps[0], device_s, world_s, control_s)
+    return control
 
 
 def _incarnation() -> str:
