@@ -394,7 +394,7 @@ class MultiprocExecutor(Executor):
             self._send(step_plan.Resize(t.epoch, t.old_size, new_size))
             laps.lap("prepare")
             seat = resize.RankSeat(self.worker, 0, self.control, self.device_type, 0, self._stopped)
-            outcome = resize.follow(seat, t, rank_state=state, on_phase=on_phase, decide=t.decide)
+            outcome = resize.follow(seat, t, rank_state=state, on_phase=on_phase, decide=t.decide, joiners=joiners)
             outcome.seconds = {**laps.seconds, **outcome.seconds}
             self.control = seat.control
             if outcome.committed:

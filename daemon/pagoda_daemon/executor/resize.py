@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,15 @@ from pagoda_daemon.distributed.elastic import (
 )
 from pagoda_daemon.distributed.parallel_state import TensorParallel
 from pagoda_daemon.executor import step_plan
-from pagoda_daemon.executor.world import Rendezvous, all_gather_infos, broadcast, join_world, leave_world
+from pagoda_daemon.executor.world import (
+    Rendezvous,
+    abandon_world,
+    abort_groups,
+    all_gather_infos,
+    broadcast,
+    join_world,
+    leave_world,
+)
 from pagoda_daemon.worker.worker import Worker, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -81,6 +89,11 @@ class Transition:
 
     def _decision_file(self) -> Path:
         return Path(self.folder, f"decision-{self.epoch}")
+
+    def abort_file(self) -> Path:
+        """Written by rank 0 when a joining process exits mid-transition: every rank aborts its
+        process groups on seeing it (``TransferWatch``)."""
+        return Path(self.folder, f"abort-{self.epoch}")
 
     def decide(self, commit: bool) -> None:
         """Rank 0: write the decision atomically (a reader sees all of it or nothing)."""
@@ -142,7 +155,7 @@ def _tp_of(worker: Worker, rank: int, layout: Layout) -> TensorParallel:
 
 
 def _rejoin(seat: RankSeat, t: Transition, stage: str, size: int, laps: Laps) -> None:
-    leave_world(seat.worker)
+    (abandon_world if stage == "rollback" else leave_world)(seat.worker)
     laps.lap("leave")
     seat.control = join_world(seat.rank, size, t.rendezvous(stage), seat.device_type, seat.local_rank, seat.stopped,
                               TRANSITION_TIMEOUT)
@@ -271,14 +284,57 @@ class Laps:
         self._last = time.monotonic()
 
 
+class TransferWatch:
+    """Over NCCL a rank that dies mid-transfer raises nothing in its peers: their kernels, and
+    any call that waits on them, wait for it until NCCL's timeout, and a destroy waits with them.
+    While a transition is undecided a thread watches: rank 0's for a joining process that exited
+    (it then writes the transition's abort file), every rank's for that file; seeing it, it
+    aborts the rank's process groups, so that what waits on the dead peer fails now. gloo
+    reports a dead peer itself: no thread there."""
+
+    def __init__(self, t: Transition, device_type: str, joiners: Sequence[Any] = ()) -> None:
+        self.t, self.joiners = t, list(joiners)
+        self.done = threading.Event()
+        self.thread = None
+        if device_type == "cuda":
+            self.thread = threading.Thread(target=self._watch, name="transfer-watch", daemon=True)
+            self.thread.start()
+
+    def _watch(self) -> None:
+        marker = self.t.abort_file()
+        while not self.done.wait(0.05):
+            dead = [p.pid for p in self.joiners if p.poll() is not None]
+            if dead:
+                log.error("joining process(es) %s exited during resize %d: aborting the transfer", dead, self.t.epoch)
+                marker.touch()
+            if marker.exists():
+                abort_groups()
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
 def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | None = None,
            on_phase: Callable[[str], None] = lambda _p: None,
            decide: Callable[[bool], None] | None = None, joined: bool = False,
-           mirrors: step_plan.RequestMirrors | None = None) -> Outcome:
+           mirrors: step_plan.RequestMirrors | None = None, joiners: Sequence[Any] = ()) -> Outcome:
     """Steps 1 (the world part) to 5 on one rank. Rank 0 passes ``decide`` (it writes the
-    decision) and its ``rank_state``; a joining rank passes ``joined`` (it is in the new world
-    already). Returns with ``seat.control`` the control group of the world this rank serves in
-    (a leaving rank has left every world)."""
+    decision), its ``rank_state`` and the ``joiners``' processes; a joining rank passes
+    ``joined`` (it is in the new world already). Returns with ``seat.control`` the control
+    group of the world this rank serves in (a leaving rank has left every world)."""
+    watch = TransferWatch(t, seat.device_type, joiners)
+    try:
+        return _follow(seat, t, watch, rank_state, on_phase, decide, joined, mirrors)
+    finally:
+        watch.stop()
+
+
+def _follow(seat: RankSeat, t: Transition, watch: TransferWatch, rank_state: step_plan.RankState | None,
+            on_phase: Callable[[str], None], decide: Callable[[bool], None] | None, joined: bool,
+            mirrors: step_plan.RequestMirrors | None) -> Outcome:
     error = ""
     worker = seat.worker
     exchanged: Exchanged | None = None
@@ -298,12 +354,13 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
     else:  # no vote: leave at once, so that a peer waiting in its vote fails now rather than time out
         ok = False
         if decide is None:
-            leave_world(worker)
+            abandon_world(worker)
     if decide is not None:
         decide(ok)
         commit = ok
     else:
         commit = t.decision()
+    watch.stop()  # decided: from here this rank's groups are its own business (a rollback abandons them)
     if not commit and not error:
         error = "another rank failed the transfer (a joining rank died, or a transfer timed out)"
     laps.lap("vote")
@@ -321,7 +378,7 @@ def follow(seat: RankSeat, t: Transition, *, rank_state: step_plan.RankState | N
         size = t.new_size
     else:
         if joined:  # rolled back: this rank never served
-            leave_world(worker)
+            abandon_world(worker)
             return Outcome(False, t.old_size, 0, error)
         before, _ = _layouts(worker, t)
         _rejoin(seat, t, "rollback", t.old_size, laps)

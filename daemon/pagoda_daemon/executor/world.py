@@ -139,16 +139,39 @@ def _watch_peers(store: Any, rank: int, size: int, stopped: threading.Event, inc
             os._exit(1)
 
 
+def abandon_world(worker: Worker) -> None:
+    """Leave a world in which a transfer failed. NCCL reports no dead peer by itself: its
+    kernels wait for the peer, and a destroy waits for them; aborting every communicator ends
+    them, so that the device's stream is free for the next world. gloo has reported the dead
+    peer already, and its world is left as usual."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        leave_world(worker)
+        return
+    worker.release_cuda_graphs()
+    abort_groups()
+
+
+def abort_groups() -> None:
+    """Abort every process group of this process (NCCL's communicators: their pending kernels
+    and any call blocked on them end). Safe from another thread; a no-op once done."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as e:  # already torn down, or a backend without abort: the next world forms anyway
+        log.warning("aborting the process groups: %s", e)
+
+
 def leave_world(worker: Worker) -> None:
     """Leave the world at shutdown, every rank together (rank 0 once it has sent Stop). The
     captured CUDA graphs go first: NCCL's teardown waited forever while they held collectives
     (2 × H100, 2026-11-25; 2 × H200, 2026-11-26, torch 2.11, NCCL 2.28), and an abort instead
     timed out after 120 s. Should the teardown still hang, a worker exits without it (the driver
     frees what the process held) and rank 0 goes on with a warning."""
+    worker.release_cuda_graphs()
     if not dist.is_initialized():
         return
     rank = dist.get_rank()
-    worker.release_cuda_graphs()
     left = threading.Event()
 
     def destroy() -> None:
