@@ -126,6 +126,27 @@ def test_unsupported_rendered_options_are_refused_by_name(tmp_path):
         resolve_options(build_parser().parse_args(argv), _explicit_options(argv))
 
 
+def test_every_signal_the_operator_scrapes_is_a_daemon_metric_and_a_crd_choice():
+    """The autoscalers' metrics: each names a series the daemon exports, and the CRD offers
+    exactly the operator's choices (expertLoad to elastic EP only)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagoda_daemon.telemetry.metrics import EngineMetrics
+    from pagoda_operator import metrics_scrape
+
+    body, _ = EngineMetrics("m", max_model_len=64).render()
+    exported = {s.name for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert set(metrics_scrape.SIGNALS) == set(spec.ELASTIC_METRICS) >= set(spec.METRICS)
+    for name, _how in metrics_scrape.SIGNALS.values():
+        assert name in exported, name
+    crd = yaml.safe_load((ROOT / "crds" / "inferenceservices.pagoda.dev.yaml").read_text())
+    props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert props["autoscaling"]["properties"]["metric"]["enum"] == list(spec.METRICS)
+    elastic = props["parallelism"]["properties"]["elastic"]["properties"]
+    assert elastic["metric"]["enum"] == list(spec.ELASTIC_METRICS)
+    assert set(spec.DEFAULT_TARGETS) == set(spec.ELASTIC_METRICS)
+
+
 def test_the_operator_reads_elastic_ep_as_the_daemon_writes_it():
     """The operator may not import the daemon's engine messages (msgspec); its copies must agree."""
     from pagoda_daemon.engine.messages import ELASTIC_PHASES

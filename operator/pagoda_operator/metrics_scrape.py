@@ -29,6 +29,7 @@ SIGNALS = {
     "kvCacheUsage": ("vllm:kv_cache_usage_perc", "mean"),
     "requestsWaiting": ("vllm:num_requests_waiting", "sum"),
     "requestsRunning": ("vllm:num_requests_running", "sum"),
+    "expertLoad": ("pagoda:eplb_rank_load_per_step", "mean"),  # elastic EP only (spec.ELASTIC_METRICS)
 }
 EXPERT_PARALLEL = "pagoda:expert_parallel_size"
 PLACEMENT_INFO = "pagoda:placement_info"

@@ -53,7 +53,11 @@ _QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 
 REMOTE_OPTIONS = ("credentials", "endpoint", "region", "cacheSize")
 
 METRICS = ("kvCacheUsage", "requestsWaiting", "requestsRunning")
-DEFAULT_TARGETS = {"kvCacheUsage": 0.8, "requestsWaiting": 2.0, "requestsRunning": 16.0}
+# Elastic EP may also follow the expert load EPLB measures: the busiest rank's routed (token,
+# expert) pairs per MoE layer per step, which the expert-parallel size divides (at decode, 256
+# sequences routed to 8 experts each over 4 ranks: about 512).
+ELASTIC_METRICS = (*METRICS, "expertLoad")
+DEFAULT_TARGETS = {"kvCacheUsage": 0.8, "requestsWaiting": 2.0, "requestsRunning": 16.0, "expertLoad": 512.0}
 
 
 class InvalidSpec(ValueError):
@@ -576,6 +580,8 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
             )
         if s.kv_offload.cpu_gib or s.kv_offload.disk_path:
             errors.append("parallelism.elastic does not combine with kvOffload yet")
+        if el.metric not in ELASTIC_METRICS:
+            errors.append(f"parallelism.elastic.metric must be one of {', '.join(ELASTIC_METRICS)}; got {el.metric!r}")
         if el.metric == "kvCacheUsage" and not 0 < el.rule.target <= 1:
             errors.append(f"parallelism.elastic.target for kvCacheUsage is a fraction in (0, 1]; got {el.rule.target}")
     a = s.autoscaling
@@ -584,6 +590,8 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
             errors.append(
                 f"autoscaling.minReplicas ({a.min_replicas}) is larger than maxReplicas ({a.max_replicas})"
             )
+        if a.metric not in METRICS:
+            errors.append(f"autoscaling.metric must be one of {', '.join(METRICS)}; got {a.metric!r}")
         if a.metric == "kvCacheUsage" and not 0 < a.target <= 1:
             errors.append(f"autoscaling.target for kvCacheUsage is a fraction in (0, 1]; got {a.target}")
     if s.kv_offload.disk_path and s.kv_offload.disk_path.rstrip("/") in (

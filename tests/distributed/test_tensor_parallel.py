@@ -252,6 +252,10 @@ def test_pagoda_serve_with_ranks_in_processes(tiny_models, tmp_path, layout):
             after = next(float(line.split()[-1]) for line in metrics.splitlines()
                          if line.startswith("pagoda:eplb_rank_load_imbalance{") and 'when="after"' in line)
             assert 1.0 <= after <= 2.0
+            # top-2 routing, steps of at most 32 tokens: the busiest rank takes at most 64 pairs a layer
+            load = next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("pagoda:eplb_rank_load_per_step{"))
+            assert 0 < load <= 64, metrics
         ranks = Path(f"/proc/{srv.engine_pid()}/task/{srv.engine_pid()}/children").read_text().split()
         assert len(ranks) == 1
         for pid in [str(srv.engine_pid()), *ranks]:  # the rendezvous and gloo sockets: loopback only

@@ -118,12 +118,12 @@ def test_the_contract_imports_no_torch():
 def test_balancer_stats_travel_and_add_up():
     from pagoda_daemon.engine.messages import BalancerStats, EngineStats
 
-    first = EngineStats(1, 0, 0.5, 10, 5, balancer=BalancerStats(1, 4, 1.8, 1.1))
+    first = EngineStats(1, 0, 0.5, 10, 5, balancer=BalancerStats(1, 4, 1.8, 1.1, 40.0))
     idle = EngineStats(1, 0, 0.5, 10, 5, balancer=BalancerStats())
-    later = EngineStats(2, 0, 0.5, 10, 5, balancer=BalancerStats(2, 3, 1.4, 1.05))
+    later = EngineStats(2, 0, 0.5, 10, 5, balancer=BalancerStats(2, 3, 1.4, 1.05, 25.5))
     frame = wire.encode(EngineCoreOutputs([], later))
     assert wire.decode_from_core(frame).stats.balancer == later.balancer
     total = first.add_counters(idle)
-    assert total.balancer == BalancerStats(1, 4, 1.8, 1.1)  # no rebalance since: the last one's imbalance stays
-    assert total.add_counters(later).balancer == BalancerStats(3, 7, 1.4, 1.05)
+    assert total.balancer == BalancerStats(1, 4, 1.8, 1.1, 40.0)  # no rebalance since: the last one's figures stay
+    assert total.add_counters(later).balancer == BalancerStats(3, 7, 1.4, 1.05, 25.5)
     assert EngineStats(0, 0, 0.0, 1, 1).add_counters(EngineStats(0, 0, 0.0, 1, 1)).balancer is None

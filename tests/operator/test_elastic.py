@@ -52,6 +52,25 @@ def test_load_above_the_target_grows_the_expert_parallel_size_and_asks_every_pod
     assert d.expert_parallel == 2  # the size served now, not the one asked for
 
 
+def test_the_expert_load_eplb_measures_sizes_the_group_it_divides():
+    """expertLoad: the busiest rank's routed pairs per layer per step, which halves when the
+    size doubles: the HPA's rule asks ceil(size × load / target). Elastic EP's choice only."""
+    b = isvc(resources={"gpusPerReplica": 4},
+             parallelism={"expert": 2, "elastic": {**ELASTIC, "metric": "expertLoad", "target": None}})
+    meta = b["metadata"]
+    spec = parse(meta["name"], meta["namespace"], b["spec"])
+    assert spec.parallelism.elastic is not None and spec.parallelism.elastic.rule.target == 512.0
+    signals = {f"p{i}": {"expertLoad": 900.0, "expertParallel": 2} for i in range(2)}
+    states = {f"p{i}": {"size": 2, "phase": "done", "target": 2, "is_scaling": False} for i in range(2)}
+    pods = [{"metadata": {"name": f"p{i}"}, "status": {"podIP": "127.0.0.1"}} for i in range(2)]
+    o = Observed(b, spec, None, [], None, pods, {"ConfigMap": None, "Service": None}, signals, [],
+                 elastic_states=states, admin_key="k")
+    d = decide(o, SETTINGS, NOW)
+    assert d.elastic is not None and d.elastic["desiredExpertParallel"] == 4  # ceil(2 × 900/512)
+    with pytest.raises(ValueError, match=r"autoscaling\.metric must be one of"):
+        parse("x", "default", isvc(autoscaling={"minReplicas": 1, "maxReplicas": 2, "metric": "expertLoad"})["spec"])
+
+
 def test_a_pod_that_is_resizing_is_not_asked_again_and_the_condition_says_so():
     d = decide(observed(body(), running=[14], sizes=[2], phase="transferring"), SETTINGS, NOW)
     assert d.resizes == [] and d.scaling == ("True", "Resizing", "expert-parallel resize in progress on p0")

@@ -183,6 +183,10 @@ class ExpertBalancer:
         self.rebalances = 0
         self.slots_moved = 0
         self.imbalance = (0.0, 0.0)  # the busiest rank's load / the mean, before and after the last rebalance
+        # The busiest rank's routed (token, expert) pairs per MoE layer per step over the last
+        # window, with the new placement: the expert load an elastic replica's size divides.
+        self.rank_load_per_step = 0.0
+        self._window_start = 0  # self.steps at the last rebalance or reset
         self._reported = (0, 0)
 
     def _peer(self, expert_group: int) -> int:
@@ -193,18 +197,19 @@ class ExpertBalancer:
         """Forget the load counted so far (warm-up and graph capture run the model too)."""
         for layer in self.layers:
             layer.expert_load.zero_()
-        self.steps = 0
+        self.steps = self._window_start = 0
 
     def step(self) -> None:
         self.steps += 1
         if self.steps % self.config.step_interval == 0:
             self.rebalance()
 
-    def take_stats(self) -> tuple[int, int, float, float]:
-        """(rebalances, slots moved) since the previous call, and the last rebalance's imbalance."""
+    def take_stats(self) -> tuple[int, int, float, float, float]:
+        """(rebalances, slots moved) since the previous call, the last rebalance's imbalance and
+        the busiest rank's load per layer and step."""
         rebalances, moved = self.rebalances - self._reported[0], self.slots_moved - self._reported[1]
         self._reported = (self.rebalances, self.slots_moved)
-        return rebalances, moved, *self.imbalance
+        return rebalances, moved, *self.imbalance, self.rank_load_per_step
 
     @torch.no_grad()
     def rebalance(self) -> None:
@@ -234,5 +239,9 @@ class ExpertBalancer:
         mean = sum(before) / len(before)
         if mean > 0:
             self.imbalance = (max(before) / mean, max(after) / mean)
+        window = self.steps - self._window_start
+        if window > 0 and self.layers:
+            self.rank_load_per_step = max(after) / len(self.layers) / window
+        self._window_start = self.steps
         log.info("EPLB: rebalance %d after %d steps moved %d expert slots over %d layers", self.rebalances,
                  self.steps, moved, len(self.layers))

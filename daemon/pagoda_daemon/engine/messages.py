@@ -83,12 +83,14 @@ class PrefixCacheStats(msgspec.Struct, array_like=True, gc=False):
 
 class BalancerStats(msgspec.Struct, array_like=True, gc=False):
     """EPLB since the previous stats: rebalances, expert slots moved, and the busiest rank's
-    load over the mean at the last rebalance, before and after it (1.0: even; 0: none yet)."""
+    load over the mean at the last rebalance, before and after it (1.0: even; 0: none yet);
+    and that rank's routed (token, expert) pairs per MoE layer per step over the last window."""
 
     rebalances: int = 0
     slots_moved: int = 0
     imbalance_before: float = 0.0
     imbalance_after: float = 0.0
+    rank_load_per_step: float = 0.0
 
     def add(self, later: BalancerStats | None) -> BalancerStats:
         """Counters summed; the imbalance of the latest rebalance."""
@@ -96,7 +98,7 @@ class BalancerStats(msgspec.Struct, array_like=True, gc=False):
             return self
         last = later if later.rebalances else self
         return BalancerStats(self.rebalances + later.rebalances, self.slots_moved + later.slots_moved,
-                             last.imbalance_before, last.imbalance_after)
+                             last.imbalance_before, last.imbalance_after, last.rank_load_per_step)
 
 
 class StructuredOutputStats(msgspec.Struct, array_like=True, gc=False):

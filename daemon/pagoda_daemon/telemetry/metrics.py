@@ -239,6 +239,12 @@ class EngineMetrics:
             "placement (when=before) and the new one (when=after); 1.0 is even.",
             [*labels, "when"], registry=r,
         )
+        self._eplb_rank_load = Gauge(
+            "pagoda:eplb_rank_load_per_step",
+            "Over the last EPLB window: the busiest expert-parallel rank's routed (token, expert) pairs per MoE "
+            "layer per step, with the new placement (the expert load an elastic replica's size divides).",
+            labels, registry=r,
+        ).labels(model_name)
         self._model_info = Gauge(
             "pagoda:model_info", "The model this replica serves: its source URI and the revision it resolved to "
             "(value 1; only for a model fetched from hf:// or s3://).", ["model_name", "source", "revision"],
@@ -383,6 +389,7 @@ class EngineMetrics:
             self._eplb_moved.inc(b.slots_moved)
             self._eplb_imbalance.labels(self.model_name, "before").set(b.imbalance_before)
             self._eplb_imbalance.labels(self.model_name, "after").set(b.imbalance_after)
+            self._eplb_rank_load.set(b.rank_load_per_step)
 
     def add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         """Deltas: prompt tokens computed (prefill) and tokens generated since the last call."""
