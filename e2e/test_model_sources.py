@@ -1,12 +1,13 @@
-"""A model from `hf://` on the real-container cluster: the Hub-compatible server of the unit tests
-(tests/models/hub_server.py) runs on this machine at the node bridge's address, where pods
-reach it; an InferenceService names it by `spec.model.uri` with `endpoint` and a credentials
-Secret; the daemon fetches the tiny Qwen3 into its cache volume, serves it, and the openai
-client gets an answer. A wrong token is `Degraded` with the Hub's 401 in the message.
+"""Models from `hf://` and `s3://` on the real-container cluster: the Hub-compatible server of the
+unit tests (tests/models/hub_server.py) and moto's S3 server run on this machine at the node
+bridge's address, where pods reach them; an InferenceService names the model by
+`spec.model.uri` with `endpoint` and a credentials Secret; the daemon fetches the tiny model into
+its cache volume, serves it, and the openai client gets an answer. A wrong token (the Hub's 401),
+a wrong S3 key (InvalidAccessKeyId) and an S3 prefix with no model are `Degraded` with the
+source's error in the message.
 
 What this does not show (not built): a cache shared by the pods of a node — each pod downloads
-into its own emptyDir. An S3 source on the cluster is not run here; moto's S3 server is used by
-tests/models/test_fetch.py against the same fetch code.
+into its own emptyDir.
 """
 
 from __future__ import annotations
@@ -48,6 +49,77 @@ def hf_manifest(local_cluster, hub: HubServer, name: str, secret: str) -> dict[s
 
 def secret(name: str, token: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": {"HF_TOKEN": token}}
+
+
+def wait_degraded(local_cluster, ns: str, name: str) -> dict[str, Any]:
+    def degraded() -> dict[str, Any] | None:
+        c = cond(isvc(local_cluster, ns, name), "Degraded")
+        return c if c.get("status") == "True" else None
+
+    found = local_cluster.wait_for(degraded, timeout=240, what=f"{name}: Degraded")
+    assert cond(isvc(local_cluster, ns, name), "Ready")["status"] == "False"
+    return found
+
+
+@pytest.fixture(scope="module")
+def s3(local_cluster):
+    """moto's S3 server at the bridge address, a bucket holding the tiny model under a prefix."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.server.conftest import free_port
+
+    host, port = bridge_address(local_cluster), free_port()
+    server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
+    server.start()
+    url = f"http://{host}:{port}"
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    client.create_bucket(Bucket="models")
+    for path in sorted(local_cluster.model_dir.rglob("*")):
+        if path.is_file():
+            client.put_object(Bucket="models", Key=f"tiny/{path.relative_to(local_cluster.model_dir)}",
+                              Body=path.read_bytes())
+    yield url
+    server.stop()
+
+
+def s3_manifest(local_cluster, url: str, name: str, uri: str, secret_name: str) -> dict[str, Any]:
+    doc = manifest(local_cluster, name)
+    doc["spec"]["model"] = {"name": name, "uri": uri, "endpoint": url, "region": "us-east-1",
+                            "credentials": {"secretName": secret_name}}
+    return doc
+
+
+def s3_secret(name: str, key_id: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+            "stringData": {"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": "testing"}}
+
+
+def test_an_s3_model_is_fetched_served_and_bad_keys_or_prefixes_are_degraded(local_cluster, s3):
+    from moto.core.authorization import enable_iam_authentication
+
+    ns = local_cluster.create_namespace("s3")
+    try:
+        local_cluster.apply([s3_secret("s3-keys", "testing"),
+                             s3_manifest(local_cluster, s3, "from-s3", "s3://models/tiny", "s3-keys"),
+                             s3_manifest(local_cluster, s3, "no-model", "s3://models/none", "s3-keys")],
+                            namespace=ns)
+        wait_ready(local_cluster, ns, replicas=1, timeout=300, name="from-s3")
+        (ip,) = local_cluster.endpoints("from-s3", ns)
+        reply = client(ip).completions.create(model="from-s3", prompt="hello", max_tokens=8, temperature=0)
+        assert reply.usage.completion_tokens == 8
+        missing = wait_degraded(local_cluster, ns, "no-model")
+        assert "s3://models/none" in missing["message"] and "no config.json" in missing["message"], missing
+        # moto checks keys only with IAM on (in this process, where its server runs)
+        with enable_iam_authentication():
+            local_cluster.apply([s3_secret("wrong-keys", "AKIAWRONG"),
+                                 s3_manifest(local_cluster, s3, "bad-keys", "s3://models/tiny", "wrong-keys")],
+                                namespace=ns)
+            bad = wait_degraded(local_cluster, ns, "bad-keys")
+        assert "s3://models/tiny" in bad["message"] and "InvalidAccessKeyId" in bad["message"], bad
+    finally:
+        local_cluster.delete_namespace(ns)
 
 
 def test_an_hf_model_is_fetched_served_and_a_bad_token_is_degraded(local_cluster, hub):
