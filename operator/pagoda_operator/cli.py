@@ -290,8 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("pagoda_operator").warning(
             "%s is not set: elastic InferenceServices serve at their start size, unresized",
             elastic.OPERATOR_SECRET_ENV)
+    from pagoda_operator.tracing import OperatorTracer
+
+    tracer = OperatorTracer.from_env(os.environ)  # off unless an OTLP endpoint is set
     ctx = Context(kube=CachedKube(kube), settings=settings, scrape_timeout=args.scrape_timeout,
-                  operator_secret=operator_secret)
+                  operator_secret=operator_secret, tracer=tracer)
     registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)
     logging.getLogger("pagoda_operator").info(
         "operator running: %s, interval %.1fs, daemon image %s",
@@ -316,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         renewing.set()
         loop.close()
+        if tracer is not None:
+            tracer.shutdown()
         if elector is not None and not lost.is_set():
             elector.release()
     return 1 if lost.is_set() else 0

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagoda_daemon.capabilities import supported
 from pagoda_operator import autoscaler, builders, placement, pod_groups
@@ -35,6 +35,9 @@ from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
 from pagoda_operator.spec import InvalidSpec, ServiceSpec, Supports, desired_replicas, parse
 from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL, autoscaled
+
+if TYPE_CHECKING:
+    from pagoda_operator.tracing import OperatorTracer
 
 log = logging.getLogger("pagoda_operator")
 
@@ -136,6 +139,7 @@ class Context:
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     locks_guard: threading.Lock = field(default_factory=threading.Lock)
     backoff: WriteBackoff = field(default_factory=WriteBackoff)
+    tracer: OperatorTracer | None = None  # OTLP traces of the passes (tracing.py); None: off
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self.locks_guard:
@@ -153,6 +157,7 @@ class Result:
     wrote: list[str]
     events: list[tuple[str, str, str]]  # (type Normal|Warning, reason, message)
     uid: str = ""
+    body: Mapping[str, Any] = field(default_factory=dict)  # the InferenceService as the pass read it
 
 
 def reconcile(
@@ -160,6 +165,7 @@ def reconcile(
 ) -> Result | None:
     """Run one pass; returns None when the InferenceService is gone or being deleted."""
     started = time.perf_counter()
+    started_wall = ctx.clock()
     try:
         with ctx.lock(namespace, name):
             result = _reconcile(ctx, namespace, name, autoscale)
@@ -172,6 +178,12 @@ def reconcile(
     RECONCILES.labels(
         trigger, "gone" if result is None else ("changed" if result.wrote else "unchanged")
     ).inc()
+    if ctx.tracer is not None and result is not None:
+        try:
+            ctx.tracer.reconciled(namespace, name, trigger, started_wall, ctx.clock(), result.body, result.status,
+                                  result.wrote)
+        except Exception as e:  # a trace is never worth a failed pass
+            log.warning("tracing the pass over %s/%s: %s", namespace, name, e)
     return result
 
 
@@ -490,7 +502,7 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
                 return None
             raise
         wrote.append("status")
-    return Result(status=new, wrote=wrote, events=events, uid=body["metadata"].get("uid", ""))
+    return Result(status=new, wrote=wrote, events=events, uid=body["metadata"].get("uid", ""), body=body)
 
 
 def _ensure_admin_secret(ctx: Context, spec: ServiceSpec, body: Mapping[str, Any], key: str) -> str | None:

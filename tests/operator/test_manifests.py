@@ -512,3 +512,14 @@ def test_local_cluster_values_render(helm):
     ds = next(d for d in docs if d["kind"] == "DaemonSet")
     terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["key"] == "pagoda.dev/local-node"
+
+
+def test_operator_traces_only_where_an_otlp_endpoint_is_set(helm):
+    def env(*sets: str) -> dict[str, Any]:
+        dep = next(d for d in render(helm, *sets) if d["kind"] == "Deployment")
+        return {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env()
+    on = env("operator.otlpEndpoint=http://collector.obs:4318", "operator.otlpProtocol=http/protobuf")
+    assert on["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.obs:4318"
+    assert on["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
