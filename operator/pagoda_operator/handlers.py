@@ -62,6 +62,12 @@ def operator_settings(
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "pagoda-operator"
     settings.execution.max_workers = workers
+    # Objects kopf works on at once. Unbounded, a burst of creates had each object's worker patch
+    # at once, and kopf's HTTP pool kept a TLS connection (128 KiB of buffers) for each: 188 of
+    # them, 23.5 MiB, after 200 creates (tracemalloc, 2026-11-26). At 200 creates on the test
+    # cluster, 64 left create-to-Ready as unbounded (p50 41.4 s) with 15 MiB less resident; 16
+    # cost 6 s of p50 (docs/benchmarks/2026-11-26-operator-scale.md).
+    settings.queueing.worker_limit = max(64, 16 * workers)
     settings.peering.standalone = True  # a Lease elects the leader (leader.py)
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

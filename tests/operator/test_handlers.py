@@ -87,3 +87,8 @@ def test_the_operator_imports_only_the_daemons_declarations():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--daemon-image" in out.stdout and "--lease-duration" in out.stdout
+
+
+def test_kopf_works_on_a_bounded_number_of_objects_at_once():
+    assert operator_settings(workers=4).queueing.worker_limit == 64
+    assert operator_settings(workers=8).queueing.worker_limit == 128
