@@ -18,24 +18,13 @@ import argparse
 import json
 import time
 
-from benchmarks.throughput import run_requests, sync, workload
+from benchmarks.throughput import add_engine_args, run_requests, start_core, sync, workload
 
 
 def build_core(args):
-    from pagoda_daemon.config import EngineConfig
-    from pagoda_daemon.engine.engine_core import EngineCore, freeze_startup_heap
-
-    config = EngineConfig(
-        model=args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
-        gpu_memory_utilization=0.9, expert_parallel_size=args.start, enable_eplb=True,
-        elastic_ep_min_size=min(args.start, args.grow_to), elastic_ep_max_size=max(args.start, args.grow_to),
-        **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}),
-    )
-    core = EngineCore(config)
-    core.warm_up()
-    freeze_startup_heap()
-    return core
+    return start_core(args, expert_parallel_size=args.start, enable_eplb=True,
+                      elastic_ep_min_size=min(args.start, args.grow_to), elastic_ep_max_size=max(args.start, args.grow_to),
+                      **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
 
 
 def resize(core, size: int) -> tuple[dict, int]:
@@ -110,7 +99,7 @@ def run_under_load(core, prompts, params, grow_at_s: float, grow_to: int, hold_s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="a directory with config.json (weights are random)")
+    add_engine_args(ap)
     ap.add_argument("--start", type=int, default=2, help="the expert-parallel size the replica starts at")
     ap.add_argument("--grow-to", type=int, default=4, help="the size it is resized to and back from")
     ap.add_argument("--grow-at", type=float, default=0.25,
@@ -119,16 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=15.0,
                     help="idle before the run under load: the spare processes that replace the ranks a shrink let go "
                          "need about 9 s to come up (4 x H200)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="0: profile the GPU's memory")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-input-len", type=int, default=1024)
-    ap.add_argument("--max-output-len", type=int, default=1024)
-    ap.add_argument("--temperature", type=float, default=0.6)
     args = ap.parse_args(argv)
     from pagoda_daemon.logs import configure
 

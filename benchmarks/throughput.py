@@ -39,22 +39,41 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def build_core(args):
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The model, the engine's limits and the workload: what every end-to-end benchmark here takes."""
+    ap.add_argument("model", help="a directory with config.json (weights are random)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=0.6)
+
+
+def start_core(args, **options):
+    """An engine core on random weights from :func:`add_engine_args`' arguments and `options`,
+    warmed up, its start-up heap frozen as the server's engine core does."""
     from pagoda_daemon.config import EngineConfig
     from pagoda_daemon.engine.engine_core import EngineCore, freeze_startup_heap
 
     config = EngineConfig(
         model=args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=0,
-        async_scheduling=args.async_scheduling,
-        gpu_memory_utilization=0.9, tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel_size=args.expert_parallel_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+        gpu_memory_utilization=0.9, **options,
     )
     core = EngineCore(config)
     core.warm_up()
-    freeze_startup_heap()  # as the server's engine core does
+    freeze_startup_heap()
     return core
+
+
+def build_core(args):
+    return start_core(args, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+                      async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+                      expert_parallel_size=args.expert_parallel_size)
 
 
 def workload(num_seqs: int, max_input: int, max_output: int, temperature: float, vocab_size: int):
@@ -376,21 +395,12 @@ def profile(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="a directory with config.json (weights are random)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_engine_args(ap)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks 1..N-1 start in processes of their own")
     ap.add_argument("--expert-parallel-size", type=int, default=1, help="MoE experts spread over this many ranks")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-input-len", type=int, default=1024)
-    ap.add_argument("--max-output-len", type=int, default=1024)
-    ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--rounds", type=int, default=1, help="run the workload this many times on one engine")
     ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over each round")
     ap.add_argument("--offline-llm", action="store_true", help="the workload through the offline LLM, per round")
