@@ -163,8 +163,8 @@ class ElasticStats(msgspec.Struct, array_like=True, gc=False):
     transitions: int = 0
     failures: int = 0
     bytes_moved: int = 0
-    # rank 0's seconds in each part of the latest transition (prepare, worlds, transfer, vote, layout,
-    # capture, gather: executor/resize.py), so that a slow one says where
+    # rank 0's seconds in each part of the latest transition (prepare, leave, worlds, plan, transfer,
+    # joiners, vote, layout, capture, gather: executor/resize.py), so that a slow one says where
     last_seconds_by_part: dict[str, float] = msgspec.field(default_factory=dict)
     gpus: list[int] = msgspec.field(default_factory=list)  # the ranks' GPUs and NUMA nodes after the
     numa_nodes: list[int] = msgspec.field(default_factory=list)  # latest transition (READY's before one)

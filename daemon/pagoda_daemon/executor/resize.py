@@ -120,7 +120,6 @@ class Exchanged:
     experts: list[list[torch.Tensor]] | None  # per layer (w13, w2); None for a leaving rank
     rank_state: step_plan.RankState | None  # a joining rank's take of rank 0's requests
     bytes_moved: int
-    seconds: dict[str, float]  # "plan" (placements, groups), "transfer" (experts), "joiners" (dense, KV, state)
 
 
 @dataclass
@@ -161,11 +160,11 @@ def _rejoin(seat: RankSeat, t: Transition, stage: str, size: int, laps: Laps) ->
                               TRANSITION_TIMEOUT)
 
 
-def exchange(seat: RankSeat, t: Transition, rank_state: step_plan.RankState | None = None) -> Exchanged:
+def exchange(seat: RankSeat, t: Transition, laps: Laps, rank_state: step_plan.RankState | None = None) -> Exchanged:
     """Step 2, in a world of max(old, new) ranks: move the experts, and bring the joiners up
-    to date (rank 0 passes its ``rank_state``)."""
+    to date (rank 0 passes its ``rank_state``). Laps: "plan" (placements, groups), "transfer"
+    (the experts), "joiners" (dense weights, KV, request state)."""
     worker, rank = seat.worker, seat.rank
-    started = time.monotonic()
     before, after = _layouts(worker, t)
     layers = _moe_layers(worker)
     frame = None
@@ -181,7 +180,7 @@ def exchange(seat: RankSeat, t: Transition, rank_state: step_plan.RankState | No
         dist.all_reduce(torch.zeros(1, device=worker.device))
     experts: list[list[torch.Tensor]] | None = [] if rank < t.new_size else None
     moved = 0
-    planned = time.monotonic()
+    laps.lap("plan")
     fault = os.environ.get(FAULT_ENV) if rank in t.joiners else None
     for layer, old_p, new_p in zip(layers, old_placements, placements):
         plan = transfer_plan(old_p, new_p, before, after)
@@ -196,11 +195,10 @@ def exchange(seat: RankSeat, t: Transition, rank_state: step_plan.RankState | No
             log.error("%s=%s: rank %d exits in the middle of the transfer", FAULT_ENV, fault, rank)
             logging.shutdown()
             os._exit(1)
-    experts_done = time.monotonic()
+    laps.lap("transfer")
     state = _bring_joiners_up(seat, t, groups, rank_state) if groups is not None else None
-    seconds = {"plan": round(planned - started, 4), "transfer": round(experts_done - planned, 4),
-               "joiners": round(time.monotonic() - experts_done, 4)}
-    return Exchanged(placements, experts, state, moved, seconds)
+    laps.lap("joiners")
+    return Exchanged(placements, experts, state, moved)
 
 
 def _joiner_groups(seat: RankSeat, t: Transition) -> tuple[Any, Any]:
@@ -227,7 +225,6 @@ def _bring_joiners_up(seat: RankSeat, t: Transition, groups: tuple[Any, Any],
         assert worker.runner.kv_cache is not None
         _broadcast_blocks(worker.runner.kv_cache, state.kv_block_ids, seat.rank, tensors_group)
     return state if seat.rank != 0 else None
-
 
 
 def _broadcast_blocks(kv_cache: torch.Tensor, block_ids: list[int], rank: int, group: Any) -> None:
@@ -276,12 +273,6 @@ class Laps:
         now = time.monotonic()
         self.seconds[part] = round(self.seconds.get(part, 0.0) + now - self._last, 4)
         self._last = now
-
-    def add(self, parts: dict[str, float]) -> None:
-        """Parts timed by the callee, in place of one lap."""
-        for part, seconds in parts.items():
-            self.seconds[part] = round(self.seconds.get(part, 0.0) + seconds, 4)
-        self._last = time.monotonic()
 
 
 class TransferWatch:
@@ -344,8 +335,7 @@ def _follow(seat: RankSeat, t: Transition, watch: TransferWatch, rank_state: ste
             _rejoin(seat, t, "grow", t.new_size, laps)
             laps.lap("worlds")
         on_phase("transferring")
-        exchanged = exchange(seat, t, rank_state)
-        laps.add(exchanged.seconds)
+        exchanged = exchange(seat, t, laps, rank_state)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         log.error("rank %d: resize %d -> %d failed in the transfer: %s", seat.rank, t.old_size, t.new_size, error)
