@@ -156,8 +156,11 @@ class Result:
     status: dict[str, Any]
     wrote: list[str]
     events: list[tuple[str, str, str]]  # (type Normal|Warning, reason, message)
-    uid: str = ""
     body: Mapping[str, Any] = field(default_factory=dict)  # the InferenceService as the pass read it
+
+    @property
+    def uid(self) -> str:
+        return str((self.body.get("metadata") or {}).get("uid", ""))
 
 
 def reconcile(
@@ -502,7 +505,7 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
                 return None
             raise
         wrote.append("status")
-    return Result(status=new, wrote=wrote, events=events, uid=body["metadata"].get("uid", ""), body=body)
+    return Result(status=new, wrote=wrote, events=events, body=body)
 
 
 def _ensure_admin_secret(ctx: Context, spec: ServiceSpec, body: Mapping[str, Any], key: str) -> str | None:

@@ -19,7 +19,6 @@ import hashlib
 import logging
 import threading
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 from opentelemetry import trace
@@ -28,6 +27,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+
+from pagoda_operator.autoscaler import from_iso
+from pagoda_operator.status import condition
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +76,14 @@ def _exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
 
 
 def _iso_seconds(stamp: str | None) -> float | None:
-    if not stamp:
-        return None
     try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        return from_iso(stamp) if stamp else None
     except ValueError:
         return None
 
 
 def _ready(status: Mapping[str, Any] | None) -> bool:
-    for c in (status or {}).get("conditions") or []:
-        if c.get("type") == "Ready":
-            return c.get("status") == "True"
-    return False
+    return (condition(status, "Ready") or {}).get("status") == "True"
 
 
 class OperatorTracer:
