@@ -224,6 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, yaml.YAMLError) as e:
             print(f"pagoda operator: admission policy: {e}", file=sys.stderr)
             return 2
+    from pagoda_operator.tracing import OperatorTracer
+
+    try:
+        tracer = OperatorTracer.from_env(os.environ)  # off unless an OTLP endpoint is set
+    except ValueError as e:
+        print(f"pagoda operator: tracing: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "DEBUG":
         logging.getLogger("kopf").setLevel(logging.WARNING)
@@ -290,9 +297,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("pagoda_operator").warning(
             "%s is not set: elastic InferenceServices serve at their start size, unresized",
             elastic.OPERATOR_SECRET_ENV)
-    from pagoda_operator.tracing import OperatorTracer
-
-    tracer = OperatorTracer.from_env(os.environ)  # off unless an OTLP endpoint is set
     ctx = Context(kube=CachedKube(kube), settings=settings, scrape_timeout=args.scrape_timeout,
                   operator_secret=operator_secret, tracer=tracer)
     registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)

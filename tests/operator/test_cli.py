@@ -45,3 +45,10 @@ def test_numbers_at_their_bounds_parse():
     args = parser().parse_args(["--workers=256", "--interval=0.1", "--lease-duration=2", "--lease-grace=86400"])
     assert (args.workers, args.interval, args.lease_duration, args.lease_grace) == (256, 0.1, 2, 86400.0)
     assert parser().parse_args([]).lease_grace == 60.0
+
+
+def test_an_otlp_protocol_the_operator_does_not_speak_is_refused_at_start(monkeypatch, capsys):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift")
+    assert main([]) == 2
+    assert "pagoda operator: tracing: OTEL_EXPORTER_OTLP_PROTOCOL 'thrift'" in capsys.readouterr().err
