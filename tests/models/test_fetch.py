@@ -21,7 +21,6 @@ from pagoda_daemon.models.fetch import (
     FetchProgress,
     ModelFetchError,
     Retry,
-    evict,
     fetch,
     needed,
     resolve_model,
@@ -261,18 +260,6 @@ def test_resolve_model_keeps_paths_and_refuses_what_it_cannot_fetch(hub, tmp_pat
         resolve_model("gs://b/m", tmp_path)
     local = resolve_model("hf://org/tiny", None, env={**hf_env(hub), "PAGODA_CACHE_DIR": str(tmp_path / "c")})
     assert local.startswith(str(tmp_path / "c" / "hf"))
-
-
-def test_evict_deletes_the_least_recently_used_entries_not_in_use(hub, tmp_path):
-    (tmp_path / "two").mkdir()
-    hub.add_repo("org/two", tmp_path / "two", {"config.json": b"{}"})
-    cache = tmp_path / "cache"
-    first = fetch(parse("hf://org/tiny"), cache, env=hf_env(hub))
-    second = fetch(parse("hf://org/two"), cache, env=hf_env(hub))
-    os.utime(first / COMPLETE_MARKER, (1, 1))  # used longest ago
-    assert evict(cache, max_bytes=10**12) == []
-    assert evict(cache, max_bytes=0, in_use={str(second)}) == [first]
-    assert not first.exists() and second.exists()
 
 
 # --- S3, through moto's server ------------------------------------------------------------------

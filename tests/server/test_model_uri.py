@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from pagoda_daemon.models.fetch import needed
+from pagoda_daemon.models.model_cache import entries, evict
 from tests.models.hub_server import HubServer
 from tests.server.conftest import ServerProcess
 
@@ -42,6 +43,9 @@ def test_serve_fetches_an_hf_model_and_answers_a_completion(tiny_models, tmp_pat
         info = [line for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
                 if line.startswith("pagoda:model_info{")]
         assert len(info) == 1 and f'revision="{sha}"' in info[0] and 'source="hf://org/tiny"' in info[0], info
+        # the serving daemon holds its entry: the node agent's eviction passes over it
+        assert [(e.revision, e.in_use) for e in entries(cache)] == [(sha, True)]
+        assert evict(cache, max_bytes=0) == []
     finally:
         srv.stop()
         hub.stop()
@@ -50,6 +54,7 @@ def test_serve_fetches_an_hf_model_and_answers_a_completion(tiny_models, tmp_pat
     assert "downloading model: " in log and "hf://org/tiny: done in" in log
     assert (cache / "hf" / "org%2Ftiny" / sha / ".pagoda-complete.json").is_file()
     assert not hub.file_requests("pytorch_model.bin")
+    assert [e.in_use for e in entries(cache)] == [False]  # released with the process
 
 
 @pytest.mark.parametrize("model, message", [

@@ -26,7 +26,6 @@ import inspect
 import json
 import logging
 import os
-import shutil
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -205,35 +204,6 @@ def _fetch(uri: ModelUri, cache_dir: Path, env: Mapping[str, str] | None,
         _download_all(uri, source, entry, files, revision, on_progress)
         _write_ref(base, source.ref_name(), revision)
     return _used(entry)
-
-
-def evict(cache_dir: Path, max_bytes: int, in_use: set[str] | frozenset[str] = frozenset()) -> list[Path]:
-    """Delete the least recently used complete entries (by their marker's mtime) until the cache
-    holds at most ``max_bytes``; entries in ``in_use`` (paths) or locked by a fetch are kept.
-    Returns the entries deleted."""
-    entries = []
-    for marker in Path(cache_dir).glob(f"*/*/*/{COMPLETE_MARKER}"):
-        entry = marker.parent
-        size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-        entries.append((marker.stat().st_mtime, entry, size))
-    total = sum(size for _, _, size in entries)
-    deleted = []
-    for _, entry, size in sorted(entries, key=lambda e: e[0]):
-        if total <= max_bytes:
-            break
-        if str(entry) in in_use or str(entry.resolve()) in in_use:
-            continue
-        lock = entry.parent / f"{entry.name}.lock"
-        with open(lock, "a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            (entry / COMPLETE_MARKER).unlink(missing_ok=True)  # never a marked entry with missing files
-            shutil.rmtree(entry, ignore_errors=True)
-        total -= size
-        deleted.append(entry)
-    return deleted
 
 
 def _entry_name(uri: ModelUri) -> str:

@@ -11,8 +11,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 # Only the standard library and stdlib-only modules here: `pagoda operator` builds this
 # command's flags too, in an image without the server's packages (uvicorn, fastapi, zmq).
@@ -33,6 +34,7 @@ from pagoda_daemon.server.reasoning import REASONING_PARSERS
 from pagoda_daemon.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
+    from pagoda_daemon.models.fetch import FetchProgress
     from pagoda_daemon.server.http_protocol import DrainingServer
 
 log = logging.getLogger("pagoda.serve")
@@ -178,6 +180,21 @@ def node_rank_from_hostname(hostname: str) -> int:
     return int(ordinal) + 1
 
 
+def _fetch_and_hold(reference: str, cache_dir: str | None,
+                    progress: Callable[[FetchProgress], None]) -> tuple[str, IO[str]]:
+    """The fetched model's directory and the shared lock that keeps it from eviction; fetched
+    again when the node agent evicted it between the fetch and the lock."""
+    from pagoda_daemon.models.fetch import ModelFetchError, resolve_model
+    from pagoda_daemon.models.model_cache import hold
+
+    for _ in range(3):
+        path = resolve_model(reference, cache_dir, on_progress=progress)
+        lease = hold(path)
+        if lease is not None:
+            return path, lease
+    raise ModelFetchError(f"{reference}: evicted from the node's cache as soon as it was fetched, three times")
+
+
 def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     try:
         options = resolve_options(args, explicit)
@@ -186,7 +203,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         return 2
     reference = str(options["model"])
     if is_uri(reference):  # fetched into the node's cache before anything starts; then a local directory
-        from pagoda_daemon.models.fetch import FetchProgress, ModelFetchError, resolve_model
+        from pagoda_daemon.models.fetch import ModelFetchError
         from pagoda_daemon.server.download_status import DownloadStatus
 
         status = DownloadStatus(options["host"], options["port"])
@@ -198,7 +215,8 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
 
         try:  # node 0 answers the probes on its API port meanwhile (a big model outlasts a startup probe)
             with status if options["node_rank"] == 0 else contextlib.nullcontext():
-                options["model"] = resolve_model(reference, options["model_cache_dir"], on_progress=progress)
+                # held (a shared lock) until this process ends: the node agent evicts only what nobody holds
+                options["model"], _model_lease = _fetch_and_hold(reference, options["model_cache_dir"], progress)
         except (ModelFetchError, OSError) as e:
             print(f"pagoda serve: cannot fetch the model: {e}", file=sys.stderr)
             return 1
