@@ -54,6 +54,10 @@ def test_plan_json(dgx, capsys, monkeypatch):
         (["--once"], "--once only makes sense with --publish"),
         (["--gpu-backend", "cuda"], "invalid choice"),
         (["--publish", "--once"], "NODE_NAME is not set"),
+        (["--model-cache", "/c"], "--model-cache only makes sense with --publish"),
+        *[(["--publish", "--model-cache", "/c", "--model-cache-max-gib", v], "--model-cache-max-gib must be in")
+          for v in ("0", "-1", "nan", "inf", "1e300")],
+        (["--publish", "--model-cache-max-gib", "lots"], "invalid float value"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, laptop, capsys, monkeypatch):

@@ -45,7 +45,7 @@ def validate(value, schema, path="$"):
     else:
         # An empty string reached the v1.20 apiserver as null and was rejected: never send one.
         assert value != "", f"{path}: empty string"
-        python = {"string": str, "integer": int, "boolean": bool}[kind]
+        python = {"string": str, "integer": int, "boolean": bool, "number": (int, float)}[kind]
         assert isinstance(value, python) and (kind != "integer" or not isinstance(value, bool)), (
             f"{path}: {value!r} is not {kind}"
         )
@@ -321,3 +321,73 @@ def test_publish_at_start_says_forbidden_in_one_line(monkeypatch, caplog):
         assert publish.publish_at_start() is None
     (record,) = caplog.records
     assert record.getMessage() == "not publishing NodeTopology for node-1: 403 Forbidden (the topology agent publishes it)"
+
+
+def cached(root: Path, namespace: str, source: str, revision: str, used: float, size: int = 1000) -> Path:
+    """An entry as fetch.py leaves it: the files, then the complete marker (its mtime: last use)."""
+    import os
+
+    from pagoda_daemon.models.fetch import COMPLETE_MARKER
+
+    scheme, location = source.split("://", 1)
+    entry = root / namespace / scheme / location.replace("/", "%2F") / revision
+    entry.mkdir(parents=True)
+    (entry / "model.safetensors").write_bytes(os.urandom(size))
+    (entry / COMPLETE_MARKER).write_text(json.dumps({"source": source, "revision": revision}))
+    os.utime(entry / COMPLETE_MARKER, (used, used))
+    return entry
+
+
+class ListingApi(FakeApi):
+    def __init__(self, services):
+        super().__init__()
+        self.services = services
+
+    def list_cluster_custom_object(self, group, version, plural):
+        assert (group, version, plural) == ("pagoda.dev", "v1alpha1", "inferenceservices")
+        if self.services is None:
+            raise ApiError(403)
+        return {"items": [{"metadata": {"namespace": ns}, "spec": {"model": {"uri": uri}}}
+                          for ns, uri in self.services]}
+
+
+def test_the_model_cache_is_tended_and_reported_in_status(dgx, dgx_nvml, tmp_path, schema):
+    from pagoda_daemon.models.model_cache import hold
+    from pagoda_daemon.topology.publish import ModelCacheKeeper
+
+    root = tmp_path / "model-cache"
+
+    old = cached(root, "team-a", "hf://org/llm", "1" * 40, used=100)
+    named = cached(root, "team-a", "hf://org/llm", "2" * 40, used=200)
+    unnamed = cached(root, "team-b", "s3://bucket/m", "3" * 16, used=300)
+    held = cached(root, "team-b", "s3://bucket/gone", "4" * 16, used=50)
+    lease = hold(held)
+    assert lease is not None
+    # hf://org/llm is named (in its canonical spelling); nothing names the others
+    api = ListingApi([("team-a", "hf://org/llm"), ("team-c", "s3://bucket/m"), ("team-a", "not a uri")])
+    keeper = ModelCacheKeeper(api, str(root), max_bytes=0)
+    Publisher(api, "node-a", status_extra=keeper).publish(discover(dgx.root, nvml=dgx_nvml))
+    status = api.objects["node-a"]["status"]
+    validate(status, schema["properties"]["status"], "status")
+    cache = status["modelCache"]
+    assert {(e["namespace"], e["revision"]) for e in cache["evicted"]} == {("team-a", old.name), ("team-b", unnamed.name)}
+    assert [(m["namespace"], m["source"], m["inUse"], m["complete"]) for m in cache["models"]] == [
+        ("team-a", "hf://org/llm", False, True), ("team-b", "s3://bucket/gone", True, True)]
+    assert cache["usedBytes"] == sum(m["bytes"] for m in cache["models"]) > 2000 and cache["maxBytes"] == 0
+    assert named.exists() and held.exists() and not old.exists() and not unnamed.exists()
+    lease.close()
+
+    # InferenceServices that cannot be listed: nothing is evicted, the cache is still reported
+    api.services = None
+    Publisher(api, "node-a", status_extra=keeper).publish(discover(dgx.root, nvml=dgx_nvml))
+    assert api.objects["node-a"]["status"]["modelCache"]["evicted"] == [] and held.exists()
+
+
+def test_a_failing_cache_pass_does_not_stop_the_heartbeat(dgx, dgx_nvml):
+    def broken():
+        raise OSError("disk gone")
+
+    api = FakeApi()
+    Publisher(api, "node-a", status_extra=broken).publish(discover(dgx.root, nvml=dgx_nvml))
+    assert "lastHeartbeatTime" in api.objects["node-a"]["status"]
+    assert "modelCache" not in api.objects["node-a"]["status"]

@@ -23,10 +23,12 @@ import logging
 import os
 import shutil
 import stat
+import time
 import urllib.parse
 from collections.abc import Collection, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from pagoda_daemon.models.fetch import COMPLETE_MARKER
 
@@ -58,10 +60,7 @@ def hold(entry: str | Path) -> IO[str] | None:
     it for its lifetime): eviction passes over it. None when ``entry`` is not a complete cache
     entry any more (evicted between the fetch and this call: fetch again)."""
     entry = Path(entry)
-    lock = entry.parent / f"{entry.name}.lock"
-    if not lock.exists():
-        return None
-    handle = open(lock, "a")  # noqa: SIM115 - open for the process's lifetime by design
+    handle = _open_lock(entry.parent / f"{entry.name}.lock")  # open for the process's lifetime
     fcntl.flock(handle, fcntl.LOCK_SH)
     if not (entry / COMPLETE_MARKER).is_file():
         handle.close()
@@ -114,6 +113,32 @@ def evict(cache_dir: str | Path, max_bytes: int, *, namespaced: bool = False,
         deleted.append(e)
         log.info("model cache: evicted %s@%s (%s, %d bytes)", e.source, e.revision, e.namespace or "-", e.bytes)
     return deleted
+
+
+def tend(cache_dir: str | Path, max_bytes: int, keep: Collection[tuple[str, str]] | None) -> dict[str, Any]:
+    """One pass of the node agent over a namespaced cache: evict down to ``max_bytes`` (only when
+    ``keep`` is known: without the list of models InferenceServices name, nothing is deleted),
+    then what the NodeTopology status shows (``status.modelCache``)."""
+    started = time.monotonic()
+    evicted = evict(cache_dir, max_bytes, namespaced=True, keep=keep) if keep is not None else []
+    found = entries(cache_dir, namespaced=True)
+    return {
+        "path": str(cache_dir),
+        "maxBytes": max_bytes,
+        "usedBytes": sum(e.bytes for e in found),
+        "models": [
+            {"namespace": e.namespace, "source": e.source, "revision": e.revision, "bytes": e.bytes,
+             "lastUsedTime": _iso(e.last_used), "complete": e.complete, "inUse": e.in_use}
+            for e in reversed(found)  # most recently used first
+        ],
+        "evicted": [{"namespace": e.namespace, "source": e.source, "revision": e.revision, "bytes": e.bytes}
+                    for e in evicted],
+        "scanSeconds": round(time.monotonic() - started, 3),
+    }
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _entry(path: Path, namespace: str, scheme: str, quoted_location: str) -> CacheEntry:
@@ -173,15 +198,21 @@ def _locked_by_someone(lock: Path) -> bool:
         return not got
 
 
+def _open_lock(lock: Path) -> IO[str]:
+    """The entry's lock file, created if missing, never through a link (the lock's directory is
+    written by the namespace's pods)."""
+    fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "a")
+
+
 @contextlib.contextmanager
 def _exclusive(lock: Path) -> Iterator[bool]:
     """Try the entry's exclusive lock without waiting; yields whether it was had."""
-    try:  # never through a link: the lock's directory is written by the namespace's pods
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        handle = _open_lock(lock)
     except OSError:
         yield False
         return
-    handle = os.fdopen(fd, "a")
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

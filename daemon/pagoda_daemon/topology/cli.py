@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--node-name", help="object name (default: $NODE_NAME)")
     agent.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    agent.add_argument("--model-cache", metavar="DIR",
+                       help="with --publish: the node's model cache (one directory per namespace) to evict "
+                            "from and report in the NodeTopology status")
+    agent.add_argument("--model-cache-max-gib", type=float, default=200.0, metavar="GIB",
+                       help="evict the least recently used models nobody serves above this size (default 200)")
     return parser
 
 
@@ -52,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.interval <= 0:
         parser.print_usage(sys.stderr)
         print("pagoda topology: error: --interval must be positive", file=sys.stderr)
+        return 2
+    if not (0 < args.model_cache_max_gib <= 2**20):  # NaN fails too
+        print("pagoda topology: error: --model-cache-max-gib must be in (0, 1048576]", file=sys.stderr)
+        return 2
+    if args.model_cache and not args.publish:
+        print("pagoda topology: error: --model-cache only makes sense with --publish", file=sys.stderr)
         return 2
     if args.once and not args.publish:
         print("pagoda topology: error: --once only makes sense with --publish", file=sys.stderr)
@@ -77,7 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from pagoda_daemon.topology.publish import Publisher, connect, node_name_from_env, run_agent
+    from pagoda_daemon.topology.publish import (
+        ModelCacheKeeper,
+        Publisher,
+        connect,
+        node_name_from_env,
+        run_agent,
+    )
 
     try:
         node = node_name_from_env(args.node_name)
@@ -88,8 +105,10 @@ def _publish(args: argparse.Namespace) -> int:
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    keeper = (ModelCacheKeeper(api, args.model_cache, int(args.model_cache_max_gib * 2**30))
+              if args.model_cache else None)
     return run_agent(
-        Publisher(api, node),
+        Publisher(api, node, status_extra=keeper),
         lambda: discover(args.sysfs_root, gpu_backend=args.gpu_backend),
         args.interval,
         once=args.once,

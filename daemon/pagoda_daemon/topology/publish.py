@@ -9,6 +9,7 @@ means a dead agent. The `kubernetes` client is imported only by `connect`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -63,12 +64,17 @@ def utc_now() -> str:
 
 
 class Publisher:
-    """Creates or updates one NodeTopology through a `CustomObjectsApi`-like client."""
+    """Creates or updates one NodeTopology through a `CustomObjectsApi`-like client.
 
-    def __init__(self, api: Any, node_name: str, *, clock: Callable[[], str] = utc_now) -> None:
+    ``status_extra`` adds fields to each status write (the node's model cache, ModelCacheKeeper);
+    when it fails, the topology is published without them."""
+
+    def __init__(self, api: Any, node_name: str, *, clock: Callable[[], str] = utc_now,
+                 status_extra: Callable[[], dict[str, Any]] | None = None) -> None:
         self.api = api
         self.node_name = node_name
         self.clock = clock
+        self.status_extra = status_extra
 
     def publish(self, report: NodeTopology) -> str:
         """Write the report; returns "created", "updated" or "unchanged" (heartbeat only)."""
@@ -110,6 +116,11 @@ class Publisher:
         }
         if report.hostname:
             current["status"]["hostname"] = report.hostname
+        if self.status_extra is not None:
+            try:
+                current["status"].update(self.status_extra())
+            except Exception as exc:  # the topology and heartbeat go out regardless
+                log.error("topology: node status extras failed: %s", exc)
         self.api.replace_cluster_custom_object_status(GROUP, VERSION, PLURAL, self.node_name, current)
         return action
 
@@ -120,6 +131,42 @@ class Publisher:
             if getattr(exc, "status", None) == 404:
                 return None
             raise
+
+
+class ModelCacheKeeper:
+    """The node's model cache (chart ``modelCache``), tended at each publish: evicted down to its
+    size, keeping what serving daemons hold and the newest revision of every model an
+    InferenceService names, and reported as ``status.modelCache``."""
+
+    def __init__(self, api: Any, root: str, max_bytes: int) -> None:
+        self.api = api
+        self.root = root
+        self.max_bytes = max_bytes
+
+    def __call__(self) -> dict[str, Any]:
+        from pagoda_daemon.models.model_cache import tend
+
+        return {"modelCache": tend(self.root, self.max_bytes, self.models_named())}
+
+    def models_named(self) -> set[tuple[str, str]] | None:
+        """(namespace, model URI) of every InferenceService; None when they cannot be listed
+        (then nothing is evicted: a model in use must never go for want of the list)."""
+        from pagoda_daemon.model_uri import InvalidModelUri, is_uri, parse
+
+        try:
+            listed = self.api.list_cluster_custom_object(GROUP, VERSION, "inferenceservices")
+        except Exception as exc:
+            log.warning("model cache: cannot list InferenceServices (%s); nothing is evicted this time",
+                        getattr(exc, "reason", None) or exc)
+            return None
+        named = set()
+        for item in listed.get("items") or []:
+            uri = ((item.get("spec") or {}).get("model") or {}).get("uri")
+            namespace = (item.get("metadata") or {}).get("namespace")
+            if isinstance(uri, str) and isinstance(namespace, str) and is_uri(uri):
+                with contextlib.suppress(InvalidModelUri):
+                    named.add((namespace, str(parse(uri))))
+        return named
 
 
 def run_agent(
