@@ -116,13 +116,17 @@ class Policy:
     priority_class_names: tuple[str, ...] = ()
     gpu_resource_names: tuple[str, ...] = ("nvidia.com/gpu", "amd.com/gpu")
     pod_resource_names: tuple[str, ...] = ()
+    # Not an allowlist: host directories no spec.model.hostPath may reach, whatever the prefixes
+    # allow (the node model cache: every namespace's downloads, mounted one namespace at a time).
+    reserved_host_paths: tuple[str, ...] = ()
 
     @classmethod
-    def from_values(cls, values: Mapping[str, Any], extra_images: tuple[str, ...] = ()) -> Policy:
+    def from_values(cls, values: Mapping[str, Any], extra_images: tuple[str, ...] = (),
+                    reserved_host_paths: tuple[str, ...] = ()) -> Policy:
         """From the chart's camelCase values (every key optional; unknown keys are an error, so a
         typo never silently leaves a default in place). ``extra_images`` are always allowed (the
-        operator's own daemon image)."""
-        by_value = {_camel(f.name): f.name for f in dataclasses.fields(cls)}
+        operator's own daemon image); ``reserved_host_paths`` come from the operator's settings."""
+        by_value = {_camel(f.name): f.name for f in dataclasses.fields(cls) if f.name != "reserved_host_paths"}
         unknown = sorted(set(values) - set(by_value))
         if unknown:
             raise ValueError(f"unknown admission policy keys {unknown}; known: {sorted(by_value)}")
@@ -134,10 +138,11 @@ class Policy:
                 raise ValueError(f"admission policy {key} must be a list of non-empty strings")
             kwargs[by_value[key]] = tuple(value)
         policy = cls(**kwargs)
-        bad = [p for p in policy.kv_disk_path_prefixes if _system_path(p)]
+        bad = [p for p in policy.kv_disk_path_prefixes if system_path(p)]
         if bad:
             raise ValueError(f"admission policy kvDiskPathPrefixes {bad} cover system directories")
-        return dataclasses.replace(policy, images=tuple(dict.fromkeys(extra_images + policy.images)))
+        return dataclasses.replace(policy, images=tuple(dict.fromkeys(extra_images + policy.images)),
+                                   reserved_host_paths=reserved_host_paths)
 
 
 def image_repository(image: str) -> str:
@@ -165,7 +170,7 @@ def path_within(path: str, prefixes: tuple[str, ...]) -> bool:
     return False
 
 
-def _system_path(path: str) -> bool:
+def system_path(path: str) -> bool:
     norm = posixpath.normpath(path)
     return norm == "/" or any(
         norm == s or norm.startswith(s + "/") or s.startswith(norm + "/") for s in SYSTEM_PATHS
@@ -233,7 +238,14 @@ def findings(policy: Policy, spec: Mapping[str, Any]) -> list[Violation]:
             )
 
     host_path = _map(_map(spec.get("model")).get("hostPath"))
-    if host_path:
+    path = host_path.get("path")
+    reserved = [r for r in policy.reserved_host_paths
+                if isinstance(path, str) and (path_within(path, (r,)) or path_within(r, (path,)))]
+    if reserved:
+        out.append(Violation("spec.model.hostPath.path", f"{path!r} reaches the node model cache {reserved[0]!r}, "
+                             "which holds every namespace's models; name the model by spec.model.uri instead",
+                             needs=None))
+    elif host_path:
         out += _path(
             "spec.model.hostPath.path",
             host_path.get("path"),
@@ -245,7 +257,7 @@ def findings(policy: Policy, spec: Mapping[str, Any]) -> list[Violation]:
     disk_path = _map(_map(spec.get("kvOffload")).get("disk")).get("path")
     if disk_path is not None:
         field = "spec.kvOffload.disk.path"
-        if isinstance(disk_path, str) and disk_path.startswith("/") and _system_path(disk_path):
+        if isinstance(disk_path, str) and disk_path.startswith("/") and system_path(disk_path):
             out.append(
                 Violation(field, f"{disk_path!r} would be mounted over a system directory", needs=None)
             )

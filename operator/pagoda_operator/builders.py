@@ -37,6 +37,7 @@ CONFIG_FILE = "engine.yaml"
 CONFIG_DIR = "/etc/pagoda"
 MODEL_DIR = "/models"
 CACHE_DIR = "/var/cache/pagoda"
+MODEL_CACHE_DIR = "/var/cache/pagoda-models"  # the node cache's namespace directory, in the pod
 TMP_DIR = "/tmp"
 # The images' `pagoda` user (Dockerfile.cuda, Dockerfile.rocm, e2e/image/build-images.sh): the pods
 # pin it by number, so runAsNonRoot holds whatever USER a custom spec.image declares.
@@ -62,6 +63,9 @@ class Settings:
     # only, every other port of its pods to nobody.
     network_policy: bool = False
     http_from: tuple[dict[str, Any], ...] = ALL_NAMESPACES
+    # The node's model cache (chart modelCache.nodePath): hf:// and s3:// models land there once
+    # per node, one directory per namespace; "": each pod fetches into its own cache volume.
+    node_model_cache: str = ""
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,7 @@ def service(spec: ServiceSpec, owner: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
+def _env(spec: ServiceSpec, settings: Settings) -> list[dict[str, Any]]:
     def field_ref(path: str) -> dict[str, Any]:
         return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
@@ -212,7 +216,7 @@ def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
         *cache_env(),
     ]
     if spec.model.source == "uri":
-        env.append({"name": "PAGODA_CACHE_DIR", "value": CACHE_DIR})
+        env.append({"name": "PAGODA_CACHE_DIR", "value": MODEL_CACHE_DIR if settings.node_model_cache else CACHE_DIR})
         env += model_source_env(spec)
     key = spec.api_key_secret
     if key is not None:
@@ -293,12 +297,12 @@ def _resources(spec: ServiceSpec) -> dict[str, Any]:
     return out
 
 
-def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(spec: ServiceSpec, settings: Settings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_map_name(spec)}},
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
         {"name": "tmp", "emptyDir": {}},
-        # Per pod: a fetched model (hf://, s3://) is downloaded again by every pod.
+        # Per pod; a fetched model (hf://, s3://) lands here too when there is no node cache.
         {"name": "cache", "emptyDir": {"sizeLimit": spec.model.cache_size} if spec.model.cache_size else {}},
     ]
     mounts: list[dict[str, Any]] = [
@@ -308,6 +312,12 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
         {"name": "cache", "mountPath": CACHE_DIR},
     ]
     m = spec.model
+    if m.source == "uri" and settings.node_model_cache:
+        volumes.append(node_model_cache_volume(settings.node_model_cache))
+        # Only this namespace's part of the node cache (the kubelet makes it with the root's mode,
+        # 1777, set by the topology agent): replicas and InferenceServices of one namespace share
+        # their downloads, other namespaces' models stay out of reach.
+        mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_DIR, "subPath": spec.namespace})
     if m.source == "pvc":
         volumes.append(
             {"name": "model", "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": m.read_only}}
@@ -324,6 +334,10 @@ def _volumes(spec: ServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, An
         volumes.append({"name": "kv-offload", "emptyDir": empty})
         mounts.append({"name": "kv-offload", "mountPath": kv.disk_path})
     return volumes, mounts
+
+
+def node_model_cache_volume(path: str) -> dict[str, Any]:
+    return {"name": "model-cache", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
 
 
 def pod_security_context() -> dict[str, Any]:
@@ -360,7 +374,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def container(spec: ServiceSpec, settings: Settings) -> dict[str, Any]:
     """The daemon container of a replica's (leader) pod: API port, probes, drain on stop."""
-    _, mounts = _volumes(spec)
+    _, mounts = _volumes(spec, settings)
     return {
         "name": "daemon",
         "image": spec.image or settings.daemon_image,
@@ -368,7 +382,7 @@ def container(spec: ServiceSpec, settings: Settings) -> dict[str, Any]:
         "command": ["pagoda"],
         "args": daemon_args(spec),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
-        "env": _env(spec),
+        "env": _env(spec, settings),
         "resources": _resources(spec),
         "volumeMounts": mounts,
         # Model loading and warm-up can take many minutes: liveness waits for the startup probe.
@@ -391,7 +405,7 @@ def pod_template(
 ) -> dict[str, Any]:
     """A pod of this InferenceService around its ``daemon`` container: volumes, least privilege,
     placement, the user's pod overrides."""
-    volumes, _ = _volumes(spec)
+    volumes, _ = _volumes(spec, settings)
     pod_spec: dict[str, Any] = {
         "containers": [daemon],
         "volumes": volumes,

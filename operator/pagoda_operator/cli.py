@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import posixpath
 import ssl
 import sys
 import threading
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from pagoda_operator import builders, elastic, telemetry
-from pagoda_operator.admission import Policy, image_repository
+from pagoda_operator.admission import Policy, image_repository, path_within, system_path
 
 if TYPE_CHECKING:
     from pagoda_operator.kube import Kube
@@ -48,6 +49,14 @@ def parser() -> argparse.ArgumentParser:
         help="daemon image for InferenceServices that set no spec.image",
     )
     p.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument(
+        "--node-model-cache",
+        default="",
+        type=host_directory,
+        metavar="HOST_PATH",
+        help="the nodes' model cache (chart modelCache.nodePath): hf:// and s3:// models are fetched "
+        "there once per node, one directory per namespace; default: into each pod's cache volume",
+    )
     p.add_argument(
         "--interval",
         type=bounded(float, 0.1, 86400),
@@ -146,7 +155,8 @@ def admission_policy(args: argparse.Namespace) -> Policy:
     values = yaml.safe_load(args.admission_policy or "") or {}
     if not isinstance(values, dict):
         raise ValueError(f"expected a mapping of allowlists, got {args.admission_policy!r}")
-    return Policy.from_values(values, extra_images=(image_repository(args.daemon_image),))
+    return Policy.from_values(values, extra_images=(image_repository(args.daemon_image),),
+                              reserved_host_paths=(args.node_model_cache,) if args.node_model_cache else ())
 
 
 def start_admission_webhook(args: argparse.Namespace, policy: Policy, kube: Kube) -> AdmissionWebhook:
@@ -193,6 +203,22 @@ def bounded(cast: Callable[[str], float], low: float, high: float) -> Callable[[
         return value
 
     return parse
+
+
+# Below /var/lib (where node state belongs), the directories of the node's own daemons.
+NODE_DAEMON_STATE = ("/var/lib/kubelet", "/var/lib/docker", "/var/lib/containerd", "/var/lib/etcd", "/var/lib/cni")
+
+
+def host_directory(text: str) -> str:
+    """An absolute host directory outside the system's and the node daemons' ("" stays "": not set)."""
+    if not text:
+        return text
+    norm = posixpath.normpath(text)
+    if (not text.startswith("/") or ".." in text.split("/")
+            or (system_path(norm) and not norm.startswith("/var/lib/")) or path_within(norm, NODE_DAEMON_STATE)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be an absolute path without '..', outside system directories and the node daemons' state")
+    return norm
 
 
 def network_policy_peer(text: str) -> dict:
@@ -289,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         image_pull_policy=args.image_pull_policy,
         network_policy=args.network_policy,
         http_from=tuple(args.network_policy_http_from) or builders.ALL_NAMESPACES,
+        node_model_cache=args.node_model_cache,
     )
     # Passes read from watch-fed caches (watch_cache.py); the elector above reads its Lease live.
     # Elastic EP: the secret the daemons' admin keys derive from (the chart's; elastic.py).

@@ -345,7 +345,8 @@ def test_helm_template_defaults(helm):
     assert "--daemon-image=ghcr.io/pagoda-serving/pagoda:0.1.0" in c["args"]
     ds = next(d for d in docs if d["kind"] == "DaemonSet")
     agent = ds["spec"]["template"]["spec"]["containers"][0]
-    assert agent["command"] == ["pagoda"] and agent["args"] == ["topology", "--publish", "--interval=60"]
+    assert agent["command"] == ["pagoda"] and agent["args"] == [
+        "topology", "--publish", "--interval=60", "--model-cache=/model-cache", "--model-cache-max-gib=200"]
     assert {e["name"] for e in agent["env"]} >= {"NODE_NAME"}
     assert ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
     import json
@@ -404,6 +405,36 @@ def test_helm_template_options(helm):
     assert dep["spec"]["replicas"] == 2
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_the_node_model_cache_reaches_operator_and_agent_and_goes_when_off(helm):
+    """On by default: the operator renders namespaces' directories of the nodePath; the agent
+    mounts the root, opens it to 1777 in an init container that is root without any capability,
+    tends it (--model-cache) and may list InferenceServices, nothing more. Off: none of it."""
+    from pagoda_operator.cli import parser
+
+    docs = render(helm)
+    op = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "--node-model-cache=/var/lib/pagoda/model-cache" in op["args"]
+    assert parser().parse_args(op["args"][1:]).node_model_cache == "/var/lib/pagoda/model-cache"
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["volumes"] == [{"name": "model-cache",
+                               "hostPath": {"path": "/var/lib/pagoda/model-cache", "type": "DirectoryOrCreate"}}]
+    (init,) = pod["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False and "0o1777" in init["command"][-1]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "model-cache", "mountPath": "/model-cache"}]
+    role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("topology-agent"))
+    assert {"apiGroups": ["pagoda.dev"], "resources": ["inferenceservices"], "verbs": ["list"]} in role["rules"]
+
+    off = render(helm, "modelCache.nodePath=")
+    op = next(d for d in off if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--node-model-cache") for a in op["args"])
+    pod = next(d for d in off if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    assert "initContainers" not in pod and "volumes" not in pod
+    assert not any(a.startswith("--model-cache") for a in pod["containers"][0]["args"])
+    role = next(d for d in off if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("topology-agent"))
+    assert not any("inferenceservices" in r["resources"] for r in role["rules"])
 
 
 def test_topology_agent_runs_in_the_host_network_namespace(helm):

@@ -213,6 +213,58 @@ def test_cache_size_limits_the_cache_emptydir():
     assert {v["name"]: v for v in pod_spec(unsized)["volumes"]}["cache"] == {"name": "cache", "emptyDir": {}}
 
 
+def test_the_node_model_cache_mounts_only_the_namespaces_directory():
+    settings = Settings(daemon_image="img:1", node_model_cache="/var/lib/pagoda/model-cache")
+    for uri in ("hf://o/n", "s3://bucket/m"):
+        body = isvc("llama", model=model(uri, cacheSize="10Gi"))
+        s = parse("llama", "team-a", body["spec"], supports=every_capability)
+        kids = children(s, body, 2, settings)
+        volumes = {v["name"]: v for v in pod_spec(kids)["volumes"]}
+        assert volumes["model-cache"] == {
+            "name": "model-cache", "hostPath": {"path": "/var/lib/pagoda/model-cache", "type": "DirectoryOrCreate"}}
+        assert {"name": "model-cache", "mountPath": builders.MODEL_CACHE_DIR, "subPath": "team-a"} in \
+            daemon(kids)["volumeMounts"]
+        assert env_of(kids)["PAGODA_CACHE_DIR"] == {"name": "PAGODA_CACHE_DIR", "value": builders.MODEL_CACHE_DIR}
+        assert volumes["cache"] == {"name": "cache", "emptyDir": {"sizeLimit": "10Gi"}}  # the rest of the caches
+    # sources the daemon does not fetch get no node cache
+    for m in (model("pvc://weights/m"), {"name": "m", "hostPath": {"path": "/models/x"}}):
+        body = isvc("llama", model=m)
+        kids = children(parse("llama", "team-a", body["spec"], supports=every_capability), body, 1, settings)
+        assert "model-cache" not in {v["name"] for v in pod_spec(kids)["volumes"]}
+        assert "PAGODA_CACHE_DIR" not in env_of(kids)
+
+
+def test_without_a_node_model_cache_each_pod_fetches_into_its_cache_volume():
+    _, kids = build(model("hf://o/n"))
+    assert "model-cache" not in {v["name"] for v in pod_spec(kids)["volumes"]}
+    assert env_of(kids)["PAGODA_CACHE_DIR"]["value"] == CACHE_DIR
+
+
+@pytest.mark.parametrize("path", ["/var/lib/pagoda/model-cache", "/var/lib/pagoda/model-cache/team-b",
+                                  "/var/lib/pagoda/model-cache/../model-cache/x", "/var/lib/pagoda", "/var/lib"])
+def test_no_host_path_reaches_the_node_model_cache_whatever_the_prefixes(path):
+    policy = Policy.from_values({"hostPathPrefixes": ["/var/lib"]},
+                                reserved_host_paths=("/var/lib/pagoda/model-cache",))
+    out = decide(review_request({"model": {"name": "m", "hostPath": {"path": path}}}), policy, everyone_can)
+    assert out["response"]["allowed"] is False
+    assert "reaches the node model cache '/var/lib/pagoda/model-cache'" in out["response"]["status"]["message"]
+    ok = decide(review_request({"model": {"name": "m", "hostPath": {"path": "/var/lib/pagoda/models"}}}),
+                policy, everyone_can)
+    assert ok["response"]["allowed"] is True
+
+
+@pytest.mark.parametrize("value", ["relative/dir", "/", "/etc", "/var/lib/../../etc/x", "/proc/x", "/var/lib", "/var",
+                                   "/var/lib/kubelet/pods", "/var/lib/containerd"])
+def test_the_operator_refuses_a_node_model_cache_that_is_not_a_safe_host_directory(value, capsys):
+    from pagoda_operator.cli import parser
+
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--node-model-cache", value])
+    assert "--node-model-cache" in capsys.readouterr().err
+    assert parser().parse_args(["--node-model-cache", "/var/lib/pagoda/model-cache/"]).node_model_cache == \
+        "/var/lib/pagoda/model-cache"
+
+
 def test_a_failed_download_is_the_containers_termination_message():
     _, kids = build(model("hf://o/n"))
     assert daemon(kids)["terminationMessagePolicy"] == "FallbackToLogsOnError"
