@@ -6,20 +6,29 @@ its cache volume, serves it, and the openai client gets an answer. A wrong token
 a wrong S3 key (InvalidAccessKeyId) and an S3 prefix with no model are `Degraded` with the
 source's error in the message.
 
-What this does not show (not built): a cache shared by the pods of a node — each pod downloads
-into its own emptyDir.
+The node's model cache (the chart's modelCache, on by default): two replicas and a second
+InferenceService of one hf:// model in one namespace download each file once (counted at the
+Hub); the node's NodeTopology lists the model in use; once its InferenceServices are deleted the
+topology agent evicts it (e2e/quickstart/values.yaml keeps the cache at ~100 KiB).
+
+Not shown here: a download killed half-way and resumed (tests/models/test_fetch.py does it against
+the same Hub and moto), eviction under a realistic size (the same unit tests' model_cache cases).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from test_real_containers import client, cond, isvc, manifest, wait_ready
 
 from tests.models.hub_server import HubServer
 
+LOCAL_VALUES = Path(__file__).parent / "quickstart" / "values.yaml"  # the chart values the cluster runs with
 REPO = "org/tiny-qwen3"
 TOKEN = "hf_e2e_token"
 NEEDED = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
@@ -157,3 +166,52 @@ def test_an_hf_model_is_fetched_served_and_a_bad_token_is_degraded(local_cluster
         assert cond(isvc(local_cluster, ns, "bad-token"), "Ready")["status"] == "False"
     finally:
         local_cluster.delete_namespace(ns)
+
+
+def node_cache(local_cluster) -> dict[str, Any]:
+    topology = local_cluster.kubectl_json("get", "nodetopology", local_cluster.node)
+    return (topology.get("status") or {}).get("modelCache") or {}
+
+
+def test_replicas_and_services_of_one_namespace_download_once_and_the_agent_evicts_after(local_cluster, hub):
+    ns = local_cluster.create_namespace("cache")
+    values = yaml.safe_load(LOCAL_VALUES.read_text())
+    root = Path((values.get("modelCache") or {}).get("nodePath") or "/var/lib/pagoda/model-cache")
+    sha = hub.repos[REPO].sha
+    entry = root / ns / "hf" / REPO.replace("/", "%2F") / sha
+    hub.requests.clear()
+    try:
+        two = hf_manifest(local_cluster, hub, "shared-a", "hub-token")
+        two["spec"]["replicas"] = 2
+        local_cluster.apply([secret("hub-token", TOKEN), two], namespace=ns)
+        wait_ready(local_cluster, ns, replicas=2, timeout=300, name="shared-a")
+        local_cluster.apply([hf_manifest(local_cluster, hub, "shared-b", "hub-token")], namespace=ns)
+        wait_ready(local_cluster, ns, replicas=1, timeout=300, name="shared-b")
+        for name in NEEDED:  # three pods, two InferenceServices, one download of each file
+            gets = [r for r in hub.file_requests(name) if r[2] is None]
+            assert len(gets) == 1, (name, hub.file_requests(name))
+        for svc in ("shared-a", "shared-b"):
+            for ip in local_cluster.endpoints(svc, ns):
+                reply = client(ip).completions.create(model=svc, prompt="hello", max_tokens=4, temperature=0)
+                assert reply.usage.completion_tokens == 4
+        assert (entry / "config.json").is_file()  # on the node, in the namespace's directory
+
+        def listed() -> dict[str, Any] | None:
+            mine = [m for m in node_cache(local_cluster).get("models", []) if m["namespace"] == ns]
+            return mine[0] if mine and mine[0]["inUse"] else None
+
+        model = local_cluster.wait_for(listed, timeout=120, what="the model in NodeTopology status.modelCache")
+        assert (model["source"], model["revision"], model["complete"]) == (f"hf://{REPO}", sha, True), model
+
+        local_cluster.kubectl("delete", "inferenceservice", "shared-a", "shared-b", "-n", ns, "--wait=true")
+
+        def evicted() -> dict[str, Any] | None:
+            cache = node_cache(local_cluster)
+            gone = not any(m["namespace"] == ns for m in cache.get("models", []))
+            return cache if gone and not entry.exists() else None
+
+        cache = local_cluster.wait_for(evicted, timeout=240, what="the model evicted once nothing uses it")
+        assert cache["path"] == "/model-cache" and cache["maxBytes"] == int(0.0001 * 2**30)
+    finally:
+        local_cluster.delete_namespace(ns)
+        shutil.rmtree(root / ns, ignore_errors=True)  # the namespace's (now empty) directory on the node

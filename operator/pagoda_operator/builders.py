@@ -421,7 +421,7 @@ def pod_template(
         pod_spec["nodeSelector"] = dict(pl.node_selector)
     if pl.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in pl.tolerations]
-    aff = affinity(spec)
+    aff = affinity(spec, node_model_cache=bool(settings.node_model_cache))
     if aff:
         pod_spec["affinity"] = aff
     if spec.pod.service_account_name:

@@ -34,7 +34,7 @@ import kopf
 from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION
 from pagoda_operator.builders import INSTANCE_LABEL, MANAGED_BY
 from pagoda_operator.kube import ApiError, Kube, in_cluster_server
-from pagoda_operator.placement import NVLINK_LABEL, node_labels
+from pagoda_operator.placement import MODEL_LABEL_PREFIX, NVLINK_LABEL, node_labels
 from pagoda_operator.reconcile import Context, Result, Retry, reconcile
 from pagoda_operator.telemetry import HEARTBEATS, Heartbeats, forget
 from pagoda_operator.watch_cache import CachedKube
@@ -301,6 +301,8 @@ def sync_node_labels(ctx: Context, node: str, topology: Mapping[str, Any] | None
     if live is None:
         return False
     have = (live.get("metadata") or {}).get("labels") or {}
+    # a model the node's cache no longer holds: its label goes
+    want |= {k: None for k in have if k.startswith(MODEL_LABEL_PREFIX) and k not in want}
     if all(have.get(k) == v for k, v in want.items()):
         return False
     ctx.kube.merge_patch("Node", None, node, {"metadata": {"labels": want}})

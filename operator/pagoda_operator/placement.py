@@ -15,6 +15,7 @@ the size of its largest group of GPUs connected all-to-all by NVLink/xGMI
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from itertools import combinations
 from typing import Any
@@ -22,6 +23,11 @@ from typing import Any
 from pagoda_operator.spec import ServiceSpec
 
 NVLINK_LABEL = "pagoda.dev/nvlink-gpus"
+# Node labels naming the models a node's cache holds (model_label); the operator owns the prefix.
+MODEL_LABEL_PREFIX = "models.pagoda.dev/"
+# Of the scheduler's 1..100 preference weights: strong, as a cold start downloads the whole model,
+# yet a preference, so a replica still starts on a node without it when that is the only room.
+MODEL_CACHE_WEIGHT = 80
 FABRIC_LINKS = frozenset({"NVLINK", "XGMI"})
 
 
@@ -78,9 +84,24 @@ def nvlink_clique(obj: Mapping[str, Any]) -> int:
     return best
 
 
+def model_label(namespace: str, source: str) -> str:
+    """The Node label that says a node's model cache holds ``source`` (a model URI as the cache
+    records it, status.modelCache.models[].source) of ``namespace``, complete: a digest, so the
+    pod template names it without the cache's contents, and a label key fits any URI's length."""
+    digest = hashlib.sha256(f"{namespace}\0{source}".encode()).hexdigest()[:40]
+    return f"{MODEL_LABEL_PREFIX}m-{digest}"
+
+
 def node_labels(obj: Mapping[str, Any]) -> dict[str, str]:
-    """Labels the operator keeps on the Node a NodeTopology describes."""
-    return {NVLINK_LABEL: str(nvlink_clique(obj))}
+    """Labels the operator keeps on the Node a NodeTopology describes: its NVLink clique, and one
+    per model its cache holds complete (status.modelCache, written by the node's agent)."""
+    labels = {NVLINK_LABEL: str(nvlink_clique(obj))}
+    cache = (obj.get("status") or {}).get("modelCache") or {}
+    for m in cache.get("models") or []:
+        if isinstance(m, Mapping) and m.get("complete") is True and isinstance(m.get("namespace"), str) \
+                and isinstance(m.get("source"), str):
+            labels[model_label(m["namespace"], m["source"])] = "true"
+    return labels
 
 
 def capacity_error(spec: ServiceSpec, topologies: Iterable[Mapping[str, Any]]) -> str | None:
@@ -109,12 +130,18 @@ def eligible_nodes(spec: ServiceSpec, topologies: Iterable[Mapping[str, Any]]) -
     return sorted(out)
 
 
-def affinity(spec: ServiceSpec) -> dict[str, Any] | None:
-    """Pod affinity that enforces requireNVLink through :data:`NVLINK_LABEL`."""
-    if not spec.placement.require_nvlink or spec.gpus == 0:
-        return None
-    term = {"matchExpressions": [{"key": NVLINK_LABEL, "operator": "Gt", "values": [str(spec.gpus_per_pod - 1)]}]}
-    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+def affinity(spec: ServiceSpec, node_model_cache: bool = False) -> dict[str, Any] | None:
+    """Node affinity: requireNVLink enforced through :data:`NVLINK_LABEL`; with a node model
+    cache, a preference for nodes whose cache already holds the model (:func:`model_label`)."""
+    node: dict[str, Any] = {}
+    if spec.placement.require_nvlink and spec.gpus > 0:
+        term = {"matchExpressions": [{"key": NVLINK_LABEL, "operator": "Gt", "values": [str(spec.gpus_per_pod - 1)]}]}
+        node["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": [term]}
+    if node_model_cache and spec.model.source == "uri" and spec.model.canonical_uri:
+        held = {"key": model_label(spec.namespace, spec.model.canonical_uri), "operator": "Exists"}
+        node["preferredDuringSchedulingIgnoredDuringExecution"] = [
+            {"weight": MODEL_CACHE_WEIGHT, "preference": {"matchExpressions": [held]}}]
+    return {"nodeAffinity": node} if node else None
 
 
 def numa_of(obj: Mapping[str, Any] | None, gpu_ids: Iterable[str]) -> list[int]:

@@ -75,6 +75,7 @@ class Model:
     read_only: bool = True
     uri: str | None = None  # spec.model.uri as written
     scheme: str | None = None  # of the uri: "hf" | "s3" | "pvc"
+    canonical_uri: str | None = None  # hf://, s3://: as the node model cache records it (model_uri)
     # Remote sources only (hf, s3): a Secret of the namespace the pod reads its credentials from,
     # the store's endpoint, the S3 region, the cache emptyDir's sizeLimit.
     credentials_secret: str | None = None
@@ -272,6 +273,7 @@ def parse(
                 source="uri",
                 uri=m["uri"],
                 scheme=ref.scheme,
+                canonical_uri=str(ref),
                 credentials_secret=_get(_get(m, "credentials", {}), "secretName"),
                 endpoint=_get(m, "endpoint"),
                 region=_get(m, "region"),

@@ -92,3 +92,26 @@ def test_the_operator_imports_only_the_daemons_declarations():
 def test_kopf_works_on_a_bounded_number_of_objects_at_once():
     assert operator_settings(workers=4).queueing.worker_limit == 64
     assert operator_settings(workers=8).queueing.worker_limit == 128
+
+
+def test_nodes_are_labelled_with_the_models_their_cache_holds_and_unlabelled_when_they_go(fake_kube):
+    from pagoda_operator.placement import model_label
+
+    ctx = Context(kube=fake_kube)
+    fake_kube.put(node("n1", **{"models.pagoda.dev/m-stale": "true"}))
+    t = topology("n1", 8, [list(range(8))])
+    t["status"] = {"modelCache": {"models": [
+        {"namespace": "team-a", "source": "hf://org/llm", "complete": True, "inUse": True},
+        {"namespace": "team-b", "source": "s3://b/m", "complete": False, "inUse": True},  # still downloading
+        {"namespace": 3, "source": None, "complete": True},  # not the agent's shape: ignored
+    ]}}
+    assert sync_node_labels(ctx, "n1", t) is True
+    labels = fake_kube.get("Node", None, "n1")["metadata"]["labels"]
+    held = model_label("team-a", "hf://org/llm")
+    assert {k for k in labels if k.startswith("models.pagoda.dev/")} == {held}  # the stale one went
+    assert model_label("team-b", "hf://org/llm") != held != model_label("team-a", "hf://org/llm@v2")
+    assert len(held.split("/", 1)[1]) <= 63
+    assert sync_node_labels(ctx, "n1", t) is False
+    t["status"]["modelCache"]["models"] = []  # evicted
+    assert sync_node_labels(ctx, "n1", t) is True
+    assert not any(k.startswith("models.pagoda.dev/") for k in fake_kube.get("Node", None, "n1")["metadata"]["labels"])

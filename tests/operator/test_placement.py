@@ -138,3 +138,17 @@ def test_replica_placement():
     ]
     # GPUs named by UUID work too
     assert placement.numa_of(tops["n1"], ["GPU-n1-7"]) == [1]
+
+
+def test_with_a_node_model_cache_pods_prefer_nodes_that_hold_their_model():
+    body = {"model": {"name": "m", "uri": "hf://org/llm@main"}, "resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 4},
+            "placement": {"requireNVLink": True}}
+    s = parse("llm", "team-a", body, supports=every_capability)
+    aff = placement.affinity(s, node_model_cache=True)["nodeAffinity"]
+    assert aff["requiredDuringSchedulingIgnoredDuringExecution"]  # NVLink stays required
+    (pref,) = aff["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref == {"weight": placement.MODEL_CACHE_WEIGHT, "preference": {"matchExpressions": [
+        {"key": placement.model_label("team-a", "hf://org/llm@main"), "operator": "Exists"}]}}
+    assert "preferredDuringSchedulingIgnoredDuringExecution" not in placement.affinity(s)["nodeAffinity"]
+    local = parse("llm", "team-a", {"model": {"name": "m", "pvc": {"claimName": "w"}}}, supports=every_capability)
+    assert placement.affinity(local, node_model_cache=True) is None
