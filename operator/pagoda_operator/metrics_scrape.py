@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import urllib.error
 import urllib.request
@@ -174,8 +175,36 @@ def starting_phases(pods: Iterable[Mapping[str, Any]], port: int, timeout: float
 
 
 def _current_phase(body_text: str) -> str | None:
-    """The last phase a not-ready ``/ready`` body lists (None for anything else), shortened."""
+    """The last phase a not-ready ``/ready`` body lists (None for anything else), shortened; a
+    download with its progress (``downloading model: 1.2 of 16.0 GB, 3/9 files, 110 MB/s, 130 s
+    left``)."""
     body = json.loads(body_text)
     phases = body.get("startup") if isinstance(body, dict) and body.get("status") != "ready" else None
-    phase = phases[-1].get("phase") if isinstance(phases, list) and phases else None
-    return phase[:100] if isinstance(phase, str) else None
+    last = phases[-1] if isinstance(phases, list) and phases and isinstance(phases[-1], dict) else {}
+    phase = last.get("phase")
+    if not isinstance(phase, str):
+        return None
+    progress = _download_progress(last)
+    return (f"{phase[:60]}: {progress}" if progress else phase)[:160]
+
+
+def _download_progress(phase: Mapping[str, Any]) -> str:
+    """The fetch's progress fields of a ``downloading model`` phase (pagoda_daemon's
+    FetchProgress), in words; "" when they are absent or not numbers."""
+    def number(key: str) -> float | None:
+        v = phase.get(key)
+        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+
+    done, total = number("bytes_done"), number("bytes_total")
+    files_done, files_total = number("files_done"), number("files_total")
+    if done is None or total is None:
+        return ""
+    parts = [f"{done / 1e9:.1f} of {total / 1e9:.1f} GB"]
+    if files_done is not None and files_total is not None:
+        parts.append(f"{files_done:.0f}/{files_total:.0f} files")
+    rate, eta = number("rate_bytes_per_s"), number("eta_s")
+    if rate:
+        parts.append(f"{rate / 1e6:.0f} MB/s")
+    if eta is not None:
+        parts.append(f"{eta:.0f} s left")
+    return ", ".join(parts)

@@ -216,3 +216,31 @@ def test_a_starting_daemon_reports_its_phase(tiny_models, tmp_path):
         assert starting_phases([ready], srv.port, timeout=2) == {}  # a Ready pod is not asked
     finally:
         assert srv.stop() == 0
+
+
+def test_a_downloading_daemon_reports_its_progress_in_the_phase():
+    """Against the daemon's real download-time server (/ready while the model is fetched): the
+    phase carries bytes, files, rate and time left; progress fields of the wrong type are left out."""
+    from pagoda_daemon.models.fetch import FetchProgress
+    from pagoda_daemon.server.download_status import DownloadStatus
+    from pagoda_operator.metrics_scrape import _current_phase, starting_phases
+    from tests.server.conftest import free_port
+
+    port = free_port()
+    pod = {"metadata": {"name": "p0"}, "status": {"phase": "Running", "podIP": "127.0.0.1",
+                                                   "conditions": [{"type": "Ready", "status": "False"}]}}
+    status = DownloadStatus("127.0.0.1", port)
+    with status:
+        assert starting_phases([pod], port, timeout=2) == {"p0": "downloading model"}  # nothing known yet
+        status.update(FetchProgress(1_234_000_000, 16_000_000_000, 3, 9, 110e6, 134.4))
+        assert starting_phases([pod], port, timeout=2) == {
+            "p0": "downloading model: 1.2 of 16.0 GB, 3/9 files, 110 MB/s, 134 s left"}
+        status.update(FetchProgress(0, 16_000_000_000, 0, 9, 0.0, None))
+        assert starting_phases([pod], port, timeout=2)["p0"] == "downloading model: 0.0 of 16.0 GB, 0/9 files"
+    hostile = {"status": "not ready", "startup": [{"phase": "downloading model", "bytes_done": "1",
+                                                   "bytes_total": True, "rate_bytes_per_s": float("nan")}]}
+    import json
+
+    assert _current_phase(json.dumps(hostile)) == "downloading model"
+    assert _current_phase(json.dumps({"status": "not ready", "startup": [{"phase": "x" * 500}]})) == "x" * 160
+    assert _current_phase(json.dumps({"status": "not ready", "startup": ["not a dict"]})) is None
