@@ -27,6 +27,9 @@ def _step_lens(gen, kind: str, page: int):
     if kind == "mixed":  # decodes, a chunk after a prefix hit, a fresh prefill, a ragged extend
         q_lens = [1, 1, page, randint(gen, 2, 30, 1)[0], randint(gen, 2, 20, 1)[0]]
         ctx = [randint(gen, 1, 60, 1)[0], page - 1, 2 * page, 0, randint(gen, 1, 40, 1)[0]]
+    elif kind == "interleaved":  # a decode after a prefill goes with the prefill kernel's rows
+        q_lens = [1, randint(gen, 2, 30, 1)[0], 1, 1, page]
+        ctx = [randint(gen, 1, 60, 1)[0], 0, page + 3, 2 * page, 1]
     elif kind == "decode":
         q_lens, ctx = [1] * 4, [0, page, *randint(gen, 1, 90, 2)]
     else:  # prefill-only
@@ -37,7 +40,7 @@ def _step_lens(gen, kind: str, page: int):
 @pytest.mark.parametrize(("dtype", "heads", "kv_heads", "head_dim", "window"),
                          [(torch.float32, 4, 2, 64, None), (torch.float16, 8, 2, 80, None),
                           (torch.float16, 4, 1, 128, 24)])
-@pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
+@pytest.mark.parametrize("kind", ["mixed", "interleaved", "decode", "prefill"])
 def test_triton_backend_matches_torch_backend(gen, dtype, heads, kv_heads, head_dim, window, kind):
     page = 16
     q_lens, ctx = _step_lens(gen, kind, page)
@@ -51,6 +54,29 @@ def test_triton_backend_matches_torch_backend(gen, dtype, heads, kv_heads, head_
     out = TritonPagedAttention(*args).forward(b.q, k, v, cache_triton, meta)
     assert torch.equal(cache_triton, cache_torch)
     assert_close(out, ref, TOL[dtype])
+
+
+def test_a_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(gen, monkeypatch):
+    """The decodes at the head of a mixed step go to the decode kernel (one plan for all
+    layers), the rest to the extend kernel with its query offsets rebased; same output."""
+    page, heads, kv_heads, head_dim = 16, 4, 2, 64
+    b = PagedBatch(gen, [1, 1, 1, 9, 1], [40, page, 3, 7, 20], heads, kv_heads, head_dim, page, torch.float32)
+    k, v = randn(gen, b.num_tokens, kv_heads, head_dim), randn(gen, b.num_tokens, kv_heads, head_dim)
+    meta = _meta(b)
+    assert meta.num_leading_decodes == 3
+    backend = TritonPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
+    calls: list[tuple[str, int]] = []
+    decode, extend = backend._decode, backend._extend
+    monkeypatch.setattr(backend, "_decode", lambda q, *a, **kw: calls.append(("decode", q.shape[0])) or decode(q, *a, **kw))
+    monkeypatch.setattr(backend, "_extend", lambda q, *a, **kw: calls.append(("extend", q.shape[0])) or extend(q, *a, **kw))
+    cache = b.kv_cache.clone()
+    out = backend.forward(b.q, k, v, cache, meta)
+    out2 = backend.forward(b.q, k, v, cache, meta)  # a second layer: the plan and offsets are reused
+    assert calls == [("decode", 3), ("extend", 10)] * 2
+    assert torch.equal(meta.backend_state["rest_query_start_loc"].cpu(), torch.tensor([0, 9, 10], dtype=torch.int32))
+    ref = TorchPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5).forward(b.q, k, v, b.kv_cache.clone(), meta)
+    assert_close(out, ref, TOL[torch.float32])
+    assert torch.equal(out, out2)
 
 
 def test_triton_backend_without_cache(gen):

@@ -62,6 +62,17 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    @functools.cached_property
+    def num_leading_decodes(self) -> int:
+        """How many sequences at the head of the batch bring one token each: the scheduler puts
+        running requests first, so in a mixed step these are its decodes (a backend may give
+        them a decode kernel and the rest a prefill kernel)."""
+        qsl = self.query_start_loc_cpu
+        n = 0
+        while n < len(qsl) - 1 and qsl[n + 1] - qsl[n] == 1:
+            n += 1
+        return n
+
 
 class AttentionBackend(ABC):
     """One instance per model; layers call forward() with their own cache slice."""
