@@ -94,6 +94,8 @@ def test_sweep_plots_and_resumes_only_the_unfinished_points(server, tmp_path):
     root = tmp_path / "conc"
     points = sorted(root.glob("pagoda/*/iter-0.json"))
     assert [p.parent.name for p in points] == ["max_concurrency=1", "max_concurrency=3"]
+    # new prompts for every point (none served from the prefix cache an earlier point filled)
+    assert [json.loads(p.read_text())["config"]["seed"] for p in points] == [0, 1]
     for ext in ("png", "svg"):
         assert (root / f"throughput_vs_ttft.{ext}").stat().st_size > 1000
     assert main(args) == 2  # the points exist: no silent overwrite without --resume
