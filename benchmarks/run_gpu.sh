@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|elastic|elastic-bench] ...
+#                                               kv-offload|elastic|elastic-bench|serve-sweep] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -127,6 +127,10 @@ unpack_vllm() {
     cat "$p0" .vllm_b/core.part.01 > /tmp/core.tar.xz
     grep ' core.tar.xz$' .vllm_b/SHA256SUMS | sed 's# core.tar.xz$# /tmp/core.tar.xz#' | sha256sum -c - || return 1
     python3 -c "import tarfile; tarfile.open('/tmp/core.tar.xz').extractall('/tmp/vsite', filter='fully_trusted')" || return 1
+  fi
+  if [ -d .vllm_b/vwhl ] && [ ! -f /tmp/vsite/.vwhl_added ]; then  # what `vllm serve` needs beyond the engine
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite .vllm_b/vwhl/*.whl \
+      && touch /tmp/vsite/.vwhl_added
   fi
   for d in .vllm_moe /tmp/vllm_stash; do
     if [ -f $d/moe.tar.xz ] && [ ! -f /tmp/vsite/.moe_added ]; then
@@ -279,6 +283,44 @@ if has multi-gpu || has multi-gpu-vllm; then
     timeout "${MG_PAGODA_TIMEOUT:-300}" $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep 2>&1 \
       | tee "$OUT/pagoda-$m-$tp-$ep.log" | grep RESULT | tee -a "$OUT/e2e.jsonl" || { status=1; tail -20 "$OUT/pagoda-$m-$tp-$ep.log"; }
   done
+fi
+if has serve-sweep; then
+  # Issue #20: `pagoda serve` and `vllm serve` (0.26.0) one after the other on this GPU, the same
+  # requests from `pagoda bench sweep` (streamed, token-id prompts): request rates over 400 prompts
+  # of 101-1,022 tokens (23-232 out), then a prefill-heavy set (3,072-5,120 in, 192-320 out). Qwen3-0.6B
+  # shape, random weights, a word-level tokenizer beside the config (vLLM wants one there). Needs the
+  # vLLM kit as for `vllm` (a `vllm-stash` call first) with .vllm_b/vwhl (what `vllm serve` adds).
+  step "serving sweeps: pagoda serve, then vllm serve, same requests"
+  unpack_vllm || status=1
+  M=/tmp/q06; mkdir -p $M && cp $CFG/qwen3-0.6b/config.json $M/
+  python3 -c "from benchmarks.throughput import save_word_level_tokenizer as s; s(151936, '$M')" || status=1
+  SW="${SW_RATES-8,24,inf}"; SWP="${SW_PREFILL_RATES-2,inf}"; SWI="${SW_ITERATIONS:-1}"  # "": experiment skipped
+  sweep() {  # LABEL PORT: both experiments against one server
+    [ -z "$SW" ] || python3 -m pagoda_daemon bench sweep --iterations "$SWI" --server "$1=http://127.0.0.1:$2" --model m --vocab-size 151936 \
+      --input-len 562 --range-ratio 0.82 --output-len 128 --num-prompts 400 --workload-var request_rate \
+      --values "$SW" --experiment-name rates --output-dir "$OUT/sweep" --resume --no-progress || status=1
+    [ -z "$SWP" ] || python3 -m pagoda_daemon bench sweep --iterations "$SWI" --server "$1=http://127.0.0.1:$2" --model m --vocab-size 151936 \
+      --input-len 4096 --range-ratio 0.25 --output-len 256 --num-prompts 200 --workload-var request_rate \
+      --values "$SWP" --experiment-name prefill-heavy --output-dir "$OUT/sweep" --resume --no-progress || status=1
+  }
+  # PORT PATH: pagoda serve answers /v1/models before its engine is ready; /ready waits for it
+  wait_ready() { for _ in $(seq 1 240); do curl -sf "localhost:$1$2" >/dev/null && return 0; sleep 1; done; return 1; }
+  python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 8192 --port 18000 --served-model-name m \
+    --device cuda --dtype bfloat16 --seed 0 > "$OUT/pagoda-serve.log" 2>&1 &
+  SERVE_PID=$!
+  if wait_ready 18000 /ready; then echo "pagoda serve ready at $(date -u +%T)"; sweep pagoda 18000; else status=1; tail -20 "$OUT/pagoda-serve.log"; fi
+  kill -TERM $SERVE_PID; wait $SERVE_PID
+  if [ -f /tmp/vsite/vllm/__init__.py ]; then
+    # the kit's settings (stage2.sh): no FlashInfer (not in the kit), offline
+    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
+      PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server \
+      --model $M --load-format dummy --max-model-len 8192 --port 18001 --served-model-name m \
+      --generation-config vllm --seed 0 > "$OUT/vllm-serve.log" 2>&1 &
+    VLLM_PID=$!
+    if wait_ready 18001 /health; then echo "vllm serve ready at $(date -u +%T)"; sweep vllm 18001; else status=1; tail -20 "$OUT/vllm-serve.log"; fi
+    kill -TERM $VLLM_PID; wait $VLLM_PID
+  fi
+  tar czf "$OUT/sweep-points.tgz" -C "$OUT" sweep  # the points lie deeper than the device tool brings back
 fi
 echo; echo "run_gpu.sh finished with status $status"
 exit $status

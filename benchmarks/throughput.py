@@ -48,7 +48,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--min-input-len", type=int, default=100)
     ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--min-output-len", type=int, default=100)
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.6)
 
@@ -76,14 +78,16 @@ def build_core(args):
                       expert_parallel_size=args.expert_parallel_size)
 
 
-def workload(num_seqs: int, max_input: int, max_output: int, temperature: float, vocab_size: int):
-    """The anchor's random stream: all prompts first, then all output lengths. (Ids wrap
-    around a vocabulary smaller than 10001, which only tiny smoke-test models have.)"""
+def workload(num_seqs: int, max_input: int, max_output: int, temperature: float, vocab_size: int,
+             min_input: int = 100, min_output: int = 100):
+    """The anchor's random stream: all prompts first, then all output lengths (uniform from 100,
+    or the given minimum: a prefill-heavy set). (Ids wrap around a vocabulary smaller than
+    10001, which only tiny smoke-test models have.)"""
     from pagoda_daemon.sampling_params import SamplingParams
 
     seed(0)
-    prompts = [[randint(0, 10000) % vocab_size for _ in range(randint(100, max_input))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=randint(100, max_output))
+    prompts = [[randint(0, 10000) % vocab_size for _ in range(randint(min_input, max_input))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=randint(min_output, max_output))
               for _ in range(num_seqs)]
     return prompts, params
 
@@ -127,7 +131,7 @@ def throughput(args) -> dict:
     core = build_core(args)
     init_s = time.perf_counter() - t0
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature,
-                          core.model_config.vocab_size)
+                               core.model_config.vocab_size, args.min_input_len, args.min_output_len)
     rounds, step_times = [], []
     for r in range(args.rounds):
         sync()

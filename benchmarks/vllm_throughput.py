@@ -32,8 +32,11 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--min-input-len", type=int, default=100)
     ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--min-output-len", type=int, default=100)
     ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--backend", default="FLASH_ATTN")
     a = ap.parse_args()
 
@@ -43,15 +46,15 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=a.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+    llm = LLM(model=a.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=a.max_model_len,
               generation_config="vllm", seed=0, attention_config={"backend": a.backend},
               gpu_memory_utilization=0.90, tensor_parallel_size=a.tensor_parallel_size,
               enable_expert_parallel=a.enable_expert_parallel)
     init_s = time.perf_counter() - t0
 
     seed(0)  # nano-vllm bench.py's random stream, as the anchor's bench_vllm.py and throughput.py
-    ids = [[randint(0, 10000) for _ in range(randint(100, a.max_input_len))] for _ in range(a.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, a.max_output_len),
+    ids = [[randint(0, 10000) for _ in range(randint(a.min_input_len, a.max_input_len))] for _ in range(a.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(a.min_output_len, a.max_output_len),
                              detokenize=False) for _ in range(a.num_seqs)]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(max_tokens=16, detokenize=False),
