@@ -391,3 +391,18 @@ def test_a_failing_cache_pass_does_not_stop_the_heartbeat(dgx, dgx_nvml):
     Publisher(api, "node-a", status_extra=broken).publish(discover(dgx.root, nvml=dgx_nvml))
     assert "lastHeartbeatTime" in api.objects["node-a"]["status"]
     assert "modelCache" not in api.objects["node-a"]["status"]
+
+
+def test_a_conflict_retries_the_write_not_the_status_extras(dgx, dgx_nvml):
+    calls = []
+
+    def extra():
+        calls.append(1)
+        return {"modelCache": {"usedBytes": 1}}
+
+    api = FakeApi()
+    publisher = Publisher(api, "node-a", status_extra=extra)
+    publisher.publish(discover(dgx.root, nvml=dgx_nvml))
+    api.conflicts = 1  # the next write meets a newer resourceVersion once
+    publisher.publish(discover(dgx.root, nvml=dgx_nvml))
+    assert len(calls) == 2 and api.objects["node-a"]["status"]["modelCache"] == {"usedBytes": 1}

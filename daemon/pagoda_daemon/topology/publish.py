@@ -79,16 +79,26 @@ class Publisher:
     def publish(self, report: NodeTopology) -> str:
         """Write the report; returns "created", "updated" or "unchanged" (heartbeat only)."""
         spec = topology_spec(report)
+        extra = self._status_extra()  # once: a conflict retries the write, not the model cache's pass
         for attempt in range(3):
             try:
-                return self._publish(spec, report)
+                return self._publish(spec, report, extra)
             except Exception as exc:
                 if getattr(exc, "status", None) != 409 or attempt == 2:
                     raise
                 log.info("topology: conflict writing NodeTopology %s; retrying", self.node_name)
         raise AssertionError("unreachable")
 
-    def _publish(self, spec: dict[str, Any], report: NodeTopology) -> str:
+    def _status_extra(self) -> dict[str, Any]:
+        if self.status_extra is None:
+            return {}
+        try:
+            return self.status_extra()
+        except Exception as exc:  # the topology and heartbeat go out regardless
+            log.error("topology: node status extras failed: %s", exc)
+            return {}
+
+    def _publish(self, spec: dict[str, Any], report: NodeTopology, extra: dict[str, Any]) -> str:
         now = self.clock()
         current = self._get()
         if current is None:
@@ -116,11 +126,7 @@ class Publisher:
         }
         if report.hostname:
             current["status"]["hostname"] = report.hostname
-        if self.status_extra is not None:
-            try:
-                current["status"].update(self.status_extra())
-            except Exception as exc:  # the topology and heartbeat go out regardless
-                log.error("topology: node status extras failed: %s", exc)
+        current["status"].update(extra)
         self.api.replace_cluster_custom_object_status(GROUP, VERSION, PLURAL, self.node_name, current)
         return action
 
