@@ -196,7 +196,7 @@ def _fetch(uri: ModelUri, cache_dir: Path, env: Mapping[str, str] | None,
         _write_ref(base, source.ref_name(), revision)
         return _used(entry)
     base.mkdir(parents=True, exist_ok=True)
-    with _locked(base / f"{revision}.lock"):
+    with _locked(lock_path(entry)):
         if (entry / COMPLETE_MARKER).is_file():  # another process fetched it while this one waited
             log.info("%s: fetched by another process meanwhile", uri)
             return _used(entry)
@@ -204,6 +204,12 @@ def _fetch(uri: ModelUri, cache_dir: Path, env: Mapping[str, str] | None,
         _download_all(uri, source, entry, files, revision, on_progress)
         _write_ref(base, source.ref_name(), revision)
     return _used(entry)
+
+
+def lock_path(entry: Path) -> Path:
+    """The lock file of a cache entry, beside it: a fetch holds it exclusively, a serving daemon
+    shared (model_cache.hold)."""
+    return entry.parent / f"{entry.name}.lock"
 
 
 def _entry_name(uri: ModelUri) -> str:

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from pagoda_daemon.models.fetch import COMPLETE_MARKER
+from pagoda_daemon.models.fetch import COMPLETE_MARKER, lock_path
 
 log = logging.getLogger("pagoda.model_cache")
 
@@ -52,7 +52,7 @@ class CacheEntry:
 
     @property
     def lock(self) -> Path:
-        return self.path.parent / f"{self.path.name}.lock"
+        return lock_path(self.path)
 
 
 def hold(entry: str | Path) -> IO[str] | None:
@@ -60,7 +60,7 @@ def hold(entry: str | Path) -> IO[str] | None:
     it for its lifetime): eviction passes over it. None when ``entry`` is not a complete cache
     entry any more (evicted between the fetch and this call: fetch again)."""
     entry = Path(entry)
-    handle = _open_lock(entry.parent / f"{entry.name}.lock")  # open for the process's lifetime
+    handle = _open_lock(lock_path(entry))  # open for the process's lifetime
     fcntl.flock(handle, fcntl.LOCK_SH)
     if not (entry / COMPLETE_MARKER).is_file():
         handle.close()
@@ -91,7 +91,11 @@ def evict(cache_dir: str | Path, max_bytes: int, *, namespaced: bool = False,
     complete revision, so that a model scaled to zero starts again without a download. Incomplete
     entries nobody is writing (a download abandoned half-way) count and go like complete ones.
     Returns the entries deleted."""
-    found = entries(cache_dir, namespaced=namespaced)
+    return _evict(entries(cache_dir, namespaced=namespaced), max_bytes, keep)
+
+
+def _evict(found: list[CacheEntry], max_bytes: int, keep: Collection[tuple[str, str]]) -> list[CacheEntry]:
+    """:func:`evict` over a listing already made (oldest use first)."""
     newest: dict[tuple[str, str], CacheEntry] = {}
     for e in found:
         if e.complete:
@@ -120,8 +124,10 @@ def tend(cache_dir: str | Path, max_bytes: int, keep: Collection[tuple[str, str]
     ``keep`` is known: without the list of models InferenceServices name, nothing is deleted),
     then what the NodeTopology status shows (``status.modelCache``)."""
     started = time.monotonic()
-    evicted = evict(cache_dir, max_bytes, namespaced=True, keep=keep) if keep is not None else []
-    found = entries(cache_dir, namespaced=True)
+    listed = entries(cache_dir, namespaced=True)  # one walk of the cache serves both
+    evicted = _evict(listed, max_bytes, keep) if keep is not None else []
+    gone = {e.path for e in evicted}
+    found = [e for e in listed if e.path not in gone]
     return {
         "path": str(cache_dir),
         "maxBytes": max_bytes,
@@ -143,7 +149,6 @@ def _iso(t: float) -> str:
 
 def _entry(path: Path, namespace: str, scheme: str, quoted_location: str) -> CacheEntry:
     marker = _marker(path / COMPLETE_MARKER)
-    lock = path.parent / f"{path.name}.lock"
     source = marker.get("source")
     try:
         last_used = (path / COMPLETE_MARKER if marker else path).lstat().st_mtime
@@ -157,7 +162,7 @@ def _entry(path: Path, namespace: str, scheme: str, quoted_location: str) -> Cac
         bytes=_size(path),
         last_used=last_used,
         complete=bool(marker),
-        in_use=_locked_by_someone(lock),
+        in_use=_locked_by_someone(lock_path(path)),
     )
 
 
