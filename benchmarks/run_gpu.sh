@@ -276,7 +276,7 @@ if has multi-gpu || has multi-gpu-vllm; then
     IFS=: read -r m tp ep <<<"$layout"
     vflags="--tensor-parallel-size $((tp * ep))"; [ "$ep" -gt 1 ] && vflags="$vflags --enable-expert-parallel"
     if [ -f /tmp/vsite/vllm/__init__.py ] && [ -z "${MG_SKIP_VLLM:-}" ]; then
-      PYTHONPATH=/tmp/vsite timeout "${MG_VLLM_TIMEOUT:-300}" python3 benchmarks/vllm_throughput.py $CFG/$m $vflags \
+      PYTHONPATH=/tmp/vsite timeout "${MG_VLLM_TIMEOUT:-300}" python3 -m benchmarks.vllm_throughput $CFG/$m $vflags \
         > "$OUT/vllm-$m-$tp-$ep.log" 2>&1; grep RESULT "$OUT/vllm-$m-$tp-$ep.log" | tee -a "$OUT/vllm.jsonl" \
         || { status=1; tail -20 "$OUT/vllm-$m-$tp-$ep.log"; }
     fi

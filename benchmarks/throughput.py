@@ -47,6 +47,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_workload_args(ap)
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The anchor's workload (:func:`token_workload`): sequences, prompt and output lengths, temperature."""
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--min-input-len", type=int, default=100)
     ap.add_argument("--max-input-len", type=int, default=1024)
@@ -78,18 +83,24 @@ def build_core(args):
                       expert_parallel_size=args.expert_parallel_size)
 
 
-def workload(num_seqs: int, max_input: int, max_output: int, temperature: float, vocab_size: int,
-             min_input: int = 100, min_output: int = 100):
-    """The anchor's random stream: all prompts first, then all output lengths (uniform from 100,
-    or the given minimum: a prefill-heavy set). (Ids wrap around a vocabulary smaller than
-    10001, which only tiny smoke-test models have.)"""
-    from pagoda_daemon.sampling_params import SamplingParams
-
+def token_workload(num_seqs: int, min_input: int, max_input: int, min_output: int, max_output: int,
+                   vocab_size: int = 10001) -> tuple[list[list[int]], list[int]]:
+    """The anchor's random stream, the same for Pagoda and vLLM (vllm_throughput.py): all prompts'
+    token ids first, then all output lengths (uniform from 100, or the given minimum: a
+    prefill-heavy set). (Ids wrap around a vocabulary smaller than 10001, which only tiny
+    smoke-test models have.)"""
     seed(0)
     prompts = [[randint(0, 10000) % vocab_size for _ in range(randint(min_input, max_input))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=randint(min_output, max_output))
-              for _ in range(num_seqs)]
-    return prompts, params
+    return prompts, [randint(min_output, max_output) for _ in range(num_seqs)]
+
+
+def workload(num_seqs: int, max_input: int, max_output: int, temperature: float, vocab_size: int,
+             min_input: int = 100, min_output: int = 100):
+    """:func:`token_workload` as Pagoda requests: prompts and their sampling parameters."""
+    from pagoda_daemon.sampling_params import SamplingParams
+
+    prompts, lengths = token_workload(num_seqs, min_input, max_input, min_output, max_output, vocab_size)
+    return prompts, [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n) for n in lengths]
 
 
 CLOCK_SAMPLE_STEPS = (0, 2, 5, 10, 20, 50, 200)

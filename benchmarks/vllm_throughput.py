@@ -3,7 +3,7 @@
 uniform in [100, 1024], temperature 0.6, ignore_eos) on random (dummy) weights from
 config.json, run with vLLM's own site-packages (0.26.0 from the anchor kit):
 
-    PYTHONPATH=/tmp/vsite python3 benchmarks/vllm_throughput.py MODEL_DIR \
+    PYTHONPATH=/tmp/vsite python3 -m benchmarks.vllm_throughput MODEL_DIR \
         [--tensor-parallel-size N] [--enable-expert-parallel]
 
 The anchor kit's bench_vllm.py runs one GPU; this adds vLLM's parallel layouts so that a
@@ -19,7 +19,8 @@ import argparse
 import json
 import os
 import time
-from random import randint, seed
+
+from benchmarks.throughput import add_workload_args, token_workload
 
 for k, v in {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
              "TRANSFORMERS_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}.items():
@@ -31,11 +32,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--min-input-len", type=int, default=100)
-    ap.add_argument("--max-input-len", type=int, default=1024)
-    ap.add_argument("--min-output-len", type=int, default=100)
-    ap.add_argument("--max-output-len", type=int, default=1024)
+    add_workload_args(ap)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--backend", default="FLASH_ATTN")
     a = ap.parse_args()
@@ -52,10 +49,10 @@ def main() -> None:
               enable_expert_parallel=a.enable_expert_parallel)
     init_s = time.perf_counter() - t0
 
-    seed(0)  # nano-vllm bench.py's random stream, as the anchor's bench_vllm.py and throughput.py
-    ids = [[randint(0, 10000) for _ in range(randint(a.min_input_len, a.max_input_len))] for _ in range(a.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(a.min_output_len, a.max_output_len),
-                             detokenize=False) for _ in range(a.num_seqs)]
+    # nano-vllm bench.py's random stream, as the anchor's bench_vllm.py and throughput.py
+    ids, lengths = token_workload(a.num_seqs, a.min_input_len, a.max_input_len, a.min_output_len, a.max_output_len)
+    params = [SamplingParams(temperature=a.temperature, ignore_eos=True, max_tokens=n, detokenize=False)
+              for n in lengths]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(max_tokens=16, detokenize=False),
                  use_tqdm=False)  # warm-up
