@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|elastic|elastic-bench|serve-sweep] ...
+#                                               kv-offload|elastic|elastic-bench|serve-sweep|multi-gpu-ab] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -283,6 +283,34 @@ if has multi-gpu || has multi-gpu-vllm; then
     timeout "${MG_PAGODA_TIMEOUT:-300}" $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep 2>&1 \
       | tee "$OUT/pagoda-$m-$tp-$ep.log" | grep RESULT | tee -a "$OUT/e2e.jsonl" || { status=1; tail -20 "$OUT/pagoda-$m-$tp-$ep.log"; }
   done
+fi
+if has multi-gpu-ab; then
+  # A change to the parallel path against the tree it started from, in the same call: for each
+  # MG_LAYOUTS entry (MODEL:T:E; T = 0: one GPU) Pagoda from this tree, then from MG_BASE (a copy
+  # of an earlier daemon/ and kernels/, e.g. from `git archive`), which so runs with the Triton
+  # cache warm; MG_PROFILE_LAYOUT profiled over steady decode steps (rank 0's view: its NCCL
+  # kernels include the time they wait for the other ranks).
+  step "parallel layouts: this tree, then ${MG_BASE:-(no base)}, same machine"
+  nvidia-smi topo -m | head -5 | tee "$OUT/topo.txt"
+  [ -n "${MG_KERNEL_TESTS:-}" ] && { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+    -k "$MG_KERNEL_TESTS" 2>&1 | tail -3 | tee "$OUT/kernels-pytest.txt"; grep -q failed "$OUT/kernels-pytest.txt" && status=1; }
+  for layout in ${MG_LAYOUTS:-qwen3-30b-a3b:1:2 llama3-8b:2:1}; do
+    IFS=: read -r m tp ep <<<"$layout"
+    gpus=""; flags="--tensor-parallel-size $tp --expert-parallel-size $ep"
+    [ "$tp" = 0 ] && { gpus=0; flags=""; }
+    for tree in head ${MG_BASE:+base}; do
+      root=$PWD; [ "$tree" = base ] && root=$PWD/$MG_BASE
+      env ${gpus:+CUDA_VISIBLE_DEVICES=$gpus} PYTHONPATH=$root/daemon:$root/kernels:$PYTHONPATH \
+        timeout "${MG_PAGODA_TIMEOUT:-150}" $T $CFG/$m $flags > "$OUT/ab-$tree-$m-$tp-$ep.log" 2>&1
+      grep RESULT "$OUT/ab-$tree-$m-$tp-$ep.log" | sed "s/^RESULT {/RESULT {\"tree\": \"$tree\", /" \
+        | tee -a "$OUT/ab.jsonl" || { status=1; tail -20 "$OUT/ab-$tree-$m-$tp-$ep.log"; }
+    done
+  done
+  if [ -n "${MG_PROFILE_LAYOUT:-}" ]; then
+    IFS=: read -r m tp ep <<<"$MG_PROFILE_LAYOUT"
+    timeout 150 $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep --num-seqs 256 --profile-steps 20 \
+      2>&1 | grep RESULT | tee -a "$OUT/ab.jsonl" || status=1
+  fi
 fi
 if has serve-sweep; then
   # Issue #20: `pagoda serve` and `vllm serve` (0.26.0) one after the other on this GPU, the same

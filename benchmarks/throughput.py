@@ -389,6 +389,10 @@ def profile(args) -> dict:
         if hi > end:
             gpu_us += hi - max(lo, end)
             end = hi
+    kernels: Counter = Counter()
+    for e in events:
+        if e.device_type.name == "CUDA":
+            kernels[e.name[:60]] += (e.time_range.end - e.time_range.start) / 1e3 / args.profile_steps
     labels = {}
     for e in events:
         if e.name.startswith("pagoda."):
@@ -404,6 +408,7 @@ def profile(args) -> dict:
         "host_syncs_per_step": {k: v / args.profile_steps for k, v in syncs.items()},
         "async_copies_per_step": {k: v / args.profile_steps for k, v in copies.items()},
         "cpu_ms_per_step_by_phase": {k: round(v, 3) for k, v in sorted(labels.items())},
+        "gpu_ms_per_step_by_kernel": {k: round(v, 3) for k, v in kernels.most_common(10)},
         "cuda_graphs": core.worker_info.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
     }
 

@@ -124,8 +124,15 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
 
 def _serve(seat: resize.RankSeat, mirrors: step_plan.RequestMirrors, folder: str) -> bool:
     """Run the steps rank 0 sends until it says Stop (True) or a resize leaves this rank out
-    (False: it has left the world already)."""
+    (False: it has left the world already).
+
+    One step stays in flight, as on rank 0 under async scheduling: this rank takes the next
+    plan and launches it while the GPU still runs the last one, and waits for a step only once
+    the one after it is launched. Waiting for each step before taking the next plan left this
+    rank's host work (the broadcast, the mirrors, the inputs) as an idle gap on every GPU at
+    each step, since rank 0's GPU waits for it at the step's first collective."""
     worker = seat.worker
+    in_flight: LaunchedStep | None = None
     while True:
         try:
             message = step_plan.decode(broadcast(None, seat.control))
@@ -133,6 +140,9 @@ def _serve(seat: resize.RankSeat, mirrors: step_plan.RequestMirrors, folder: str
             log.error("rank 0 went away (%s); exiting", e)
             logging.shutdown()
             os._exit(1)
+        if not isinstance(message, step_plan.StepPlan) and in_flight is not None:
+            in_flight.wait()  # anything but a step waits for the steps before it
+            in_flight = None
         if isinstance(message, step_plan.Stop):
             seat.stopped.set()
             return True
@@ -155,7 +165,9 @@ def _serve(seat: resize.RankSeat, mirrors: step_plan.RequestMirrors, folder: str
             if not isinstance(masks, step_plan.SampleTokens):
                 raise RuntimeError(f"rank 0 sent {type(masks).__name__} where the step's grammar masks belong")
             launched = worker.sample_tokens(mirrors.grammar_bitmask(masks))
-        launched.result()
+        if in_flight is not None:
+            in_flight.wait()  # two steps back: its host buffers may be written again (staging_buffers.py)
+        in_flight = launched
 
 
 def _device_type(config: EngineConfig) -> str:

@@ -107,24 +107,27 @@ class SparseMoE(nn.Module):
             return [local] if 0 <= local < count else []
         return [s for s in range(count) if self.placement[self.first_expert + s] == expert]
 
-    def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids -> this rank's slots (-1: another rank computes it)."""
+    def _slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Experts -> the slots of the replica that compute them (EPLB: an expert's tokens split
+        over its copies by token index; without EPLB a slot is its expert)."""
         if not self.eplb:
-            return local_expert_ids(ids, self.first_expert, self.w13.shape[0])
+            return ids
         ids = ids.long()
         self.expert_load.scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         token = torch.arange(ids.shape[0], device=ids.device)[:, None]
-        copy = token % self.replica_counts[ids]  # the tokens of an expert split over its copies
-        return local_expert_ids(self.replica_slots[ids, copy], self.first_expert, self.w13.shape[0])
+        copy = token % self.replica_counts[ids]
+        return self.replica_slots[ids, copy]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
-        every_expert_here = self.w13.shape[0] == self.num_experts and not self.eplb
+        slots = self._slot_ids(ids)  # this rank computes slots first_expert.. (the kernel skips the others)
         if self._fused is not None:
-            out = (self._fused(x, self.w13, self.w2, weights, ids) if every_expert_here else
-                   self._fused(x, self.w13, self.w2, weights, self._local_ids(ids), skip_negative=True))
+            out = self._fused(x, self.w13, self.w2, weights, slots, first_expert=self.first_expert)
         else:
-            out = moe_reference(x, self.w13, self.w2, weights, ids if every_expert_here else self._local_ids(ids))
+            local = self.w13.shape[0]
+            every_expert_here = local == self.num_experts and not self.eplb
+            out = moe_reference(x, self.w13, self.w2, weights,
+                                slots if every_expert_here else local_expert_ids(slots, self.first_expert, local))
         return self.tp.all_reduce(out)
 
 

@@ -111,12 +111,16 @@ class LaunchedStep:
     def empty(cls) -> LaunchedStep:
         return cls([], [], {}, None)
 
+    def wait(self) -> None:
+        """Wait for the step's GPU work (a rank that does not read the tokens waits only)."""
+        if self.event is not None:
+            with phase("pagoda.wait_for_gpu"):
+                self.event.synchronize()  # the one host sync of the step
+
     def result(self) -> StepResult:
+        self.wait()  # also a step that sampled nothing: the next step but one reuses its input buffers
         if not self.request_ids:
             return StepResult({}, {}, self.prompt_logprobs)
-        with phase("pagoda.wait_for_gpu"):
-            if self.event is not None:
-                self.event.synchronize()  # the one host sync of the step
         tokens = self.host["sampled"].tolist()
         sampled = dict(zip(self.request_ids, tokens))
         logprobs: dict[str, dict[int, float]] = {}
@@ -391,8 +395,8 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 logits = self.model.compute_logits(hidden[inputs.logits_indices]) if rows else None
         prompt_logprobs = self._prompt_logprobs(hidden, self._prompt_rows) if graph_size is None else {}
-        if not rows:
-            return LaunchedStep([], [], {}, None, prompt_logprobs)
+        if not rows:  # nothing sampled, but its inputs' buffers are free only once it has run
+            return LaunchedStep([], [], {}, self._step_done(), prompt_logprobs)
         pending = PendingSample(sched, logits, rows, prompt_logprobs)
         if sched.samples_under_grammar:
             self._pending = pending  # sample() finishes the step once the masks are made
@@ -424,11 +428,16 @@ class ModelRunner:
                 value = getattr(out, name)
                 if value is not None:
                     host[name] = self._to_host(value)
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
+            event = self._step_done()
         return LaunchedStep(rids, [r.sampling_params.logprobs for r in reqs], host, event, pending.prompt_logprobs)
+
+    def _step_done(self) -> torch.cuda.Event | None:
+        """An event behind the step's work on the device, for whoever waits for it."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          where: PromptLogprobRows) -> dict[str, tuple[int, list[dict[int, float]]]]:
