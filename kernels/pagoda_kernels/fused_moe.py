@@ -79,7 +79,9 @@ def _local_expert(ids_ptr, offs, n, first_expert, num_experts):
     return tl.where((e >= 0) & (e < num_experts) & (offs < n), e, num_experts)
 
 
-@triton.jit
+# The row counts change with every step's batch: not specialised on (one compiled variant, not
+# one per divisibility class of the count).
+@triton.jit(do_not_specialize=["n"])
 def _moe_count_kernel(ids_ptr, counts_ptr, n, first_expert, num_experts, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     counts = tl.histogram(_local_expert(ids_ptr, offs, n, first_expert, num_experts), BLOCK_E)
@@ -87,7 +89,7 @@ def _moe_count_kernel(ids_ptr, counts_ptr, n, first_expert, num_experts, BLOCK_E
     tl.atomic_add(counts_ptr + offs_e, counts, mask=(offs_e < num_experts) & (counts > 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "max_rows", "max_tiles"])
 def _moe_layout_kernel(counts_ptr, cursor_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, n, num_experts,
                        max_rows, max_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
     # every program pads the counts (a few hundred values) and lays out its slice of the tiles;
@@ -106,7 +108,7 @@ def _moe_layout_kernel(counts_ptr, cursor_ptr, sorted_ids_ptr, expert_ids_ptr, n
     tl.store(expert_ids_ptr + tiles, tl.minimum(expert, num_experts - 1), mask=tiles < max_tiles)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _moe_place_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, first_expert, num_experts, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = _local_expert(ids_ptr, offs, n, first_expert, num_experts)

@@ -73,10 +73,32 @@ def test_a_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(gen, monkey
     out = backend.forward(b.q, k, v, cache, meta)
     out2 = backend.forward(b.q, k, v, cache, meta)  # a second layer: the plan and offsets are reused
     assert calls == [("decode", 3), ("extend", 10)] * 2
-    assert torch.equal(meta.backend_state["rest_query_start_loc"].cpu(), torch.tensor([0, 9, 10], dtype=torch.int32))
+    assert torch.equal(meta.backend_state["rest"][0].cpu(), torch.tensor([0, 9, 10], dtype=torch.int32))
     ref = TorchPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5).forward(b.q, k, v, b.kv_cache.clone(), meta)
     assert_close(out, ref, TOL[torch.float32])
     assert torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("decodes", [1, 2, 3, 4, 5])
+def test_the_rest_of_a_mixed_step_reaches_the_extend_kernel_aligned(gen, monkeypatch, decodes):
+    """Triton compiles a kernel variant per 16-byte alignment of its pointer arguments: however
+    many decodes lead a step, what the extend kernel gets is aligned, so it runs the variant the
+    warm-up compiled."""
+    page, heads, kv_heads, head_dim = 16, 4, 2, 64
+    b = PagedBatch(gen, [1] * decodes + [5, 1], [9] * decodes + [7, 20], heads, kv_heads, head_dim, page,
+                   torch.float32)
+    k, v = randn(gen, b.num_tokens, kv_heads, head_dim), randn(gen, b.num_tokens, kv_heads, head_dim)
+    backend = TritonPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
+    seen: list[torch.Tensor] = []
+    extend = backend._extend
+
+    def spy(*args, **kwargs):
+        seen.extend(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        return extend(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "_extend", spy)
+    backend.forward(b.q, k, v, b.kv_cache.clone(), _meta(b))
+    assert len(seen) >= 6 and all(t.data_ptr() % 16 == 0 for t in seen), [t.data_ptr() % 16 for t in seen]
 
 
 def test_triton_backend_without_cache(gen):

@@ -68,10 +68,16 @@ class TritonPagedAttention(AttentionBackend):
                                 max_query_len=meta.max_query_len, out=out)
         self._decode_rows(q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], meta,
                           out[:decodes])
-        rest = meta.backend_state.get("rest_query_start_loc")  # once per step, for every layer
-        if rest is None:  # the decodes bring one token each: the rest's tokens start at `decodes`
-            rest = meta.backend_state["rest_query_start_loc"] = meta.query_start_loc[decodes:] - decodes
-        self._extend(q[decodes:], kv_cache, meta.block_tables[decodes:], rest, meta.seq_lens[decodes:], self.scale,
+        rest = meta.backend_state.get("rest")  # once per step, for every layer
+        if rest is None:
+            # The decodes bring one token each: the rest's tokens start at `decodes`. Its tables
+            # are copies, not views: a view starting `decodes` int32 entries in may lose the
+            # 16-byte alignment Triton specialises pointers on, and a step would then compile a
+            # variant the warm-up did not (1 s inside a timed round, 2 x H100, 2026-11-26).
+            rest = meta.backend_state["rest"] = (meta.query_start_loc[decodes:] - decodes,
+                                                 meta.block_tables[decodes:].clone(), meta.seq_lens[decodes:].clone())
+        query_start_loc, block_tables, seq_lens = rest
+        self._extend(q[decodes:], kv_cache, block_tables, query_start_loc, seq_lens, self.scale,
                      self.sliding_window, self.k_scale, self.v_scale, max_query_len=meta.max_query_len,
                      out=out[decodes:])
         return out
