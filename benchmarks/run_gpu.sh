@@ -236,7 +236,7 @@ if has multi-gpu || has multi-gpu-tests; then
   step "two GPUs: tensor and expert parallelism (NCCL), float32 parity with transformers, pagoda serve"
   nvidia-smi topo -m | head -5 | tee "$OUT/topo.txt"
   # Written to a file first: a pipe cut by the timeout loses what the tests printed.
-  timeout "${MG_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py \
+  timeout "${MG_TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py \
     >"$OUT/multi-gpu-pytest.txt" 2>&1 || status=1
   tail -40 "$OUT/multi-gpu-pytest.txt"
 fi

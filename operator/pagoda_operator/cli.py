@@ -264,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import kopf  # imported here so `--help` works without a cluster
 
+    from pagoda_operator import memory
+
+    memory.limit_arenas()  # before any thread of ours or kopf's starts
+
     from pagoda_operator.handlers import build_registry, operator_settings
     from pagoda_operator.kube import Kube, load_configuration
     from pagoda_operator.leader import LeaderElector, default_identity

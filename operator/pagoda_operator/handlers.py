@@ -31,7 +31,7 @@ from typing import Any
 
 import kopf
 
-from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION
+from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION, memory
 from pagoda_operator.builders import INSTANCE_LABEL, MANAGED_BY
 from pagoda_operator.kube import ApiError, Kube, in_cluster_server
 from pagoda_operator.placement import MODEL_LABEL_PREFIX, NVLINK_LABEL, node_labels
@@ -165,6 +165,7 @@ class Ticker:
             except Exception as e:  # the API may be briefly unavailable
                 log.warning("periodic pass failed: %s", e)
             self.heartbeats.beat(PASS_BEAT)  # finished, well or not: not stuck
+            memory.give_back()  # what the pass and the events since the last one freed (memory.py)
             self.stop_flag.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def start(self) -> None:
