@@ -137,7 +137,9 @@ def main() -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         root = Path(a.operator_root).resolve()
-        env = {**cluster.env, "PYTHONPATH": str(root / "operator"), "POD_NAME": "scale-operator",
+        from pagoda_operator.memory import ENVIRONMENT  # what the chart gives the operator's container
+
+        env = {**cluster.env, **ENVIRONMENT, "PYTHONPATH": str(root / "operator"), "POD_NAME": "scale-operator",
                **dict(kv.split("=", 1) for kv in a.operator_env)}
         log_path = state / "logs" / "operator.log"
         with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor

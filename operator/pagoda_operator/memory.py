@@ -1,11 +1,18 @@
 """The operator process's heap: few malloc arenas, and freed memory handed back.
 
-Every thread that allocates (kopf's handler executor, the periodic pass's pool, the watches,
-the lease and webhook threads) may get a glibc malloc arena of its own, up to 8 per core, and
-what a burst of events allocated there stays resident after Python frees it. With two arenas
-the operator grew 31.8 MiB per 100 InferenceServices created at once instead of 40.5 (the test
-cluster, 2 cores, 2026-11-26: docs/benchmarks/2026-11-26-operator-scale.md). After each
-periodic pass, a collection and ``malloc_trim`` return what the pass and the events since freed.
+A burst of creates makes kopf parse every watch event of every child into dicts; once the
+objects are Ready almost all of it is garbage (traced live heap 35 s after 100 objects turned
+Ready: 41.7 MiB, 20 of it imported code, 2.5 the watch cache), yet the process stayed 41 MiB
+larger than before the burst: freed memory the allocators kept. Three things hand it back
+(the test cluster, 2 cores, 100 objects at once, resident growth once idle; the figures are in
+docs/benchmarks/2026-11-26-operator-scale.md):
+
+- at most two glibc malloc arenas (every allocating thread could otherwise get its own, up to 8
+  per core): 40.9 -> 32.2 MiB;
+- after each periodic pass, a collection and ``malloc_trim``: -> 29.8 MiB;
+- Python objects from malloc rather than pymalloc's 1 MiB arenas, which one live object keeps
+  whole (``ENVIRONMENT``, set by the chart for the operator's container only: the daemon keeps
+  pymalloc): -> 23.5 MiB, create-to-Ready unchanged.
 
 Only glibc has these calls; elsewhere (musl, macOS) both are no-ops.
 """
@@ -20,6 +27,9 @@ from typing import Any
 
 M_ARENA_MAX = -8  # mallopt's parameter number in glibc's malloc.h
 ARENAS = 2
+# The operator container's environment for the heap (charts/pagoda/templates/operator.yaml sets
+# it; benchmarks/operator_scale.py runs the operator with it; a test checks both).
+ENVIRONMENT = {"PYTHONMALLOC": "malloc"}
 
 
 @functools.cache

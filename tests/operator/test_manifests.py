@@ -326,6 +326,18 @@ def render(helm, *sets: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+def test_the_chart_gives_the_operator_its_heap_environment(helm):
+    """One declaration (pagoda_operator.memory.ENVIRONMENT): the operator's container sets each
+    variable to it, and the scale benchmark runs the operator with it."""
+    from pagoda_operator.memory import ENVIRONMENT
+
+    dep = next(d for d in render(helm) if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pagoda-operator")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert {name: env.get(name) for name in ENVIRONMENT} == ENVIRONMENT
+    scale = (Path(__file__).resolve().parents[2] / "benchmarks" / "operator_scale.py").read_text()
+    assert "from pagoda_operator.memory import ENVIRONMENT" in scale
+
+
 def test_helm_template_defaults(helm):
     docs = render(helm)
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}

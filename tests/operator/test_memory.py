@@ -34,3 +34,4 @@ def test_freed_heap_goes_back_after_give_back():
 
 def test_arena_limit_is_accepted():
     assert memory.limit_arenas(memory.ARENAS)
+
