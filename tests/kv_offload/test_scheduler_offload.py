@@ -161,3 +161,40 @@ def test_offload_metrics_are_exported_and_documented():
                  'pagoda:kv_offload_transfer_seconds_total{model_name="m"} 0.5'):
         assert line in body
         assert f"`{line.split('{')[0]}`" in (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+
+
+def test_the_tiers_report_stores_and_removals_as_kv_events(tmp_path):
+    """With KV events on, each tier announces what it stores and drops, with its medium: a save
+    into a full host tier evicts its oldest block (removed from CPU, demoted: stored on DISK);
+    a disk eviction is a removal from DISK; the events reach the wire with their medium (vLLM's
+    offloading connector's shape: no parent, no tokens)."""
+    from pagoda_daemon.config import EngineConfig
+    from pagoda_daemon.engine.block_pool import RemovedBlock, StoredBlock
+    from pagoda_daemon.kv_offload.tiered import TieredConnector
+    from pagoda_daemon.server.core_process import kv_events_for_publishing
+    from pagoda_daemon.telemetry.kv_events import _decode_event, _encode_event
+
+    block_bytes = 4096
+    config = EngineConfig(model=str(tmp_path), enable_kv_events=True, kv_offload_cpu_gib=2 * block_bytes / 2**30,
+                          kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=2 * block_bytes / 2**30)
+    tiers = TieredConnector(config, "float32", block_bytes)
+    h = [bytes([i]) * 32 for i in range(4)]
+    for i, block_hash in enumerate(h):
+        tiers.plan_save(block_hash, i)
+    tiers.take_saves()
+    assert tiers.take_events() == [
+        StoredBlock(h[0], None, [], (), "CPU"), StoredBlock(h[1], None, [], (), "CPU"),
+        RemovedBlock(h[0], "CPU"), StoredBlock(h[0], None, [], (), "DISK"), StoredBlock(h[2], None, [], (), "CPU"),
+        RemovedBlock(h[1], "CPU"), StoredBlock(h[1], None, [], (), "DISK"), StoredBlock(h[3], None, [], (), "CPU"),
+    ]
+    tiers.plan_save(bytes([9]) * 32, 5)  # host tier full again: h2 demoted, the disk drops h0
+    events = tiers.take_events()
+    assert RemovedBlock(h[0], "DISK") in events and StoredBlock(h[2], None, [], (), "DISK") in events
+    assert tiers.take_events() == []
+    wire = [_decode_event(_encode_event(e)) for e in kv_events_for_publishing(events, 16)]
+    assert [e.medium for e in wire] == [e.medium for e in events]
+
+    quiet = TieredConnector(EngineConfig(model=str(tmp_path), kv_offload_cpu_gib=2 * block_bytes / 2**30),
+                            "float32", block_bytes)
+    quiet.plan_save(h[0], 0)
+    assert quiet.take_events() == []  # events off: nothing kept

@@ -138,3 +138,43 @@ def test_kv_events_block_stored_then_removed_after_eviction(start_server):
     finally:
         sub.close(0)
         ctx.term()
+
+
+def test_kv_events_report_the_offload_tiers_with_their_medium(start_server):
+    """With a host-memory tier of 8 blocks, the subscriber sees blocks stored there and, once
+    it is full, removed from it, each with medium CPU (no parent, no tokens: the tier knows a
+    block by its hash), beside the GPU cache's own events."""
+    port = free_port()
+    srv = start_server("--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--max-model-len", "256",
+                       "--kv-cache-memory-bytes", str(24 * 8192), "--kv-offload-cpu-gib", str(8 * 8192 / 2**30))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        events: list = []
+        deadline = time.monotonic() + 30
+        prompts = [[(11 * i + j) % 400 + 3 for j in range(200)] for i in range(4)]
+        sent = 0
+
+        def cpu_removal() -> bool:
+            return any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in events)
+
+        while time.monotonic() < deadline and not cpu_removal():
+            if sent < len(prompts):
+                r = httpx.post(srv.url + "/v1/completions", json={
+                    "model": MODEL_NAME, "prompt": prompts[sent], "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                sent += 1
+            while sub.poll(200):
+                events.extend(decode_batch(sub.recv_multipart())[2])
+        on_cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+        on_gpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"]
+        assert on_cpu and on_gpu and cpu_removal(), events
+        assert all(e.parent_block_hash is None and e.token_ids == [] for e in on_cpu)
+        assert {h for e in on_cpu for h in e.block_hashes} <= {h for e in on_gpu for h in e.block_hashes}
+        removed = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes}
+        assert removed <= {h for e in on_cpu for h in e.block_hashes}
+    finally:
+        sub.close(0)
+        ctx.term()

@@ -7,20 +7,26 @@ from dataclasses import dataclass
 
 from pagoda_daemon.engine.block_hash import BlockHash
 
+# Where a block event happened: the device's cache, or a KV offload tier (vLLM's `medium`).
+GPU, CPU, DISK = "GPU", "CPU", "DISK"
+
 
 @dataclass(frozen=True)
 class StoredBlock:
-    """A full block entered the prefix cache (the facts a KV-aware router needs)."""
+    """A full block entered the prefix cache or an offload tier (the facts a KV-aware router
+    needs; an offload tier knows a block by its hash only: no parent, no tokens)."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
     token_ids: list[int]
     extra_keys: tuple
+    medium: str = GPU
 
 
 @dataclass(frozen=True)
 class RemovedBlock:
     block_hash: BlockHash
+    medium: str = GPU
 
 
 CLEARED = "cleared"

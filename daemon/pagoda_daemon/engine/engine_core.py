@@ -365,6 +365,11 @@ class EngineCore:
             elastic=self._take_elastic_stats(),
         )
 
+    def take_kv_events(self) -> list:
+        """The KV events since the last call: the GPU prefix cache's, then the offload tiers'."""
+        events = self.kv_cache.take_events()
+        return events + self.connector.take_events() if self.connector is not None else events
+
     def _offload_stats(self):
         if self.connector is None:
             return None

@@ -25,6 +25,7 @@ import math
 from abc import ABC, abstractmethod
 
 from pagoda_daemon.engine.block_hash import BlockHash
+from pagoda_daemon.engine.block_pool import RemovedBlock, StoredBlock
 from pagoda_daemon.engine.messages import KVOffloadStats
 from pagoda_daemon.engine.scheduler_output import KVTransfer
 
@@ -43,8 +44,10 @@ class OffloadConnector(ABC):
     """The scheduler half. ``stats`` counts lookups and hits in tokens, and bytes per tier
     (summed over the ranks); the engine core drains it with ``take_stats``."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_events: bool = False) -> None:
         self.stats = KVOffloadStats()
+        self.record_events = record_events  # KV events (--enable-kv-events): stores and removals per tier
+        self.events: list[StoredBlock | RemovedBlock] = []
 
     @abstractmethod
     def lookup(self, block_hashes: list[BlockHash]) -> int:
@@ -64,6 +67,18 @@ class OffloadConnector(ABC):
     @abstractmethod
     def take_saves(self) -> list[KVTransfer]:
         """The copies (and evictions) to run after this step's forward pass."""
+
+    def stored(self, block_hash: BlockHash, medium: str) -> None:
+        if self.record_events:
+            self.events.append(StoredBlock(block_hash, None, [], (), medium))
+
+    def removed(self, block_hash: BlockHash, medium: str) -> None:
+        if self.record_events:
+            self.events.append(RemovedBlock(block_hash, medium))
+
+    def take_events(self) -> list[StoredBlock | RemovedBlock]:
+        events, self.events = self.events, []
+        return events
 
     def take_stats(self) -> KVOffloadStats:
         stats, self.stats = self.stats, KVOffloadStats()

@@ -21,6 +21,8 @@ import torch
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.block_hash import BlockHash
+from pagoda_daemon.engine.block_pool import CPU as CPU_MEDIUM
+from pagoda_daemon.engine.block_pool import DISK as DISK_MEDIUM
 from pagoda_daemon.engine.scheduler_output import KVTransfer
 from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, capacity_blocks
 from pagoda_daemon.kv_offload.cpu import CpuIndex, CpuStore
@@ -28,7 +30,7 @@ from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
 
 log = logging.getLogger(__name__)
 
-CPU, DISK = "cpu", "disk"
+CPU, DISK = "cpu", "disk"  # the tiers' names in the stats (the metrics' `medium` label upper-cases them)
 
 
 def enabled(config: EngineConfig) -> bool:
@@ -80,7 +82,7 @@ def _capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int]:
 class TieredConnector(OffloadConnector):
     def __init__(self, config: EngineConfig, dtype: str, block_bytes: int) -> None:
         """``dtype`` and ``block_bytes``: one rank's KV cache (every rank's is the same)."""
-        super().__init__()
+        super().__init__(record_events=config.enable_kv_events)
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         self.bytes_per_block = block_bytes * config.world_size  # over every rank
         self.cpu = CpuIndex(cpu_blocks) if cpu_blocks else None
@@ -88,6 +90,9 @@ class TieredConnector(OffloadConnector):
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
         self._saves: list[KVTransfer] = []
         self._promotions: list[tuple[BlockHash, int]] = []
+        if self.disk is not None:
+            for block_hash in self.disk.files:  # what an earlier run left on disk is there to be found
+                self.stored(block_hash, DISK_MEDIUM)
         log.info("KV offload: %s", ", ".join(
             f"{name} {n} blocks ({n * self.bytes_per_block / 2**30:.2f} GiB)"
             for name, n in ((CPU, cpu_blocks), (DISK, disk_blocks)) if n))
@@ -95,8 +100,12 @@ class TieredConnector(OffloadConnector):
     def _where(self, block_hash: BlockHash) -> str | None:
         if self.cpu is not None and block_hash in self.cpu:
             return CPU
-        if self.disk is not None and self.disk.has(block_hash):
-            return DISK
+        if self.disk is not None:
+            indexed = block_hash in self.disk.files
+            if self.disk.has(block_hash):
+                return DISK
+            if indexed:  # a file from an earlier run failed its check: deleted
+                self.removed(block_hash, DISK_MEDIUM)
         return None
 
     def lookup(self, block_hashes: list[BlockHash]) -> int:
@@ -131,10 +140,13 @@ class TieredConnector(OffloadConnector):
             if block_hash in self.cpu:
                 return
             slot, evicted = self.cpu.insert(block_hash)
-            if evicted is not None and self.disk is not None and not self.disk.contains(evicted[0]):
-                self._disk_insert(evicted[0])
-                self._saves.append(KVTransfer("demote", evicted[0], -1, evicted[1]))
+            if evicted is not None:
+                self.removed(evicted[0], CPU_MEDIUM)
+                if self.disk is not None and not self.disk.contains(evicted[0]):
+                    self._disk_insert(evicted[0])
+                    self._saves.append(KVTransfer("demote", evicted[0], -1, evicted[1]))
             self._saves.append(KVTransfer("save_cpu", block_hash, gpu_block_id, slot))
+            self.stored(block_hash, CPU_MEDIUM)
             self._count(self.stats.saved_bytes, CPU)
         elif self.disk is not None and not self.disk.contains(block_hash):
             self._disk_insert(block_hash)
@@ -142,8 +154,12 @@ class TieredConnector(OffloadConnector):
 
     def _disk_insert(self, block_hash: BlockHash) -> None:
         assert self.disk is not None
+        rewritten = block_hash in self.disk.files  # over an unchecked file of an earlier run: announced
         for old in self.disk.insert(block_hash):
             self._saves.append(KVTransfer("drop", old))
+            self.removed(old, DISK_MEDIUM)
+        if not rewritten:
+            self.stored(block_hash, DISK_MEDIUM)
         self._count(self.stats.saved_bytes, DISK)
 
     def _count(self, counter: dict[str, int], tier: str) -> None:

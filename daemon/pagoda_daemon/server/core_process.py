@@ -209,7 +209,7 @@ def _loop(core, inputs, outputs, parent_pid: int, block_size: int, publisher=Non
         elif changed:
             outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))
         if publisher is not None:
-            events = core.kv_cache.take_events()
+            events = core.take_kv_events()
             if events:
                 publisher.publish(kv_events_for_publishing(events, block_size))
 
@@ -239,9 +239,10 @@ def kv_events_for_publishing(events: list, block_size: int) -> list:
         if isinstance(e, StoredBlock):
             parent = None if e.parent_hash is None else block_hash_to_int(e.parent_hash)
             extra = [[list(k) for k in e.extra_keys]] if e.extra_keys else None
-            out.append(BlockStored([block_hash_to_int(e.block_hash)], parent, e.token_ids, block_size, extra))
+            out.append(BlockStored([block_hash_to_int(e.block_hash)], parent, e.token_ids, block_size, extra,
+                                   e.medium))
         elif isinstance(e, RemovedBlock):
-            out.append(BlockRemoved([block_hash_to_int(e.block_hash)]))
+            out.append(BlockRemoved([block_hash_to_int(e.block_hash)], e.medium))
         elif e == CLEARED:
             out.append(AllCleared())
     return out

@@ -76,13 +76,15 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     extra_keys: list | None = None
+    medium: str = MEDIUM_GPU  # GPU: the device cache, whatever the device; CPU, DISK: offload tiers
 
 
 @dataclass
 class BlockRemoved:
-    """Blocks evicted from the prefix cache (their hash dropped)."""
+    """Blocks evicted from the prefix cache or an offload tier (their hash dropped there)."""
 
     block_hashes: list[int]
+    medium: str = MEDIUM_GPU
 
 
 @dataclass
@@ -108,12 +110,12 @@ def _encode_event(event: KVEvent) -> list:
             list(event.token_ids),
             event.block_size,
             None,  # lora_id (deprecated in vLLM; Pagoda has no LoRA)
-            MEDIUM_GPU,  # medium: where the blocks live (the device cache, whatever the device)
+            event.medium,
             None,  # lora_name
             None if extra is None else list(extra),  # one entry (array or nil) per block
         ]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), MEDIUM_GPU]
+        return ["BlockRemoved", list(event.block_hashes), event.medium]
     if isinstance(event, AllCleared):
         return ["AllBlocksCleared"]
     raise TypeError(f"not a KV event: {event!r}")
@@ -129,9 +131,10 @@ def _decode_event(item: list) -> KVEvent:
             token_ids=list(item[3]),
             block_size=item[4],
             extra_keys=None if extra is None else list(extra),
+            medium=item[6] if len(item) > 6 and item[6] is not None else MEDIUM_GPU,
         )
     if tag == "BlockRemoved":
-        return BlockRemoved(block_hashes=list(item[1]))
+        return BlockRemoved(block_hashes=list(item[1]), medium=item[2] if len(item) > 2 and item[2] else MEDIUM_GPU)
     if tag == "AllBlocksCleared":
         return AllCleared()
     raise ValueError(f"unknown KV event type {tag!r}")
