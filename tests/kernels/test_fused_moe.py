@@ -149,3 +149,8 @@ def test_moe_align_many_rows_and_experts(gen):
         assert torch.equal(run[: want.numel()].long().sort().values, want)
         assert (run[want.numel():] == flat.numel()).all()
         assert (expert_ids[begin // block_m:int(ends[e]) // block_m] == e).all()
+
+
+def test_moe_align_of_no_rows():
+    sorted_ids, expert_ids, num_padded = moe_align(torch.empty((0, 2), dtype=torch.int32), 4, 16)
+    assert sorted_ids.numel() == 0 and expert_ids.numel() == 0 and int(num_padded) == 0
