@@ -4,6 +4,7 @@ offload; the disk tier survives a restart, a corrupt or foreign file is a miss; 
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -105,6 +106,36 @@ def test_a_wrong_load_is_caught(model, block_bytes, reference, monkeypatch):
     monkeypatch.setattr(cpu_tier.CpuStore, "load", lambda self, slot, kv_cache, gpu_block: None)
     llm = LLM(model, **ENGINE, kv_offload_cpu_gib=gib(64, block_bytes))
     assert run(llm, workload(order=ORDER)) != reference
+
+
+def test_failed_disk_writes_cost_a_recompute_not_the_engine(model, block_bytes, reference, tmp_path, monkeypatch,
+                                                            caplog):
+    """A disk that refuses every third write (ENOSPC): the engine serves on, outputs equal the
+    reference, the blocks that were written are still loaded, and no file or temporary file is
+    left for a failed write."""
+    import errno
+
+    real_write, calls = disk_tier.write_block, [0]
+
+    def flaky(path, ident, block_hash, block):
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            path.with_name(f".{path.name}.{os.getpid()}.tmp").write_bytes(b"cut short")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, ident, block_hash, block)
+
+    monkeypatch.setattr(disk_tier, "write_block", flaky)
+    llm = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
+    with caplog.at_level("WARNING", logger="pagoda_daemon.kv_offload.disk"):
+        assert run(llm, workload(order=ORDER)) == reference
+    stats = llm.get_stats().kv_offload
+    assert calls[0] >= 6 and stats is not None and stats.loaded_bytes.get("disk", 0) > 0, stats
+    assert any("No space left" in r.getMessage() for r in caplog.records)
+    core = llm.engine.core
+    files = {p.name for p in core.executor.worker.offload.disk.dir.glob(f"*{disk_tier.SUFFIX}")}
+    assert files <= {disk_tier.file_name(h) for h in core.connector.disk.files}
+    assert not list(core.executor.worker.offload.disk.dir.glob("*.tmp"))
+    core.connector.check()
 
 
 def test_disk_tier_survives_a_restart_and_a_corrupt_file_is_a_miss(model, block_bytes, tmp_path):

@@ -138,11 +138,21 @@ class DiskIndex:
         return len(self.files)
 
     def has(self, block_hash: BlockHash) -> bool:
-        """Whether the block is on disk, checking a file from an earlier run the first time."""
+        """Whether the block is on disk, checking a file from an earlier run the first time. A
+        file this run wrote is looked for on every rank (a stat each): a write that failed (a
+        full disk, an I/O error) left none, and the block is then a miss, recomputed."""
         if block_hash not in self.files:
             return False
         if block_hash in self.checked:
-            return True
+            name = file_name(block_hash)
+            if all((rank_dir(self.root, r) / name).is_file() for r in range(len(self.identities))):
+                return True
+            log.warning("KV offload: block file %s is missing on some rank (its write failed?): a miss",
+                        block_hash.hex())
+            del self.files[block_hash]
+            self.checked.discard(block_hash)
+            self._delete(block_hash)
+            return False
         for r, ident in enumerate(self.identities):
             try:
                 read_block(rank_dir(self.root, r) / file_name(block_hash), ident, block_hash)
@@ -193,7 +203,15 @@ class DiskStore:
         self.dtype = dtype
 
     def write(self, block_hash: BlockHash, block: torch.Tensor) -> None:
-        write_block(self.dir / file_name(block_hash), self.ident, block_hash, block)
+        """Write a block; a write that fails (a full disk, an I/O error) costs a warning and
+        leaves no file: the scheduler's next lookup of the block finds none and recomputes it."""
+        path = self.dir / file_name(block_hash)
+        try:
+            write_block(path, self.ident, block_hash, block)
+        except OSError as e:
+            log.warning("KV offload: writing block file %s failed (%s): the block will be recomputed", path, e)
+            for leftover in (path, *self.dir.glob(f".{path.name}.*.tmp")):
+                leftover.unlink(missing_ok=True)
 
     def read(self, block_hash: BlockHash) -> torch.Tensor:
         path = self.dir / file_name(block_hash)
