@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--question", default="What is paged attention?")
     demo.set_defaults(func=lambda a: __import__("pagoda_daemon.demo", fromlist=["run_demo"]).run_demo(a.arch, a.question))
 
+    pd = sub.add_parser("pd-proxy", help="prefill/decode disaggregation: route each completion to a prefill "
+                        "then a decode instance")
+    from pagoda_daemon.server import pd_proxy
+
+    pd_proxy.add_args(pd)
+    pd.set_defaults(func=pd_proxy.run)
+
     topo = sub.add_parser("topology", help="node topology report and NodeTopology agent", add_help=False)
     topo.set_defaults(func=None, delegate="pagoda_daemon.topology.cli")
     op = sub.add_parser("operator", help="run the Kubernetes operator", add_help=False)

@@ -92,6 +92,10 @@ class EngineConfig:
     kv_offload_disk_path: str | None = option(None, "directory for offloaded KV blocks", needs="kv_offload")
     kv_offload_disk_gib: float = option(0.0, "disk space for offloaded KV blocks, GiB", minimum=0.0,
                                         needs="kv_offload")
+    kv_offload_disk_source: str | None = option(
+        None, "prefill/decode disaggregation: another engine's kv_offload_disk_path (a prefill instance); "
+        "blocks this engine's tiers lack are taken from there, hard-linked into its own disk tier "
+        "(same filesystem)")
 
     @property
     def elastic_ep(self) -> bool:

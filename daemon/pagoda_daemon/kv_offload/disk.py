@@ -90,8 +90,9 @@ def read_block(path: Path, ident: str, block_hash: BlockHash) -> tuple[dict, byt
 class DiskIndex:
     """Which hashes are on disk (on every rank), least recently used first."""
 
-    def __init__(self, root: str, num_files: int, identities: list[str]) -> None:
+    def __init__(self, root: str, num_files: int, identities: list[str], source: str | None = None) -> None:
         self.root = root
+        self.source = source  # another engine's disk tier that blocks may be adopted from
         self.num_files = num_files
         self.identities = identities  # one per rank
         self.files: OrderedDict[BlockHash, None] = OrderedDict()
@@ -163,6 +164,40 @@ class DiskIndex:
                 return False
         self.checked.add(block_hash)
         return True
+
+    def adopt(self, block_hash: BlockHash) -> bool:
+        """Take a block another engine wrote to the source directory (a prefill instance), if it
+        has it on every rank and it checks out: hard links into this tier's directories, so the
+        other engine may evict its own files meanwhile. The block becomes this tier's most recent;
+        the tier may exceed its size until ``shrink`` (after the step's lookups, whose loads
+        must find what they found)."""
+        if self.source is None or block_hash in self.files:
+            return False
+        name = file_name(block_hash)
+        linked: list[Path] = []
+        try:
+            for r, ident in enumerate(self.identities):
+                target = rank_dir(self.root, r) / name
+                target.unlink(missing_ok=True)  # a file this index does not know: stale
+                os.link(rank_dir(self.source, r) / name, target)
+                linked.append(target)
+                read_block(target, ident, block_hash)
+        except (OSError, ValueError):  # not there (yet, or any more) on some rank, or not for this engine
+            for target in linked:
+                target.unlink(missing_ok=True)
+            return False
+        self.files[block_hash] = None
+        self.checked.add(block_hash)
+        return True
+
+    def shrink(self) -> list[BlockHash]:
+        """Evict least recently used blocks down to the size; returns them (their files to drop)."""
+        evicted = []
+        while len(self.files) > self.num_files:
+            old, _ = self.files.popitem(last=False)
+            self.checked.discard(old)
+            evicted.append(old)
+        return evicted
 
     def contains(self, block_hash: BlockHash) -> bool:
         """Whether a save would be redundant: the file was written, or read back whole, by this

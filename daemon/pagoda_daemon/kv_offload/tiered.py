@@ -41,6 +41,7 @@ def check_options(config: EngineConfig) -> None:
     """Refuse offload options that cannot work, before the engine starts anything: a clear
     message beats an engine that half works."""
     path, disk_gib = config.kv_offload_disk_path, config.kv_offload_disk_gib
+    _check_source(config)
     if disk_gib > 0 and path is None:
         raise ValueError("kv_offload_disk_gib needs kv_offload_disk_path (the directory for the blocks)")
     if path is None:
@@ -60,6 +61,23 @@ def check_options(config: EngineConfig) -> None:
             pass
     except OSError as e:
         raise ValueError(f"kv_offload_disk_path {path!r} is not a writable directory: {e}") from e
+
+
+def _check_source(config: EngineConfig) -> None:
+    """A transfer source is another engine's disk tier on this engine's filesystem."""
+    source, path = config.kv_offload_disk_source, config.kv_offload_disk_path
+    if source is None:
+        return
+    if path is None:
+        raise ValueError("kv_offload_disk_source needs kv_offload_disk_path (the blocks are linked into it)")
+    if not os.path.isdir(source):
+        raise ValueError(f"kv_offload_disk_source {source!r} is not a directory")
+    if os.path.realpath(source) == os.path.realpath(path):
+        raise ValueError("kv_offload_disk_source must be another engine's directory, not kv_offload_disk_path")
+    os.makedirs(path, exist_ok=True)
+    if os.stat(source).st_dev != os.stat(path).st_dev:
+        raise ValueError(f"kv_offload_disk_source {source!r} and kv_offload_disk_path {path!r} are on different "
+                         "filesystems: blocks are hard-linked from one to the other")
 
 
 def _identities(config: EngineConfig, dtype: str, block_bytes: int) -> list[str]:
@@ -86,7 +104,8 @@ class TieredConnector(OffloadConnector):
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         self.bytes_per_block = block_bytes * config.world_size  # over every rank
         self.cpu = CpuIndex(cpu_blocks) if cpu_blocks else None
-        self.disk = (DiskIndex(config.kv_offload_disk_path, disk_blocks, _identities(config, dtype, block_bytes))
+        self.disk = (DiskIndex(config.kv_offload_disk_path, disk_blocks, _identities(config, dtype, block_bytes),
+                               source=config.kv_offload_disk_source)
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
         self._saves: list[KVTransfer] = []
         self._promotions: list[tuple[BlockHash, int]] = []
@@ -103,6 +122,9 @@ class TieredConnector(OffloadConnector):
         if self.disk is not None:
             indexed = block_hash in self.disk.files
             if self.disk.has(block_hash):
+                return DISK
+            if self.disk.adopt(block_hash):  # another engine's block (prefill/decode disaggregation)
+                self.stored(block_hash, DISK_MEDIUM)
                 return DISK
             if indexed:  # a file from an earlier run failed its check: deleted
                 self.removed(block_hash, DISK_MEDIUM)
@@ -169,6 +191,10 @@ class TieredConnector(OffloadConnector):
         promotions, self._promotions = self._promotions, []
         for block_hash, gpu_block in promotions:
             self.plan_save(block_hash, gpu_block)
+        if self.disk is not None:  # blocks adopted by this step's lookups may have overfilled it
+            for old in self.disk.shrink():
+                self._saves.append(KVTransfer("drop", old))
+                self.removed(old, DISK_MEDIUM)
         saves, self._saves = self._saves, []
         return saves
 

@@ -1,0 +1,112 @@
+"""Prefill/decode disaggregation on one machine: a prefill instance whose disk tier keeps each
+prompt's KV blocks, a decode instance that takes them from there (kv_offload_disk_source), and
+`pagoda pd-proxy` in front, all real processes on loopback, asked through the openai client.
+Greedy answers equal a single instance's; the decode instance loaded the prompts instead of
+computing them; errors come back in the OpenAI shape."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME, free_port
+
+PROMPTS = [[(13 * i + j) % 400 + 3 for j in range(100)] for i in range(4)]  # 6 full blocks each
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+@pytest.fixture
+def pd(start_server, tmp_path):
+    disk = ("--kv-offload-disk-gib", "0.01")
+    prefill = start_server("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk)
+    decode = start_server("--kv-offload-disk-path", str(tmp_path / "decode-kv"), *disk,
+                          "--kv-offload-disk-source", str(tmp_path / "prefill-kv"))
+    port = free_port()
+    log = open(tmp_path / "proxy.log", "w")  # noqa: SIM115 (closed below)
+    proxy = subprocess.Popen([sys.executable, "-m", "pagoda_daemon", "pd-proxy", "--prefill", prefill.url,
+                              "--decode", decode.url, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proxy.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
+        time.sleep(0.2)
+    try:
+        yield prefill, decode, url
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        log.close()
+
+
+def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
+    import openai
+
+    prefill, decode, url = pd
+    one = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    both = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    ask = dict(model=MODEL_NAME, max_tokens=12, temperature=0.0)
+    want = [one.completions.create(prompt=p, **ask).choices[0].text for p in PROMPTS]
+    got = [both.completions.create(prompt=p, **ask).choices[0].text for p in PROMPTS]
+    assert got == want
+    # the decode instance took every prompt's 6 full blocks from the prefill instance's disk tier
+    assert metric(decode.url, "vllm:external_prefix_cache_hits_total") >= len(PROMPTS) * 6 * 16
+    assert metric(prefill.url, "vllm:generation_tokens_total") == len(PROMPTS)  # one token each
+    # streamed through the proxy: the same text in pieces
+    stream = both.completions.create(prompt=PROMPTS[0], stream=True, **ask)
+    assert "".join(c.choices[0].text for c in stream) == want[0]
+    # chat goes the same way
+    chat = both.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "w5 w6 w7"}],
+                                        max_tokens=4, temperature=0.0)
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert [m.id for m in both.models.list().data] == [MODEL_NAME]
+    prefill.wait_idle()
+    decode.wait_idle()
+
+
+def test_requests_that_cannot_be_served_come_back_as_openai_errors(pd):
+    _, _, url = pd
+    bad = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "w3", "temperature": -1}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
+    broken = httpx.post(url + "/v1/completions", content=b"{not json", timeout=30,
+                        headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
+    listed = httpx.post(url + "/v1/completions", json=[1, 2], timeout=30)
+    assert listed.status_code == 400 and listed.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_source_the_tier_cannot_link_from_is_refused_at_start(tiny_models, tmp_path):
+    from pagoda_daemon import LLM
+
+    with pytest.raises(ValueError, match="kv_offload_disk_source needs kv_offload_disk_path"):
+        LLM(tiny_models["llama"], device="cpu", kv_offload_disk_source=str(tmp_path))
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(tiny_models["llama"], device="cpu", kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=0.01,
+            kv_offload_disk_source=str(tmp_path / "missing"))
+    (tmp_path / "kv").mkdir()
+    with pytest.raises(ValueError, match="another engine's directory"):
+        LLM(tiny_models["llama"], device="cpu", kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=0.01,
+            kv_offload_disk_source=str(tmp_path / "kv"))
+    elsewhere = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    if elsewhere is not None and os.stat(elsewhere).st_dev != os.stat(tmp_path).st_dev:
+        try:
+            with pytest.raises(ValueError, match="different filesystems"):
+                LLM(tiny_models["llama"], device="cpu", kv_offload_disk_path=str(tmp_path / "kv"),
+                    kv_offload_disk_gib=0.01, kv_offload_disk_source=elsewhere)
+        finally:
+            os.rmdir(elsewhere)
