@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|elastic|elastic-bench|serve-sweep|multi-gpu-ab] ...
+#                                               kv-offload|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -312,6 +312,46 @@ if has multi-gpu-ab; then
       2>&1 | grep RESULT | tee -a "$OUT/ab.jsonl" || status=1
   fi
 fi
+# The Qwen3-0.6B shape in /tmp/q06 (random weights) with a word-level tokenizer beside its config
+# (vllm serve wants one there): what the serving steps serve as model "m".
+q06_model() {
+  M=/tmp/q06; mkdir -p $M && cp $CFG/qwen3-0.6b/config.json $M/
+  python3 -c "from benchmarks.throughput import save_word_level_tokenizer as s; s(151936, '$M')" || status=1
+}
+# PORT PATH: pagoda serve answers /v1/models before its engine is ready; /ready waits for it
+wait_ready() { for _ in $(seq 1 240); do curl -sf "localhost:$1$2" >/dev/null && return 0; sleep 1; done; return 1; }
+if has pd; then
+  # Issue #19: prefill/decode disaggregation on one GPU (two engines sharing it, the KV through a
+  # directory: PD_KV_ROOT, /dev/shm by default, memory-backed) behind pagoda pd-proxy, against one
+  # instance with the same share of the GPU; the same request rates from pagoda bench sweep.
+  step "prefill/decode disaggregation: pd-proxy over a prefill and a decode instance, then one instance"
+  q06_model
+  KV=${PD_KV_ROOT:-/dev/shm/pd-kv}; rm -rf "$KV"; mkdir -p "$KV/prefill" "$KV/decode"; df -h "$KV" | tail -1
+  pd_serve() {  # NAME PORT FLAGS...: one engine in the background, its pid in PIDS
+    python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 8192 --port "$2" --served-model-name m \
+      --device cuda --dtype bfloat16 --seed 0 --gpu-memory-utilization "${PD_UTIL:-0.3}" "${@:3}" > "$OUT/pd-$1.log" 2>&1 &
+    PIDS="$PIDS $!"; wait_ready "$2" /ready || { status=1; tail -20 "$OUT/pd-$1.log"; }
+  }
+  pd_sweep() {  # LABEL PORT
+    python3 -m pagoda_daemon bench sweep --iterations 1 --server "$1=http://127.0.0.1:$2" --model m --vocab-size 151936 \
+      --input-len "${PD_INPUT_LEN:-2048}" --range-ratio 0.5 --output-len 128 --num-prompts "${PD_PROMPTS:-200}" \
+      --workload-var request_rate --values "${PD_RATES:-2,4,8}" --experiment-name pd --output-dir "$OUT/sweep" \
+      --resume --no-progress || status=1
+  }
+  PIDS=""; disk="--kv-offload-disk-gib ${PD_KV_GIB:-24}"
+  pd_serve prefill 18100 --kv-offload-disk-path "$KV/prefill" $disk
+  pd_serve decode 18200 --kv-offload-disk-path "$KV/decode" $disk --kv-offload-disk-source "$KV/prefill"
+  python3 -m pagoda_daemon pd-proxy --prefill http://127.0.0.1:18100 --decode http://127.0.0.1:18200 --port 18000 \
+    > "$OUT/pd-proxy.log" 2>&1 &
+  PIDS="$PIDS $!"
+  if wait_ready 18000 /health; then pd_sweep disaggregated 18000; else status=1; tail -20 "$OUT/pd-proxy.log"; fi
+  curl -s localhost:18200/metrics | grep -E '^vllm:external_prefix_cache_(hits|queries)_total' | tee "$OUT/pd-decode-hits.txt"
+  kill -TERM $PIDS; wait $PIDS; rm -rf "$KV"
+  PIDS=""; pd_serve single 18300
+  pd_sweep single 18300
+  kill -TERM $PIDS; wait $PIDS
+  tar czf "$OUT/pd-points.tgz" -C "$OUT" sweep
+fi
 if has serve-sweep; then
   # Issue #20: `pagoda serve` and `vllm serve` (0.26.0) one after the other on this GPU, the same
   # requests from `pagoda bench sweep` (streamed, token-id prompts): request rates over 400 prompts
@@ -320,8 +360,7 @@ if has serve-sweep; then
   # vLLM kit as for `vllm` (a `vllm-stash` call first) with .vllm_b/vwhl (what `vllm serve` adds).
   step "serving sweeps: pagoda serve, then vllm serve, same requests"
   unpack_vllm || status=1
-  M=/tmp/q06; mkdir -p $M && cp $CFG/qwen3-0.6b/config.json $M/
-  python3 -c "from benchmarks.throughput import save_word_level_tokenizer as s; s(151936, '$M')" || status=1
+  q06_model
   SW="${SW_RATES-8,24,inf}"; SWP="${SW_PREFILL_RATES-2,inf}"; SWI="${SW_ITERATIONS:-1}"  # "": experiment skipped
   sweep() {  # LABEL PORT: both experiments against one server
     [ -z "$SW" ] || python3 -m pagoda_daemon bench sweep --iterations "$SWI" --server "$1=http://127.0.0.1:$2" --model m --vocab-size 151936 \
@@ -331,8 +370,6 @@ if has serve-sweep; then
       --input-len 4096 --range-ratio 0.25 --output-len 256 --num-prompts 200 --workload-var request_rate \
       --values "$SWP" --experiment-name prefill-heavy --output-dir "$OUT/sweep" --resume --no-progress || status=1
   }
-  # PORT PATH: pagoda serve answers /v1/models before its engine is ready; /ready waits for it
-  wait_ready() { for _ in $(seq 1 240); do curl -sf "localhost:$1$2" >/dev/null && return 0; sleep 1; done; return 1; }
   python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 8192 --port 18000 --served-model-name m \
     --device cuda --dtype bfloat16 --seed 0 > "$OUT/pagoda-serve.log" 2>&1 &
   SERVE_PID=$!
