@@ -38,15 +38,15 @@ def pd(start_server, tmp_path):
                               "--decode", decode.url, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proxy.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
-        time.sleep(0.2)
     try:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proxy.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
+            time.sleep(0.2)
         yield prefill, decode, url
     finally:
         proxy.terminate()
