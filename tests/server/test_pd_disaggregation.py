@@ -110,3 +110,13 @@ def test_a_source_the_tier_cannot_link_from_is_refused_at_start(tiny_models, tmp
                     kv_offload_disk_gib=0.01, kv_offload_disk_source=elsewhere)
         finally:
             os.rmdir(elsewhere)
+
+
+def test_the_prefill_request_keeps_what_shapes_the_prompt():
+    from pagoda_daemon.server.pd_proxy import prefill_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}],
+            "chat_template_kwargs": {"enable_thinking": False}, "stream": True, "n": 3, "max_completion_tokens": 50,
+            "response_format": {"type": "json_object"}, "tool_choice": "required", "min_tokens": 5}
+    assert prefill_request(body) == {"model": "m", "messages": body["messages"], "tools": body["tools"],
+                                     "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 1}

@@ -21,9 +21,11 @@ from pagoda_daemon.server.errors import APIError, bad_request
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
-# What the prefill request must not carry: it generates one token, unstreamed, once.
+# What the prefill request must not carry: it generates one token, unstreamed, once, with no
+# grammar. Whatever shapes the prompt (messages, tools, chat_template_kwargs) stays, so that the
+# prefill instance computes the very blocks the decode instance will look for.
 _NOT_FOR_PREFILL = ("stream", "stream_options", "n", "best_of", "min_tokens", "max_completion_tokens",
-                    "response_format", "structured_outputs", "tools", "tool_choice")
+                    "response_format", "structured_outputs", "tool_choice")
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
