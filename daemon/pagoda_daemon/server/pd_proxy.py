@@ -39,7 +39,6 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
     import httpx  # here: `pagoda --help` and the delegated commands need neither it nor fastapi
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.background import BackgroundTask
 
     prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
@@ -75,8 +74,15 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
             content = await answer.aread()
             await answer.aclose()
             return Response(content, answer.status_code, media_type=answer.headers.get("content-type"))
-        return StreamingResponse(answer.aiter_raw(), media_type=answer.headers.get("content-type"),
-                                 background=BackgroundTask(answer.aclose))
+
+        async def passed_through():
+            try:
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+            finally:  # also when the client goes away mid-stream: the decode connection goes back
+                await answer.aclose()
+
+        return StreamingResponse(passed_through(), media_type=answer.headers.get("content-type"))
 
     for path in ROUTES:
         async def route(request: Request, path: str = path):
