@@ -390,11 +390,10 @@ def profile(args) -> dict:
             gpu_us += hi - max(lo, end)
             end = hi
     kernels: Counter = Counter()
+    labels = {}
     for e in events:
         if e.device_type.name == "CUDA":
             kernels[e.name[:60]] += (e.time_range.end - e.time_range.start) / 1e3 / args.profile_steps
-    labels = {}
-    for e in events:
         if e.name.startswith("pagoda."):
             labels[e.name] = labels.get(e.name, 0.0) + e.cpu_time_total / 1e3 / args.profile_steps
     if args.trace_dir:

@@ -192,8 +192,12 @@ class DiskIndex:
 
     def shrink(self) -> list[BlockHash]:
         """Evict least recently used blocks down to the size; returns them (their files to drop)."""
+        return self._evict_to(self.num_files)
+
+    def _evict_to(self, count: int) -> list[BlockHash]:
+        """Forget least recently used blocks until at most `count` remain; returns them."""
         evicted = []
-        while len(self.files) > self.num_files:
+        while len(self.files) > count:
             old, _ = self.files.popitem(last=False)
             self.checked.discard(old)
             evicted.append(old)
@@ -213,11 +217,7 @@ class DiskIndex:
             self.files.move_to_end(block_hash)
             self.checked.add(block_hash)
             return []
-        evicted = []
-        while len(self.files) >= self.num_files:
-            old, _ = self.files.popitem(last=False)
-            self.checked.discard(old)
-            evicted.append(old)
+        evicted = self._evict_to(self.num_files - 1)
         self.files[block_hash] = None
         self.checked.add(block_hash)
         return evicted

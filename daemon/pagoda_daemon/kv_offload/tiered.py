@@ -130,6 +130,15 @@ class TieredConnector(OffloadConnector):
                 self.removed(block_hash, DISK_MEDIUM)
         return None
 
+    def _found(self, block_hash: BlockHash) -> str | None:
+        """Where a block this step's lookup found is: looked for, checked or adopted then, so
+        without touching the disk again."""
+        if self.cpu is not None and block_hash in self.cpu:
+            return CPU
+        if self.disk is not None and self.disk.contains(block_hash):
+            return DISK
+        return None
+
     def lookup(self, block_hashes: list[BlockHash]) -> int:
         n = 0
         for block_hash in block_hashes:
@@ -141,7 +150,7 @@ class TieredConnector(OffloadConnector):
     def plan_loads(self, block_hashes: list[BlockHash], gpu_block_ids: list[int]) -> list[KVTransfer]:
         loads = []
         for block_hash, gpu_block in zip(block_hashes, gpu_block_ids, strict=True):
-            where = self._where(block_hash)
+            where = self._found(block_hash)
             if where == CPU:
                 assert self.cpu is not None
                 loads.append(KVTransfer("load_cpu", block_hash, gpu_block, self.cpu.touch(block_hash)))

@@ -35,6 +35,11 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def forwarded_headers(headers: Any) -> dict[str, str]:
+    """What of a client's headers goes on to the instances: its credentials, content type and id."""
+    return {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
+
+
 def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
     import httpx  # here: `pagoda --help` and the delegated commands need neither it nor fastapi
     from fastapi import FastAPI, Request
@@ -59,7 +64,7 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
             raise bad_request(f"the request body is not JSON: {e}") from e
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers = forwarded_headers(request.headers)
         try:
             first = await client.post(prefill_url + path, json=prefill_request(body), headers=headers)
             if first.status_code != 200:  # the request cannot be served: the prefill instance says why
@@ -92,7 +97,7 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
 
     @app.get("/v1/models")
     async def models(request: Request):
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers = forwarded_headers(request.headers)
         try:
             return passed(await client.get(decode_url + "/v1/models", headers=headers))
         except httpx.HTTPError as e:

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
+from pagoda_daemon.engine.block_pool import GPU
+
 logger = logging.getLogger(__name__)
 
-MEDIUM_GPU = "GPU"
+MEDIUM_GPU = GPU  # the device cache's medium, as the block pool's events name it
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ENDPOINT = f"tcp://{DEFAULT_HOST}:5557"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # replay: "no more batches"
