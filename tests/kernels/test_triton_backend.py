@@ -81,8 +81,10 @@ def test_a_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(gen, monkey
 
 @pytest.mark.parametrize("decodes", [1, 2, 3, 4, 5])
 def test_the_rest_of_a_mixed_step_reaches_the_extend_kernel_aligned(gen, monkeypatch, decodes):
-    """Triton compiles a kernel variant per 16-byte alignment of its pointer arguments: however
-    many decodes lead a step, what the extend kernel gets is aligned, so it runs the variant the
+    """Triton compiles a kernel variant per 16-byte alignment of its pointer arguments and per
+    integer argument (1, a multiple of 16, other): however many decodes lead a step, what the
+    extend kernel gets is aligned and its block table keeps the engine's row stride (the model
+    runner hands the backend a column slice of its full-width table), so it runs the variant the
     warm-up compiled."""
     page, heads, kv_heads, head_dim = 16, 4, 2, 64
     b = PagedBatch(gen, [1] * decodes + [5, 1], [9] * decodes + [7, 20], heads, kv_heads, head_dim, page,
@@ -97,8 +99,15 @@ def test_the_rest_of_a_mixed_step_reaches_the_extend_kernel_aligned(gen, monkeyp
         return extend(*args, **kwargs)
 
     monkeypatch.setattr(backend, "_extend", spy)
-    backend.forward(b.q, k, v, b.kv_cache.clone(), _meta(b))
+    meta = _meta(b)
+    width = 64  # the engine's table: max_model_len / page columns, of which a step uses the first few
+    full = torch.zeros(b.block_tables.shape[0], width, dtype=torch.int32)
+    full[:, : b.block_tables.shape[1]] = b.block_tables
+    meta.block_tables = full[:, : b.block_tables.shape[1]]
+    backend.forward(b.q, k, v, b.kv_cache.clone(), meta)
     assert len(seen) >= 6 and all(t.data_ptr() % 16 == 0 for t in seen), [t.data_ptr() % 16 for t in seen]
+    (tables,) = [t for t in seen if t.dim() == 2 and t.dtype == torch.int32]
+    assert tables.stride(0) == width and torch.equal(tables, b.block_tables[decodes:])
 
 
 def test_triton_backend_without_cache(gen):

@@ -73,9 +73,13 @@ class TritonPagedAttention(AttentionBackend):
             # The decodes bring one token each: the rest's tokens start at `decodes`. Its tables
             # are copies, not views: a view starting `decodes` int32 entries in may lose the
             # 16-byte alignment Triton specialises pointers on, and a step would then compile a
-            # variant the warm-up did not (1 s inside a timed round, 2 x H100, 2026-11-26).
+            # variant the warm-up did not (1 s inside a timed round, 2 x H100, 2026-11-26). The
+            # copies keep the views' strides: the block table's row stride is the engine's table
+            # width, one value the warm-up compiled for, where a packed copy's would be this
+            # step's widest row (a compile mid-run on an H100, 2026-11-26).
             rest = meta.backend_state["rest"] = (meta.query_start_loc[decodes:] - decodes,
-                                                 meta.block_tables[decodes:].clone(), meta.seq_lens[decodes:].clone())
+                                                 _aligned_copy(meta.block_tables[decodes:]),
+                                                 _aligned_copy(meta.seq_lens[decodes:]))
         query_start_loc, block_tables, seq_lens = rest
         self._extend(q[decodes:], kv_cache, block_tables, query_start_loc, seq_lens, self.scale,
                      self.sliding_window, self.k_scale, self.v_scale, max_query_len=meta.max_query_len,
@@ -91,3 +95,9 @@ class TritonPagedAttention(AttentionBackend):
             plan = meta.backend_state["decode_plan"] = self._plan_decode(seq_lens, self.num_kv_heads, block_n)
         return self._decode(q, kv_cache, block_tables, seq_lens, self.scale, self.sliding_window,
                             self.k_scale, self.v_scale, plan=plan, out=out, block_n=block_n)
+
+
+def _aligned_copy(view: torch.Tensor) -> torch.Tensor:
+    """A copy of ``view`` in memory of its own (aligned as every fresh allocation is), with the
+    view's strides."""
+    return torch.empty_strided(view.shape, view.stride(), dtype=view.dtype, device=view.device).copy_(view)
