@@ -171,18 +171,26 @@ if has structured; then
   fi
   python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/qwen3-0.6b/config.json || status=1
   python3 -c 'import importlib.metadata as m, xgrammar, jsonschema; print("xgrammar", m.version("xgrammar"))' || status=1
-  so() { timeout "$1" python3 -m benchmarks.structured_outputs $CFG/qwen3-0.6b --tokenizer $TOK "${@:2}" 2>&1 \
+  # ROOT TIMEOUT ARGS...: the benchmark of the tree at ROOT (this one, or SO_BASE's) on its engine
+  so() { (cd "$1" && PYTHONPATH=$1:$1/daemon:$1/kernels:$PYTHONPATH timeout "$2" python3 -m benchmarks.structured_outputs \
+           $CFG/qwen3-0.6b --tokenizer $TOK "${@:3}") 2>&1 \
            | tee -a "$OUT/pagoda_structured.log" | grep -E '^RESULT|Error' | tee -a "$SO"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }
   # the engine as it is: a json round that has not finished after SO_ROUND_TIMEOUT s is cut there
-  # SO_BACKENDS: the engine with each structured-outputs backend in turn (llguidance needs its wheel in .whl)
-  for backend in ${SO_BACKENDS:-xgrammar}; do
-    [ -z "${SO_SKIP_PAGODA:-}" ] && so "${SO_TIMEOUT:-240}" --round-timeout "${SO_ROUND_TIMEOUT:-60}" \
-      --rounds "${SO_ROUNDS:-plain,json,json,matched,plain}" --structured-outputs-backend "$backend"
+  # SO_BACKENDS: the engine with each structured-outputs backend in turn (llguidance needs its wheel in .whl);
+  # SO_BASE: a copy of an earlier daemon/, kernels/ and benchmarks/ (`git archive`), run after this tree
+  for tree in head ${SO_BASE:+base}; do
+    root=$PWD; [ "$tree" = base ] && root=$PWD/$SO_BASE
+    for backend in ${SO_BACKENDS:-xgrammar}; do
+      [ -z "${SO_SKIP_PAGODA:-}" ] && so "$root" "${SO_TIMEOUT:-240}" --round-timeout "${SO_ROUND_TIMEOUT:-60}" \
+        --rounds "${SO_ROUNDS:-plain,json,json,matched,plain}" --structured-outputs-backend "$backend" --label "pagoda-$tree"
+    done
   done
   # the mask fill alone on this host: one matcher per schema, then 128 at once by thread count
-  python3 -m benchmarks.structured_mask_cpu --tokenizer $TOK --variants engine --max-tokens 200 --batch 128 \
-    --threads 1,2,4,8,16 2>&1 | grep -E '^RESULT|Error' | sed 's/^RESULT /RESULT {"mask_cpu": true, /; s/, {/, /' \
-    | tee -a "$SO" || status=1
+  if [ -z "${SO_SKIP_MASK_CPU:-}" ]; then
+    python3 -m benchmarks.structured_mask_cpu --tokenizer $TOK --variants engine --max-tokens 200 --batch 128 \
+      --threads 1,2,4,8,16 2>&1 | grep -E '^RESULT|Error' | sed 's/^RESULT /RESULT {"mask_cpu": true, /; s/, {/, /' \
+      | tee -a "$SO" || status=1
+  fi
   if [ -f .vllm_b/core.part.01 ] && [ -z "${SO_SKIP_VLLM:-}" ]; then
     unpack_vllm || status=1
     # beside (not inside) vLLM's own site-packages: jsonschema, for the check of its outputs, and

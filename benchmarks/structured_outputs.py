@@ -44,6 +44,7 @@ from collections import Counter
 import torch
 
 from benchmarks.structured_schemas import SCHEMAS, assign, validate, validator_name
+from pagoda_daemon.config import STRUCTURED_OUTPUTS_BACKENDS
 
 WARM_UP_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
@@ -70,28 +71,34 @@ def build_core(args, tokenizer):
 
 
 class MaskTimer:
-    """Wall time the engine core spends filling grammar bitmasks (GrammarManager.bitmask), which
-    the step's forward pass overlaps on the device."""
+    """The engine core's grammar masks: the backend's fill time and rows (the engine's own
+    stats), and the wall time the engine core waited for masks before it could sample (the part
+    of the fills that the forward pass, the outputs' bookkeeping and the next schedule did not
+    hide)."""
 
-    def __init__(self, grammars) -> None:
-        self.seconds, self.calls, self.rows = 0.0, 0, 0
-        inner = grammars.bitmask
+    def __init__(self, core) -> None:
+        self.waited = 0.0
+        inner = core._sample_in_flight
 
-        def timed(matchers):
+        def timed():
             t = time.perf_counter()
             try:
-                return inner(matchers)
+                return inner()
             finally:
-                self.seconds += time.perf_counter() - t
-                self.calls += 1
-                self.rows += len(matchers)
+                self.waited += time.perf_counter() - t
 
-        grammars.bitmask = timed
+        core._sample_in_flight = timed
 
-    def take(self) -> dict:
-        out = {"mask_fill_s": round(self.seconds, 3), "mask_fill_steps": self.calls, "mask_fill_rows": self.rows,
-               "mask_fill_us_per_row": round(self.seconds / self.rows * 1e6, 1) if self.rows else None}
-        self.seconds, self.calls, self.rows = 0.0, 0, 0
+    def take(self, stats) -> dict:
+        """The figures since the previous call; ``stats``: the engine's StructuredOutputStats
+        taken since then (GrammarManager.make_stats), or None."""
+        seconds = sum(stats.mask_fill_seconds) if stats is not None else 0.0
+        fills = len(stats.mask_fill_seconds) if stats is not None else 0
+        rows = stats.mask_fill_rows if stats is not None else 0
+        out = {"mask_fill_s": round(seconds, 3), "mask_fill_steps": fills, "mask_fill_rows": rows,
+               "mask_fill_us_per_row": round(seconds / rows * 1e6, 1) if rows else None,
+               "mask_wait_s": round(self.waited, 3)}
+        self.waited = 0.0
         return out
 
 
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-timeout", type=float, default=None,
                     help="stop a round after this many seconds (the rest aborted; reported as incomplete)")
     ap.add_argument("--fill-threads", type=int, default=None, help="mask-fill threads (default: the engine's)")
-    ap.add_argument("--structured-outputs-backend", default="xgrammar", choices=("xgrammar", "llguidance"))
+    ap.add_argument("--structured-outputs-backend", default=STRUCTURED_OUTPUTS_BACKENDS[0],
+                    choices=STRUCTURED_OUTPUTS_BACKENDS)
     ap.add_argument("--label", default="pagoda")
     args = ap.parse_args(argv)
 
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     constrained = [p if s is None else SamplingParams(temperature=args.temperature, max_tokens=p.max_tokens,
                                                       structured_outputs=constraints[s])
                    for p, s in zip(plain, assignment)]
-    timer = MaskTimer(core.scheduler.grammars)
+    timer = MaskTimer(core)
 
     # one constrained request outside the benchmark's schemas: tokenizer tables, masking kernel
     t = time.perf_counter()
@@ -211,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     outs, finish, _, _, _ = run_round(core, [prompts[0]], [warm], "warm", eos, 300)
     warm_up = {"grammar_warm_up_s": round(time.perf_counter() - t, 2), "finish": finish[0],
                "text": tokenizer.decode(outs[0], skip_special_tokens=True)[:80]}
-    core.scheduler.grammars.make_stats()
-    timer.take()
+    timer.take(core.scheduler.grammars.make_stats())
     common = {"engine": args.label, "num_seqs": args.num_seqs,
               "json_fraction": args.json_fraction, "model": os.path.basename(os.path.normpath(args.model)),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
@@ -251,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             res.update(describe_constrained(outs, finish, assignment, tokenizer))
             res["unconstrained_tokens"] = generated - res["constrained_tokens"]
         if kind == "json":
-            res.update(timer.take())
             stats = core.scheduler.grammars.make_stats()
+            res.update(timer.take(stats))
             if stats is not None:
                 res.update(grammar_compiles=stats.compiles, grammar_cache_hits=stats.cache_hits,
                            grammar_compile_s=[round(s, 2) for s in stats.compile_seconds][:8])

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pagoda_daemon.options import check_bounds, option
 
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
-STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")  # engine/grammar.py implements each
+# engine/grammar.py implements each; the first is the default (why: engine/grammar.py)
+STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -48,7 +49,7 @@ class EngineConfig:
     load_format: str = option("auto", "auto: the checkpoint's safetensors; dummy: random weights from "
                               "config.json alone (benchmarks)", choices=("auto", "dummy"))
     structured_outputs_backend: str = option(
-        "xgrammar", "what compiles JSON schemas, regexes, choices and grammars into token masks (vLLM's "
+        STRUCTURED_OUTPUTS_BACKENDS[0], "what compiles JSON schemas, regexes, choices and grammars into token masks (vLLM's "
         "structured_outputs_config.backend)", choices=STRUCTURED_OUTPUTS_BACKENDS)
     enable_kv_events: bool = option(False, "collect KV-cache events for a publisher to drain", cli=False)
     numa_policy: str = option("auto", "CPU pinning of the engine worker: auto (cores of the GPU's NUMA "

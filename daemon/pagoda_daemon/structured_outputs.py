@@ -3,11 +3,11 @@ expression, one of a list of strings, or an EBNF grammar (vLLM's ``structured_ou
 
 One declaration, shared by the offline `LLM`, the HTTP API (``response_format``,
 ``structured_outputs`` and the older ``guided_*`` fields all map here) and the engine core,
-which compiles the constraint with xgrammar (``engine/grammar.py``). Every field is bounded,
+which compiles the constraint into token masks (``engine/grammar.py``). Every field is bounded,
 and ``check()`` parses the constraint the way the engine will, so that a schema, regex or
 grammar that cannot compile is a 400 naming the field before the request is queued (vLLM
 learned to validate before queueing: a bad schema found in the engine fails late and alone).
-The engine reads a constraint with xgrammar (the default) or llguidance
+The engine reads a constraint with llguidance (the default) or xgrammar
 (``--structured-outputs-backend``); ``build_grammar`` and ``build_llguidance_grammar`` are the
 two readings, and ``check`` uses the engine's.
 """
@@ -127,7 +127,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return self.key[0]
 
-    def check(self, backend: str = "xgrammar") -> None:
+    def check(self, backend: str) -> None:
         """Parse the constraint as the engine's backend will, without a tokenizer: a ValueError
         naming the field when it cannot compile."""
         from pagoda_daemon.engine.grammar import BACKENDS

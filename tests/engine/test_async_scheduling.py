@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -96,7 +98,8 @@ def test_penalty_requests_make_the_engine_wait_for_tokens(tiny_models):
 
 def test_constrained_requests_keep_scheduling_ahead(tiny_models):
     """A grammar's mask needs the previous token accepted, but only before sampling: the engine
-    launches step N+1's forward pass, collects step N, fills N+1's masks and then samples. With
+    launches step N+1's forward pass, collects step N, starts filling N+1's masks, schedules
+    N+2 meanwhile, and only then samples N+1. With
     grammar requests (a JSON schema that ends early, a choice, a regex) mixed with plain and
     penalty-free seeded ones, every output equals the synchronous run's, constrained outputs
     match their constraints, and the engine did schedule ahead while they ran."""
@@ -134,12 +137,50 @@ def test_constrained_requests_keep_scheduling_ahead(tiny_models):
     engine = llm.engine
     engine.add_request(prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=60,
                                                   structured_outputs=SO(json=schema)), request_id="c")
-    in_flight = 0
+    # ... and its masks are filled by the backend's threads while the engine core schedules the
+    # next step (a fill made slow here, so that the overlap cannot be a matter of luck)
+    grammars = core.scheduler.grammars
+    backend_fill, schedule = grammars._backend.fill, core.scheduler.schedule
+    fills: list[tuple[float, float]] = []
+    schedules: list[float] = []
+
+    def slow_fill(matchers, out):
+        start = time.monotonic()
+        time.sleep(0.05)
+        backend_fill(matchers, out)
+        fills.append((start, time.monotonic()))
+
+    def timed_schedule():
+        schedules.append(time.monotonic())
+        return schedule()
+
+    grammars._backend.fill, core.scheduler.schedule = slow_fill, timed_schedule
+    try:
+        in_flight = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            in_flight += core._in_flight is not None
+    finally:
+        grammars._backend.fill, core.scheduler.schedule = backend_fill, schedule
+    assert in_flight >= 3, in_flight
+    overlapped = [f for f in fills if any(f[0] < t < f[1] for t in schedules)]
+    assert len(overlapped) >= len(fills) - 1 >= 2, (fills, schedules)
+    kv = core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and not kv.req_blocks
+
+    # aborted while its masks are being filled: the step samples, drops its token, frees all
+    engine.add_request(prompts[1], SamplingParams(temperature=1.0, seed=2, max_tokens=60,
+                                                  structured_outputs=SO(json=schema)), request_id="gone")
+    deadline = time.monotonic() + 30  # its matcher is built in the compile pool first
+    while time.monotonic() < deadline:
+        engine.step()
+        if core._in_flight is not None and isinstance(core._in_flight[1], Future):
+            break
+        time.sleep(0.001)
+    assert core._in_flight is not None and isinstance(core._in_flight[1], Future)
+    engine.abort_request("gone")
     while engine.has_unfinished_requests():
         engine.step()
-        in_flight += core._in_flight is not None
-    assert in_flight >= 3, in_flight
-    kv = core.kv_cache
     assert kv.num_free_blocks == kv.num_blocks and not kv.req_blocks
 
 

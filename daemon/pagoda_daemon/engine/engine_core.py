@@ -11,6 +11,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -28,7 +29,7 @@ from pagoda_daemon.engine.messages import (
 )
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler import Scheduler
-from pagoda_daemon.engine.scheduler_output import SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.executor.abstract import Executor
 from pagoda_daemon.models import loader
 from pagoda_daemon.telemetry.profiling import phase
@@ -106,8 +107,9 @@ class EngineCore:
         # Schedule step N+1 while step N runs (GPU default; on CPU there is nothing to overlap).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.worker_info.device.startswith("cuda"))
-        # the step launched but not collected yet, with what was scheduled for it
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # the step launched but not collected yet, with what was scheduled for it; until its
+        # sampling is launched, the grammar masks it waits for
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep | Future[GrammarBitmask]] | None = None
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        record_events=config.enable_kv_events)
         self.connector = tiered.build_connector(config, self.worker_info.dtype,
@@ -219,8 +221,10 @@ class EngineCore:
         With async scheduling, the step launched here is left running on the GPU and the
         outputs returned are those of the step launched by the previous call: scheduling,
         input preparation and output bookkeeping (CPU) overlap the GPU's work. A step with
-        constrained rows samples in a second call: its grammar masks are filled after the
-        previous step's tokens are accepted, while its forward pass runs.
+        constrained rows samples later: its grammar masks need the previous step's tokens, so
+        the backend's threads fill them after those are accepted, behind this step's forward
+        pass, the outputs' bookkeeping and the next call's scheduling; the next call (or the
+        collection of this step) waits for them and launches the sampling.
         """
         if self._in_flight is not None and self.scheduler.num_needing_host_tokens:
             return self._finish_in_flight()  # penalties need every token on the host first
@@ -231,19 +235,28 @@ class EngineCore:
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
+        self._sample_in_flight()  # the previous step's sampling comes before this step's inputs
         launched = self.executor.execute_model(sched)
         outputs = self._failed_outputs() + self._finish_in_flight()
-        if launched is None:  # constrained rows: their masks need the tokens accepted just now
-            with phase("pagoda.grammar_bitmask"):
-                bitmask = self.scheduler.grammar_bitmask(sched)
-            launched = self.executor.sample_tokens(bitmask)
-        self._in_flight = (sched, launched)
+        # None: constrained rows, whose masks need the tokens accepted just now
+        self._in_flight = (sched, launched if launched is not None else self.scheduler.grammar_bitmask(sched))
         if (not self.async_scheduling or sched.is_empty or self.scheduler.num_needing_host_tokens
                 or not self.scheduler.has_unfinished_requests()):
             # this step's own outputs, now (with nothing left to schedule, a step launched for
             # requests that finished meanwhile holds only tokens to drop: an idle engine has none)
             outputs += self._finish_in_flight()
         return outputs
+
+    def _sample_in_flight(self) -> None:
+        """Launch the sampling of the step in flight, if it waits for its grammar masks."""
+        if self._in_flight is None:
+            return
+        sched, masks = self._in_flight
+        if not isinstance(masks, Future):
+            return
+        with phase("pagoda.grammar_bitmask"):
+            bitmask = masks.result()
+        self._in_flight = (sched, self.executor.sample_tokens(bitmask))
 
     def _failed_outputs(self) -> list[EngineCoreOutput]:
         """Requests the scheduler finished on its own (a grammar that did not compile)."""
@@ -253,8 +266,10 @@ class EngineCore:
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
             return []
+        self._sample_in_flight()
         sched, launched = self._in_flight
         self._in_flight = None
+        assert not isinstance(launched, Future)
         result = launched.result()
         with phase("pagoda.update"):
             return self._outputs(sched, result)
@@ -340,6 +355,10 @@ class EngineCore:
         return now
 
     def shutdown(self) -> None:
+        try:
+            self._sample_in_flight()  # no worker is left inside a step waiting for its masks
+        except Exception:
+            log.exception("the step in flight could not sample before shutdown")
         self.executor.shutdown()
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.shutdown()

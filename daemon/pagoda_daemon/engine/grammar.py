@@ -2,14 +2,18 @@
 track where its output stands, and write the token bitmask that the sampler applies.
 
 A backend does the work (a compiled grammar per constraint, a matcher per request, a packed
-int32 bitmask of the allowed tokens per row): xgrammar by default, as vLLM's default backend
-uses it, or llguidance (``--structured-outputs-backend llguidance``). Compiles
+int32 bitmask of the allowed tokens per row): llguidance by default, or xgrammar (vLLM's
+default, ``--structured-outputs-backend xgrammar``). llguidance is the default because its
+masks cost least here: on an H100, with half of the nano-vllm workload under JSON schemas,
+0.951 of the same tokens' unconstrained throughput against xgrammar's 0.578, same call
+(docs/benchmarks/2026-11-26-structured-outputs-fill-h100.md). Compiles
 run in a thread pool, cached by the constraint's canonical text: a request whose grammar is
 not compiled yet waits in the queue without holding up the batch. Masks are filled for a
 whole step at once by the backend's threads (in C++ or Rust) while the step's forward pass
 runs on the device: the engine core launches the forward pass, accepts the previous step's
-tokens, fills the masks and only then has the worker sample (Executor.sample_tokens), so
-scheduling ahead stays on with constrained requests in the batch.
+tokens, starts the fill, and goes on with the outputs' bookkeeping and the next step's
+schedule; only then does it wait for the masks and have the worker sample
+(Executor.sample_tokens). Scheduling ahead stays on with constrained requests in the batch.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from pagoda_daemon.engine.messages import StructuredOutputStats
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask
 from pagoda_daemon.structured_outputs import (
     StructuredOutputsParams,
     build_grammar,
@@ -57,11 +62,16 @@ def fill_threads() -> int:
 class RequestGrammar:
     """One request's constraint: compiling, then a matcher that follows its output. With
     ``starts_after`` (a token id), the output is free until that token is sampled (a reasoning
-    model's end of thinking) and the constraint follows only what comes after it."""
+    model's end of thinking) and the constraint follows only what comes after it. ``submit``
+    runs a backend's matcher construction off the step loop where it costs a compile
+    (``builds_matchers_apart``)."""
 
-    def __init__(self, future: Future, backend: Callable[[], Any], starts_after: int | None = None) -> None:
+    def __init__(self, future: Future, backend: Callable[[], Any], submit: Callable[..., Future],
+                 starts_after: int | None = None) -> None:
         self._future = future
         self._backend = backend
+        self._submit = submit
+        self._matcher_future: Future | None = None
         self.matcher: Any = None
         self.error: str | None = None
         self.starts_after = starts_after
@@ -75,10 +85,19 @@ class RequestGrammar:
         """Compiled (or failed): the request may be scheduled (or must be failed)."""
         if self.matcher is not None or self.error is not None:
             return True
-        if not self._future.done():
-            return False
         try:
-            self.matcher = self._backend().new_matcher(self._future.result())
+            if self._matcher_future is None:
+                if not self._future.done():
+                    return False
+                backend = self._backend()
+                if backend.builds_matchers_apart:
+                    self._matcher_future = self._submit(backend.new_matcher, self._future.result())
+                    return False
+                self.matcher = backend.new_matcher(self._future.result())
+            elif self._matcher_future.done():
+                self.matcher = self._matcher_future.result()
+            else:
+                return False
         except Exception as e:
             self.error = native_message(e)
         return True
@@ -129,6 +148,7 @@ class XgrammarBackend:
     threads for a step's masks."""
 
     name = "xgrammar"
+    builds_matchers_apart = False  # a GrammarMatcher over the compiled grammar: microseconds
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int) -> None:
         import xgrammar as xgr
@@ -164,12 +184,17 @@ class XgrammarBackend:
 
 
 class LlguidanceBackend:
-    """llguidance 1.x: a constraint compiles into a matcher that each request copies; a step's
-    masks are filled by its executor's threads. Special tokens are never allowed inside a
-    constraint (llguidance lexes text, not special tokens); at the end of one the tokenizer's
+    """llguidance 1.x: each request gets a matcher built from its constraint's grammar (in the
+    compile pool: a few ms), not a deep copy of a shared one: copies of one matcher share its
+    lazily built lexer, and their fills then wait for each other. On an H100 host's 16 cores,
+    36 rows filled by 15 threads took 3.72 ms as copies and 1.74 ms built apart; 128 rows 11.4
+    and 3.4 ms (2026-11-26, docs/benchmarks/2026-11-26-structured-outputs-fill-h100.md). A
+    step's masks are filled by the executor's threads. Special tokens are never allowed inside
+    a constraint (llguidance lexes text, not special tokens); at the end of one the tokenizer's
     end-of-sequence token is the stop."""
 
     name = "llguidance"
+    builds_matchers_apart = True
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int) -> None:
         import llguidance
@@ -194,15 +219,17 @@ class LlguidanceBackend:
         if error:
             raise RuntimeError(llguidance_message(error))
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        matcher = self._llg.LLMatcher(self._tokenizer, build_llguidance_grammar(params), log_level=0)
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The constraint's grammar, once a matcher built from it has no error."""
+        grammar = build_llguidance_grammar(params)
+        self.new_matcher(grammar)
+        return grammar
+
+    def new_matcher(self, grammar: str) -> Any:
+        matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(llguidance_message(matcher.get_error()))
         return matcher
-
-    @staticmethod
-    def new_matcher(compiled: Any) -> Any:
-        return compiled.deep_copy()
 
     @staticmethod
     def accept(matcher: Any, token: int) -> bool:
@@ -217,7 +244,7 @@ class LlguidanceBackend:
 
 
 BACKENDS: dict[str, type[XgrammarBackend] | type[LlguidanceBackend]] = {
-    backend.name: backend for backend in (XgrammarBackend, LlguidanceBackend)
+    backend.name: backend for backend in (LlguidanceBackend, XgrammarBackend)
 }
 
 
@@ -226,7 +253,7 @@ class GrammarManager:
     pool, a cache of compiled grammars, and the step's bitmask."""
 
     def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int],
-                 backend: str = "xgrammar") -> None:
+                 backend: str) -> None:
         """``tokenizer`` is called once, in a compile thread, when the first constraint arrives:
         an engine that never sees one never imports its backend (xgrammar: 2.4 s on a busy
         2-core machine) nor loads a tokenizer of its own."""
@@ -239,6 +266,8 @@ class GrammarManager:
         self._backend: Any = None
         self.fill_threads_used: int | None = None  # set with the backend
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        # one step's masks at a time; the backend spreads each fill over its own threads
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._init_lock = threading.Lock()
@@ -279,7 +308,7 @@ class GrammarManager:
                 self._cache[key] = future
                 if len(self._cache) > CACHE_ENTRIES:
                     self._cache.popitem(last=False)
-        return RequestGrammar(future, self.backend, starts_after)
+        return RequestGrammar(future, self.backend, self._pool.submit, starts_after)
 
     def _compile(self, params: StructuredOutputsParams):
         start = time.perf_counter()
@@ -295,10 +324,23 @@ class GrammarManager:
                 self.stats.compile_seconds.append(time.perf_counter() - start)
         return compiled
 
-    def bitmask(self, matchers: list[Any]) -> np.ndarray:
+    def fill_masks(self, rows: list[int], matchers: list[Any]) -> Future[GrammarBitmask]:
         """The allowed next tokens of each matcher, one packed int32 row each (bit t of row i:
-        token t allowed), filled by the backend's threads. Every matcher comes from a compiled
-        grammar, so the backend exists."""
+        token t allowed) for step row ``rows[i]``, filled by the backend's threads while the caller
+        goes on. Every matcher comes from a compiled grammar, so the backend exists; none may take
+        a token before the result is in.
+
+        Both backends release the GIL while they fill, but the fill thread needs it for the few
+        Python lines before that; a caller busy in Python would hold it for up to the
+        interpreter's switch interval (5 ms, a whole step) before the fill begins. So the caller
+        waits here until the fill thread is inside the backend (tens of µs)."""
+        inside = threading.Event()
+        future = self._fill_pool.submit(self._fill, rows, matchers, inside)
+        inside.wait()
+        return future
+
+    def _fill(self, rows: list[int], matchers: list[Any], inside: threading.Event) -> GrammarBitmask:
+        inside.set()  # the GIL stays here until the backend lets it go, a few lines on
         out = np.empty((len(matchers), self.bitmask_width), dtype=np.int32)  # every row is filled
         start = time.perf_counter()
         self._backend.fill(matchers, out)
@@ -306,7 +348,9 @@ class GrammarManager:
         with self._lock:
             if len(self.stats.mask_fill_seconds) < MAX_TIMES_RECORDED:
                 self.stats.mask_fill_seconds.append(seconds)
-        return out
+            self.stats.mask_fill_rows += len(matchers)
+        return GrammarBitmask(rows, out)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)

@@ -104,8 +104,9 @@ class BalancerStats(msgspec.Struct, array_like=True, gc=False):
 class StructuredOutputStats(msgspec.Struct, array_like=True, gc=False):
     """Constrained decoding since the previous stats: requests that asked for a grammar, grammars
     compiled (with each compile's seconds), requests served from the compiled-grammar cache,
-    compiles that failed, and the seconds of each step's mask fill (the limit of constrained
-    throughput: docs/benchmarks/2026-11-25-structured-outputs-overlap-h100.md)."""
+    compiles that failed, the seconds of each step's mask fill (the limit of constrained
+    throughput: docs/benchmarks/2026-11-25-structured-outputs-overlap-h100.md) and the rows
+    those fills filled."""
 
     requests: int = 0
     compiles: int = 0
@@ -113,13 +114,15 @@ class StructuredOutputStats(msgspec.Struct, array_like=True, gc=False):
     failures: int = 0
     compile_seconds: list[float] = msgspec.field(default_factory=list)
     mask_fill_seconds: list[float] = msgspec.field(default_factory=list)
+    mask_fill_rows: int = 0
 
     def add(self, later: StructuredOutputStats | None) -> StructuredOutputStats:
         """Counters summed (compile times are per period: a running total keeps none)."""
         if later is None:
             return self
         return StructuredOutputStats(self.requests + later.requests, self.compiles + later.compiles,
-                                     self.cache_hits + later.cache_hits, self.failures + later.failures)
+                                     self.cache_hits + later.cache_hits, self.failures + later.failures,
+                                     mask_fill_rows=self.mask_fill_rows + later.mask_fill_rows)
 
 
 class KVOffloadStats(msgspec.Struct, array_like=True, gc=False):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -229,11 +230,12 @@ class Scheduler:
             self._num_offered[rid] = full
         out.kv_saves = self.connector.take_saves()
 
-    def grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
-        """The masks of this step's constrained rows. Called once the previous step's tokens are
-        accepted (the engine core calls it while this step's forward pass runs); a request that
-        finished meanwhile (its grammar ended, an abort) gets no row: its sample is dropped; nor does
-        one whose constraint has not started (still thinking): it samples freely."""
+    def grammar_bitmask(self, sched: SchedulerOutput) -> Future[GrammarBitmask]:
+        """Start filling the masks of this step's constrained rows. Called once the previous
+        step's tokens are accepted (the engine core calls it while this step's forward pass
+        runs); a request that finished meanwhile (its grammar ended, an abort) gets no row: its
+        sample is dropped; nor does one whose constraint has not started (still thinking): it
+        samples freely. No token may be accepted before the masks are in."""
         rows, matchers = [], []
         row = 0
         for s in sched.scheduled:
@@ -246,8 +248,10 @@ class Scheduler:
                 matchers.append(req.grammar.matcher)
             row += 1
         if not matchers or self.grammars is None:
-            return GrammarBitmask()
-        return GrammarBitmask(rows, self.grammars.bitmask(matchers))
+            nothing: Future[GrammarBitmask] = Future()
+            nothing.set_result(GrammarBitmask())
+            return nothing
+        return self.grammars.fill_masks(rows, matchers)
 
     @staticmethod
     def _advance(req: Request, num_new: int, block_ids: list[int], is_new: bool) -> ScheduledRequest:
