@@ -4,7 +4,7 @@ offload; the disk tier survives a restart, a corrupt or foreign file is a miss; 
 
 from __future__ import annotations
 
-import os
+import io
 import random
 from pathlib import Path
 
@@ -115,16 +115,26 @@ def test_failed_disk_writes_cost_a_recompute_not_the_engine(model, block_bytes, 
     left for a failed write."""
     import errno
 
-    real_write, calls = disk_tier.write_block, [0]
+    calls = [0]
 
-    def flaky(path, ident, block_hash, block):
+    class FullDisk(io.FileIO):
+        """A block file whose payload does not fit: the header lands, then ENOSPC."""
+
+        fails, writes = False, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.fails and self.writes == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(data)
+
+    def flaky_open(path, mode="r", *args, **kwargs):
         calls[0] += 1
-        if calls[0] % 3 == 0:
-            path.with_name(f".{path.name}.{os.getpid()}.tmp").write_bytes(b"cut short")
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(path, ident, block_hash, block)
+        f = FullDisk(path, mode.replace("b", ""))
+        f.fails = calls[0] % 3 == 0
+        return f
 
-    monkeypatch.setattr(disk_tier, "write_block", flaky)
+    monkeypatch.setattr(disk_tier, "open", flaky_open, raising=False)  # write_block's, the real one
     llm = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
     with caplog.at_level("WARNING", logger="pagoda_daemon.kv_offload.disk"):
         assert run(llm, workload(order=ORDER)) == reference

@@ -62,10 +62,14 @@ def write_block(path: Path, ident: str, block_hash: BlockHash, block: torch.Tens
                          "dtype": str(cpu.dtype).removeprefix("torch."), "nbytes": len(payload),
                          "crc32": zlib.crc32(payload)}).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + _LEN.pack(len(header)) + header)
-        f.write(payload)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + _LEN.pack(len(header)) + header)
+            f.write(payload)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, an I/O error: no half-written temp file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     return len(payload)
 
 
@@ -135,6 +139,12 @@ class DiskIndex:
         for r in range(len(self.identities)):
             (rank_dir(self.root, r) / file_name(block_hash)).unlink(missing_ok=True)
 
+    def _forget(self, block_hash: BlockHash) -> None:
+        """Drop a block whose files cannot be used: from the index, and its files on every rank."""
+        del self.files[block_hash]
+        self.checked.discard(block_hash)
+        self._delete(block_hash)
+
     def __len__(self) -> int:
         return len(self.files)
 
@@ -150,17 +160,14 @@ class DiskIndex:
                 return True
             log.warning("KV offload: block file %s is missing on some rank (its write failed?): a miss",
                         block_hash.hex())
-            del self.files[block_hash]
-            self.checked.discard(block_hash)
-            self._delete(block_hash)
+            self._forget(block_hash)
             return False
         for r, ident in enumerate(self.identities):
             try:
                 read_block(rank_dir(self.root, r) / file_name(block_hash), ident, block_hash)
             except (OSError, ValueError) as e:
                 log.warning("KV offload: block file %s (rank %d) is unusable (%s): deleted", block_hash.hex(), r, e)
-                del self.files[block_hash]
-                self._delete(block_hash)
+                self._forget(block_hash)
                 return False
         self.checked.add(block_hash)
         return True
@@ -245,8 +252,7 @@ class DiskStore:
             write_block(path, self.ident, block_hash, block)
         except OSError as e:
             log.warning("KV offload: writing block file %s failed (%s): the block will be recomputed", path, e)
-            for leftover in (path, *self.dir.glob(f".{path.name}.*.tmp")):
-                leftover.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
 
     def read(self, block_hash: BlockHash) -> torch.Tensor:
         path = self.dir / file_name(block_hash)

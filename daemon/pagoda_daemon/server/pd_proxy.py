@@ -76,9 +76,9 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
         except httpx.HTTPError as e:
             raise APIError(f"an instance behind the proxy did not answer: {e}", 502, code="bad_gateway") from e
         if answer.status_code != 200:
-            content = await answer.aread()
+            await answer.aread()
             await answer.aclose()
-            return Response(content, answer.status_code, media_type=answer.headers.get("content-type"))
+            return passed(answer)
 
         async def passed_through():
             try:

@@ -35,7 +35,6 @@ from pagoda_daemon.engine.block_pool import GPU
 
 logger = logging.getLogger(__name__)
 
-MEDIUM_GPU = GPU  # the device cache's medium, as the block pool's events name it
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ENDPOINT = f"tcp://{DEFAULT_HOST}:5557"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # replay: "no more batches"
@@ -78,7 +77,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     extra_keys: list | None = None
-    medium: str = MEDIUM_GPU  # GPU: the device cache, whatever the device; CPU, DISK: offload tiers
+    medium: str = GPU  # GPU: the device cache, whatever the device; CPU, DISK: offload tiers
 
 
 @dataclass
@@ -86,7 +85,7 @@ class BlockRemoved:
     """Blocks evicted from the prefix cache or an offload tier (their hash dropped there)."""
 
     block_hashes: list[int]
-    medium: str = MEDIUM_GPU
+    medium: str = GPU
 
 
 @dataclass
@@ -133,10 +132,10 @@ def _decode_event(item: list) -> KVEvent:
             token_ids=list(item[3]),
             block_size=item[4],
             extra_keys=None if extra is None else list(extra),
-            medium=item[6] if len(item) > 6 and item[6] is not None else MEDIUM_GPU,
+            medium=item[6] if len(item) > 6 and item[6] is not None else GPU,
         )
     if tag == "BlockRemoved":
-        return BlockRemoved(block_hashes=list(item[1]), medium=item[2] if len(item) > 2 and item[2] else MEDIUM_GPU)
+        return BlockRemoved(block_hashes=list(item[1]), medium=item[2] if len(item) > 2 and item[2] else GPU)
     if tag == "AllBlocksCleared":
         return AllCleared()
     raise ValueError(f"unknown KV event type {tag!r}")
