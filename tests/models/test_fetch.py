@@ -163,6 +163,38 @@ def test_two_processes_fetching_together_download_each_file_once(hub, tmp_path):
     assert names and len(names) == len(set(names)), names  # each file once, over both processes
 
 
+def test_a_fetch_waiting_on_a_replica_that_then_serves_the_entry_returns(hub, tmp_path):
+    """A replica waits for another's fetch; the other finishes and, serving, keeps a shared lock
+    on the entry for its lifetime (model_cache.hold). The waiter returns the complete entry
+    instead of waiting for an exclusive lock no one will release."""
+    import fcntl
+    import threading
+
+    from pagoda_daemon.models.fetch import lock_path
+
+    entry = fetch(parse("hf://org/tiny"), tmp_path, env=hf_env(hub))
+    marker = entry / COMPLETE_MARKER
+    record = marker.read_bytes()
+    marker.unlink()  # the entry as the fetching replica sees it before it is done
+    fetching = open(lock_path(entry), "a")  # noqa: SIM115 (held across the test)
+    fcntl.flock(fetching, fcntl.LOCK_EX)
+    hub.requests.clear()
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(fetch(parse("hf://org/tiny"), tmp_path,
+                                                                 env=hf_env(hub))), daemon=True)
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive()  # waiting for the lock
+    try:
+        marker.write_bytes(record)  # done: then the fetcher serves, holding the entry shared
+        fcntl.flock(fetching, fcntl.LOCK_SH)  # (a conversion: no waiter gets in between)
+        waiter.join(10.0)
+        assert not waiter.is_alive() and result == [entry]
+        assert hub.resolve_requests() == []  # no file asked for again
+    finally:
+        fetching.close()
+
+
 def test_an_interrupted_download_resumes_with_a_range_request(hub, tmp_path, monkeypatch):
     """The server cuts the connection after 1000 bytes of a shard; `huggingface_hub` keeps what
     came (in chunks of DOWNLOAD_CHUNK_SIZE, 10 MB by default: made small here for a tiny file)

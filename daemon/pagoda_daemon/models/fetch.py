@@ -51,6 +51,7 @@ COMPLETE_MARKER = ".pagoda-complete.json"
 DEFAULT_CACHE_DIR = "~/.cache/pagoda/models"
 CACHE_DIR_ENV = "PAGODA_CACHE_DIR"
 CHUNK_BYTES = 1 << 20
+LOCK_POLL_S = 0.2  # how often a replica waiting for another's fetch looks again
 
 
 class ModelFetchError(RuntimeError):
@@ -196,8 +197,9 @@ def _fetch(uri: ModelUri, cache_dir: Path, env: Mapping[str, str] | None,
         _write_ref(base, source.ref_name(), revision)
         return _used(entry)
     base.mkdir(parents=True, exist_ok=True)
-    with _locked(lock_path(entry)):
-        if (entry / COMPLETE_MARKER).is_file():  # another process fetched it while this one waited
+    complete = entry / COMPLETE_MARKER
+    with _locked(lock_path(entry), complete.is_file) as locked:
+        if not locked or complete.is_file():  # another process fetched it while this one waited
             log.info("%s: fetched by another process meanwhile", uri)
             return _used(entry)
         entry.mkdir(parents=True, exist_ok=True)
@@ -242,15 +244,28 @@ def _write_ref(base: Path, ref: str, revision: str) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path, done: Callable[[], bool]) -> Iterator[bool]:
+    """Hold the entry's lock exclusively (True), or stop waiting for it once ``done()`` (False).
+    Tries, not a blocking wait: the process that fetched the entry takes a shared lock on it as
+    soon as it serves (model_cache.hold) and keeps it, so a replica blocked on the exclusive lock
+    would wait forever unless it won the moment between the two (seen in e2e: a second replica
+    "downloading model" for 5 minutes beside a Ready first)."""
     with open(path, "a") as handle:
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if done():
+                    yield False
+                    return
+                if not waiting:
+                    log.info("waiting for another process fetching into %s", path.parent)
+                    waiting = True
+                time.sleep(LOCK_POLL_S)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process fetching into %s", path.parent)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
