@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,64 @@ def test_failed_disk_writes_cost_a_recompute_not_the_engine(model, block_bytes, 
     assert files <= {disk_tier.file_name(h) for h in core.connector.disk.files}
     assert not list(core.executor.worker.offload.disk.dir.glob("*.tmp"))
     core.connector.check()
+
+
+def corrupt(path: Path) -> None:
+    """Flip the payload's last bytes: the file is still there, its CRC no longer matches."""
+    data = path.read_bytes()
+    path.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+
+
+# Prefixes asked for twice in one batch too, so that a request shares a failing load's block
+# as a GPU prefix hit in the step that loads it.
+PAIRS_ORDER = [0, 1, 2, 3, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("tiers", ["disk", "cpu+disk"])
+def test_block_files_corrupted_after_their_lookup_cost_a_recompute(model, block_bytes, tmp_path, tiers,
+                                                                   async_scheduling, caplog):
+    """A file this run wrote is stat-ed, not read, by a lookup: one whose bytes change after
+    that fails its load on the worker (CRC). A third of the files are corrupted after every
+    batch of two. The requests that read a failed block are computed again and the others of
+    the step keep their tokens: outputs equal the engine without offload, every failure is
+    counted, no block is left held and the tiers' accounting matches their contents."""
+    prompts = workload(order=PAIRS_ORDER)
+    engine = dict(ENGINE, async_scheduling=async_scheduling)
+
+    def run_pairs(llm: LLM, hook=lambda: None) -> list[list[int]]:
+        outs = []
+        for i in range(0, len(prompts), 2):
+            outs += [o.outputs[0].token_ids for o in llm.generate(prompts[i : i + 2], PARAMS)]
+            hook()
+        return outs
+
+    reference = run_pairs(LLM(model, **engine))
+    opts: dict = dict(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
+    if tiers == "cpu+disk":
+        opts["kv_offload_cpu_gib"] = gib(8, block_bytes)  # most repeats come back from disk, promoted
+    llm = LLM(model, **engine, **opts)
+    rng = random.Random(5)
+    rank0 = tmp_path / "kv" / "rank0"
+    corrupted: set[str] = set()
+
+    def corrupt_a_third() -> None:
+        files = sorted(rank0.glob(f"*{disk_tier.SUFFIX}"))
+        for path in rng.sample(files, len(files) // 3):
+            corrupt(path)
+            corrupted.add(path.name)
+
+    with caplog.at_level("WARNING", logger="pagoda_daemon.kv_offload.tiered"):
+        assert run_pairs(llm, corrupt_a_third) == reference
+    stats = llm.get_stats().kv_offload
+    assert stats.failed_loads >= 3 and stats.loaded_bytes.get("disk", 0) > 0, stats
+    assert_idle_and_consistent(llm)
+    failed = [Path(m[1]) for r in caplog.records if (m := re.search(r"block file (\S+) changed under", r.getMessage()))]
+    assert len(failed) == stats.failed_loads and {p.name for p in failed} <= corrupted
+    # once more without corruption: files still corrupt (never looked up since) fail and are
+    # recomputed the same way; the rest load
+    assert run_pairs(llm) == reference
+    assert_idle_and_consistent(llm)
 
 
 def test_disk_tier_survives_a_restart_and_a_corrupt_file_is_a_miss(model, block_bytes, tmp_path):

@@ -20,11 +20,13 @@ BS = 16
 class FakeConnector(OffloadConnector):
     """Holds whatever is saved; loads what it holds."""
 
-    def __init__(self, held: set[BlockHash] | None = None) -> None:
+    def __init__(self, held: set[BlockHash] | None = None, load_kind: str = "load_cpu") -> None:
         super().__init__()
         self.held = set(held or ())
         self.saves: list[KVTransfer] = []
         self.lookups: list[int] = []
+        self.load_kind = load_kind
+        self.forgotten: list[KVTransfer] = []
 
     def lookup(self, block_hashes):
         self.lookups.append(len(block_hashes))
@@ -34,7 +36,7 @@ class FakeConnector(OffloadConnector):
         return n
 
     def plan_loads(self, block_hashes, gpu_block_ids):
-        return [KVTransfer("load_cpu", h, b, 0) for h, b in zip(block_hashes, gpu_block_ids, strict=True)]
+        return [KVTransfer(self.load_kind, h, b, 0) for h, b in zip(block_hashes, gpu_block_ids, strict=True)]
 
     def plan_save(self, block_hash, gpu_block_id):
         if block_hash not in self.held:
@@ -44,6 +46,10 @@ class FakeConnector(OffloadConnector):
     def take_saves(self):
         saves, self.saves = self.saves, []
         return saves
+
+    def forget(self, transfers):
+        self.forgotten += transfers
+        self.held -= {t.block_hash for t in transfers}
 
     def check(self):
         pass
@@ -198,3 +204,54 @@ def test_the_tiers_report_stores_and_removals_as_kv_events(tmp_path):
                             "float32", block_bytes)
     quiet.plan_save(h[0], 0)
     assert quiet.take_events() == []  # events off: nothing kept
+
+
+def test_a_failed_load_sends_the_requests_that_read_it_back_to_be_computed():
+    """"b" loads 4 blocks from disk and "c" shares them as GPU prefix hits in the same step;
+    the second load fails. Both go back to the front of the queue with nothing kept from the
+    step past the first block; the blocks from the failed one on leave the prefix cache; the
+    connector forgets the failed load's source and the saves of blocks built on it; "d",
+    unrelated, keeps its token. Then all three finish and no block is left held."""
+    conn = FakeConnector(load_kind="load_disk")
+    sched = make(connector=conn)
+    sched.add_request(request("a", 64))
+    step(sched)
+    sched.abort_requests(["a"])
+    sched.kv_cache.reset_prefix_cache()
+    for rid, first in (("b", 100), ("c", 100), ("d", 1000)):
+        sched.add_request(request(rid, 90, first=first))  # 5 full blocks, 4 on the tier
+    out = sched.schedule()
+    assert out.loads_may_fail and [t.kind for t in out.kv_loads] == ["load_disk"] * 4
+    b_blocks, c_blocks = sched.kv_cache.block_ids("b"), sched.kv_cache.block_ids("c")
+    assert c_blocks[:5] == b_blocks[:5]  # prefix hits on the blocks being loaded (and computed)
+    failed = b_blocks[1]
+    built_on = out.blocks_built_on({failed})
+    assert built_on == set(b_blocks[1:]) | set(c_blocks[1:])
+    saved = [t for t in out.kv_saves if t.gpu_block in built_on]
+    assert [t.gpu_block for t in saved] == [b_blocks[4]]  # computed on top of the failed block: not kept
+    assert len(out.kv_saves) == 1 + 5  # and d's
+    b_hashes = list(sched.requests["b"].block_hashes)
+
+    finished, accepted = sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled
+                                                        if s.samples}, [failed])
+    assert not finished and list(accepted) == ["d"]
+    assert [r.request_id for r in list(sched.waiting)[:2]] == ["b", "c"]
+    for rid in ("b", "c"):
+        req = sched.requests[rid]
+        assert req.num_computed_tokens == 0 and req.num_output_tokens == 0 and req.num_pending_tokens == 0
+        assert sched.kv_cache.block_ids(rid) == []
+    pool = sched.kv_cache.pool
+    assert pool.get_cached_block(b_hashes[0]).block_id == b_blocks[0]  # loaded fine: kept
+    assert all(pool.get_cached_block(h) is None for h in b_hashes[1:])
+    assert conn.forgotten == [out.kv_loads[1], *saved] and conn.stats.failed_loads == 1
+
+    out = sched.schedule()
+    b = next(s for s in out.scheduled if s.request.request_id == "b")
+    assert b.start == BS and not out.kv_loads  # block 0 from the GPU cache; block 1 is gone from the tier
+    sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+    for _ in range(20):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+    assert not sched.has_unfinished_requests() and sched.kv_cache.num_free_blocks == 32
+    assert sched.requests == {}

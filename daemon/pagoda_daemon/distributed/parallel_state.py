@@ -139,6 +139,18 @@ def min_over_ranks(value: int, tp: TensorParallel) -> int:
     return int(t.item())
 
 
+def any_over_ranks(flags: list[bool], tp: TensorParallel) -> list[bool]:
+    """Each flag set where any rank set it (KV loads that failed on some rank: every rank must
+    skip the same saves and the scheduler must undo the same requests)."""
+    if not tp.enabled or not flags:
+        return flags
+    t = torch.tensor(flags, dtype=torch.int32)
+    if dist.get_backend(tp.group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp.group)
+    return [bool(v) for v in t.tolist()]
+
+
 def num_experts_of(model_config) -> int:
     """The MoE experts of a model (Qwen3-MoE's num_experts, Mixtral's num_local_experts), 0 for a dense one."""
     return getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0

@@ -111,6 +111,11 @@ class BlockPool:
         if self.record_events:
             self.events.append(StoredBlock(block_hash, parent_hash, list(token_ids or ()), extra_keys))
 
+    def forget(self, blocks: list[KVCacheBlock]) -> None:
+        """Take these blocks out of the prefix cache (their KV is wrong): no lookup finds them."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no request holds a block."""
         if self.num_free_blocks != self.num_blocks:

@@ -241,9 +241,10 @@ class EngineCore:
         # None: constrained rows, whose masks need the tokens accepted just now
         self._in_flight = (sched, launched if launched is not None else self.scheduler.grammar_bitmask(sched))
         if (not self.async_scheduling or sched.is_empty or self.scheduler.num_needing_host_tokens
-                or not self.scheduler.has_unfinished_requests()):
+                or sched.loads_may_fail or not self.scheduler.has_unfinished_requests()):
             # this step's own outputs, now (with nothing left to schedule, a step launched for
-            # requests that finished meanwhile holds only tokens to drop: an idle engine has none)
+            # requests that finished meanwhile holds only tokens to drop: an idle engine has none;
+            # a step whose KV loads may fail is undone for their requests before anything builds on it)
             outputs += self._finish_in_flight()
         return outputs
 
@@ -275,7 +276,7 @@ class EngineCore:
             return self._outputs(sched, result)
 
     def _outputs(self, sched, result) -> list[EngineCoreOutput]:
-        finished, accepted = self.scheduler.update_from_output(sched, result.sampled)
+        finished, accepted = self.scheduler.update_from_output(sched, result.sampled, result.failed_kv_blocks)
         finished_ids = {r.request_id for r in finished}
         outputs = []
         for s in sched.scheduled:

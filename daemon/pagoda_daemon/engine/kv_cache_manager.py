@@ -120,6 +120,10 @@ class KVCacheManager:
         self.num_hashed_blocks.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
 
+    def forget_blocks(self, block_ids: set[int]) -> None:
+        """Take blocks whose KV is wrong out of the prefix cache (a failed KV offload load)."""
+        self.pool.forget([self.pool.blocks[i] for i in sorted(block_ids)])
+
     def block_ids_with_content(self) -> list[int]:
         return self.pool.ids_with_content()
 

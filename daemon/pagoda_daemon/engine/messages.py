@@ -128,14 +128,15 @@ class StructuredOutputStats(msgspec.Struct, array_like=True, gc=False):
 class KVOffloadStats(msgspec.Struct, array_like=True, gc=False):
     """KV offload (kv_offload/) since the previous stats: tokens looked up in the offload tiers
     and tokens found there (vLLM's external prefix cache counters), bytes copied back to the GPU
-    and saved, per tier (``cpu``, ``disk``; summed over the ranks), and the seconds rank 0 spent
-    copying."""
+    and saved, per tier (``cpu``, ``disk``; summed over the ranks), the seconds rank 0 spent
+    copying, and the blocks whose load failed (their requests were recomputed)."""
 
     queries: int = 0
     hits: int = 0
     loaded_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     saved_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     transfer_seconds: float = 0.0
+    failed_loads: int = 0
 
     def add(self, later: KVOffloadStats | None) -> KVOffloadStats:
         if later is None:
@@ -145,7 +146,7 @@ class KVOffloadStats(msgspec.Struct, array_like=True, gc=False):
             for tier, n in theirs.items():
                 mine[tier] = mine.get(tier, 0) + n
         return KVOffloadStats(self.queries + later.queries, self.hits + later.hits, loaded, saved,
-                              self.transfer_seconds + later.transfer_seconds)
+                              self.transfer_seconds + later.transfer_seconds, self.failed_loads + later.failed_loads)
 
 
 # An elastic resize's phases (executor/resize.py), as the admin endpoint and the metrics name them.

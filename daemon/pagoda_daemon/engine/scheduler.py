@@ -25,7 +25,12 @@ from typing import TYPE_CHECKING
 from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.request import Request, RequestStatus
-from pagoda_daemon.engine.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import (
+    SAVES_FROM_GPU,
+    GrammarBitmask,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 if TYPE_CHECKING:
     from pagoda_daemon.kv_offload.connector import OffloadConnector
@@ -280,11 +285,14 @@ class Scheduler:
         out.preempted_request_ids.append(req.request_id)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int], failed_kv_blocks: list[int] | None = None,
     ) -> tuple[list[Request], dict[str, int]]:
         """Append the step's sampled tokens; returns the requests that finished and the tokens
         accepted (a token is dropped when its request finished while the step ran: an abort,
-        a stop string, or an EOS sampled by the step before, when scheduling ran ahead)."""
+        a stop string, or an EOS sampled by the step before, when scheduling ran ahead; or when
+        its request read a block whose KV offload load failed: it is computed again)."""
+        recomputed = (self._recompute_failed_loads(scheduler_output, set(failed_kv_blocks))
+                      if failed_kv_blocks else set())
         finished = []
         accepted: dict[str, int] = {}
         for sched in scheduler_output.scheduled:
@@ -292,7 +300,7 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             req = sched.request
             req.num_pending_tokens -= 1
-            if req.status.finished:
+            if req.status.finished or req.request_id in recomputed:
                 continue
             token = sampled[req.request_id]
             if req.grammar is not None and not req.grammar.accept(token):
@@ -310,6 +318,35 @@ class Scheduler:
                 self._finish(req, status)
                 finished.append(req)
         return finished, accepted
+
+    def _recompute_failed_loads(self, sched: SchedulerOutput, failed: set[int]) -> set[str]:
+        """Undo a step for the requests that read a block whose KV load failed (on any rank).
+        That block and those computed on top of it leave the prefix cache; the tier copies the
+        loads came from, and what the step saved of those blocks, are forgotten; each such request
+        goes back to the front of the queue, to be computed again from the blocks before the
+        failure (right, and still cached). The step's other requests keep their tokens: a
+        request's attention reads its own blocks only. Such a step is collected before the next
+        is scheduled (SchedulerOutput.loads_may_fail), so nothing else has built on it."""
+        built_on = sched.blocks_built_on(failed)
+        self.kv_cache.forget_blocks(built_on)
+        if self.connector is not None:
+            failed_loads = [t for t in sched.kv_loads if t.gpu_block in failed]
+            self.connector.stats.failed_loads += len(failed_loads)
+            self.connector.forget(failed_loads + [t for t in sched.kv_saves
+                                                  if t.kind in SAVES_FROM_GPU and t.gpu_block in built_on])
+        undone = []
+        for s in sched.scheduled:
+            req = s.request
+            if s.is_new and req.status == RequestStatus.RUNNING and failed.intersection(s.new_block_ids):
+                log.warning("request %s read KV blocks whose load failed: computing it again", req.request_id)
+                self.running.remove(req)
+                self.kv_cache.free(req)
+                self._num_offered.pop(req.request_id, None)
+                req.status = RequestStatus.WAITING
+                req.num_computed_tokens = 0
+                undone.append(req)
+        self.waiting.extendleft(reversed(undone))
+        return {r.request_id for r in undone}
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params

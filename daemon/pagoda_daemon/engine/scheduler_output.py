@@ -33,6 +33,14 @@ class KVTransfer(msgspec.Struct, array_like=True, frozen=True, gc=False):
     slot: int = -1
 
 
+# Loads that can fail on a worker: a block file deleted, cut short or corrupted after the
+# scheduler's lookup found it. Host-memory loads are copies between tensors the engine owns.
+FALLIBLE_LOADS = frozenset({"load_disk"})
+# Copies out of a GPU block: what a step whose loads failed saved of the blocks it computed on
+# top of them is forgotten.
+SAVES_FROM_GPU = frozenset({"save_cpu", "save_disk"})
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
@@ -62,6 +70,25 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def loads_may_fail(self) -> bool:
+        """Whether a KV load of this step can fail (the engine core collects such a step before
+        it schedules the next, so that nothing is built on a failed load before it is undone)."""
+        return any(t.kind in FALLIBLE_LOADS for t in self.kv_loads)
+
+    def blocks_built_on(self, failed: set[int]) -> set[int]:
+        """The GPU blocks whose KV is wrong when the loads into ``failed`` did not happen: those
+        blocks, and every later block of a request holding one, which this step computed (or
+        loaded) on top of them. Only requests new in this step can hold a block loaded by it,
+        and their block lists are whole."""
+        built_on: set[int] = set()
+        for s in self.scheduled:
+            ids = s.new_block_ids
+            first = next((i for i, b in enumerate(ids) if b in failed), None) if s.is_new else None
+            if first is not None:
+                built_on.update(ids[first:])
+        return built_on
 
 
 @dataclass

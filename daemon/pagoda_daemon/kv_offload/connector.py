@@ -68,6 +68,12 @@ class OffloadConnector(ABC):
     def take_saves(self) -> list[KVTransfer]:
         """The copies (and evictions) to run after this step's forward pass."""
 
+    @abstractmethod
+    def forget(self, transfers: list[KVTransfer]) -> None:
+        """A step's loads failed: forget the tier copies these transfers name, the failed loads'
+        sources (unusable) and the step's saves of blocks computed on top of them (wrong), so
+        that no later lookup finds them."""
+
     def stored(self, block_hash: BlockHash, medium: str) -> None:
         if self.record_events:
             self.events.append(StoredBlock(block_hash, None, [], (), medium))
@@ -96,8 +102,10 @@ class OffloadWorker(ABC):
         self.transfer_seconds = 0.0
 
     @abstractmethod
-    def run(self, transfers: list[KVTransfer], kv_cache) -> None:
-        """Perform ``transfers`` in order. ``kv_cache``: the worker's
+    def run(self, transfers: list[KVTransfer], kv_cache) -> list[bool]:
+        """Perform ``transfers`` in order; returns which failed. Only a fallible load
+        (scheduler_output.FALLIBLE_LOADS) may: its GPU block is zeroed and the scheduler recomputes
+        the requests that read it. ``kv_cache``: the worker's
         ``[layers, 2, blocks, block_size, heads, head_dim]`` tensor."""
 
     def take_transfer_seconds(self) -> float:

@@ -44,6 +44,14 @@ class CpuIndex:
         self.slots[block_hash] = slot
         return slot, evicted
 
+    def remove(self, block_hash: BlockHash) -> bool:
+        """Forget a hash, its slot free again; False if it was not here."""
+        slot = self.slots.pop(block_hash, None)
+        if slot is None:
+            return False
+        self.free.append(slot)
+        return True
+
     def check(self) -> None:
         used = list(self.slots.values())
         assert len(used) == len(set(used)), "two hashes share a host slot"

@@ -139,11 +139,15 @@ class DiskIndex:
         for r in range(len(self.identities)):
             (rank_dir(self.root, r) / file_name(block_hash)).unlink(missing_ok=True)
 
-    def _forget(self, block_hash: BlockHash) -> None:
-        """Drop a block whose files cannot be used: from the index, and its files on every rank."""
+    def forget(self, block_hash: BlockHash) -> bool:
+        """Drop a block whose files cannot be used: from the index, and its files on every rank.
+        False if the index did not have it."""
+        if block_hash not in self.files:
+            return False
         del self.files[block_hash]
         self.checked.discard(block_hash)
         self._delete(block_hash)
+        return True
 
     def __len__(self) -> int:
         return len(self.files)
@@ -160,14 +164,14 @@ class DiskIndex:
                 return True
             log.warning("KV offload: block file %s is missing on some rank (its write failed?): a miss",
                         block_hash.hex())
-            self._forget(block_hash)
+            self.forget(block_hash)
             return False
         for r, ident in enumerate(self.identities):
             try:
                 read_block(rank_dir(self.root, r) / file_name(block_hash), ident, block_hash)
             except (OSError, ValueError) as e:
                 log.warning("KV offload: block file %s (rank %d) is unusable (%s): deleted", block_hash.hex(), r, e)
-                self._forget(block_hash)
+                self.forget(block_hash)
                 return False
         self.checked.add(block_hash)
         return True

@@ -193,6 +193,13 @@ class TieredConnector(OffloadConnector):
             self.stored(block_hash, DISK_MEDIUM)
         self._count(self.stats.saved_bytes, DISK)
 
+    def forget(self, transfers: list[KVTransfer]) -> None:
+        for t in transfers:
+            if t.kind in ("load_cpu", "save_cpu") and self.cpu is not None and self.cpu.remove(t.block_hash):
+                self.removed(t.block_hash, CPU_MEDIUM)
+            elif t.kind in ("load_disk", "save_disk") and self.disk is not None and self.disk.forget(t.block_hash):
+                self.removed(t.block_hash, DISK_MEDIUM)
+
     def _count(self, counter: dict[str, int], tier: str) -> None:
         counter[tier] = counter.get(tier, 0) + self.bytes_per_block
 
@@ -228,15 +235,23 @@ class TieredWorker(OffloadWorker):
                                kv_cache.dtype)
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
 
-    def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> None:
+    def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> list[bool]:
         started = time.perf_counter()
-        for t in transfers:
+        failed = [False] * len(transfers)
+        for i, t in enumerate(transfers):
             if t.kind == "load_cpu":
                 assert self.cpu is not None
                 self.cpu.load(t.slot, kv_cache, t.gpu_block)
             elif t.kind == "load_disk":
                 assert self.disk is not None
-                kv_cache[:, :, t.gpu_block].copy_(self.disk.read(t.block_hash))
+                try:
+                    block = self.disk.read(t.block_hash)
+                except RuntimeError as e:  # the file changed since the lookup: the block is recomputed
+                    log.warning("%s: its requests are recomputed", e)
+                    kv_cache[:, :, t.gpu_block].zero_()  # the step runs over it: finite values, never stale ones
+                    failed[i] = True
+                    continue
+                kv_cache[:, :, t.gpu_block].copy_(block)
             elif t.kind == "save_cpu":
                 assert self.cpu is not None
                 self.cpu.save(t.slot, kv_cache, t.gpu_block)
@@ -252,6 +267,7 @@ class TieredWorker(OffloadWorker):
             else:
                 raise ValueError(f"unknown KV transfer {t.kind!r}")
         self.transfer_seconds += time.perf_counter() - started
+        return failed
 
 
 def build_connector(config: EngineConfig, dtype: str, block_bytes: int) -> TieredConnector | None:

@@ -291,6 +291,10 @@ class EngineMetrics:
             "pagoda:kv_offload_transfer_seconds", "Seconds the engine's first rank spent copying KV blocks to and "
             "from the offload tiers.", labels, registry=r,
         ).labels(model_name)
+        self._offload_failed_loads = Counter(
+            "pagoda:kv_offload_failed_loads", "KV blocks whose load from an offload tier failed (a block file changed "
+            "after its lookup); the requests reading them were recomputed.", labels, registry=r,
+        ).labels(model_name)
         self._grammar_requests = Counter(
             "pagoda:structured_output_requests", "Requests with an output constraint (JSON schema, regex, choice, "
             "grammar, or a forced tool call).", labels, registry=r,
@@ -369,6 +373,7 @@ class EngineMetrics:
             for tier, n in o.saved_bytes.items():
                 self._offload_saved.labels(self.model_name, tier.upper()).inc(n)
             self._offload_seconds.inc(o.transfer_seconds)
+            self._offload_failed_loads.inc(o.failed_loads)
         e = stats.elastic
         if e is not None:
             self._expert_parallel.set(e.size)

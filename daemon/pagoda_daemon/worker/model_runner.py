@@ -57,6 +57,9 @@ class StepResult:
     # request id -> (position of the first prompt token scored, one entry per scored token), for
     # requests that asked for prompt logprobs and had prompt tokens in this step
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # GPU blocks whose KV offload loads failed on some rank (Worker.execute_model): their
+    # requests' tokens from this step are wrong, and the scheduler recomputes them
+    failed_kv_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -106,6 +109,7 @@ class LaunchedStep:
         self.host = host
         self.event = event
         self.prompt_logprobs = prompt_logprobs or {}
+        self.failed_kv_blocks: list[int] = []
 
     @classmethod
     def empty(cls) -> LaunchedStep:
@@ -120,7 +124,7 @@ class LaunchedStep:
     def result(self) -> StepResult:
         self.wait()  # also a step that sampled nothing: the next step but one reuses its input buffers
         if not self.request_ids:
-            return StepResult({}, {}, self.prompt_logprobs)
+            return StepResult({}, {}, self.prompt_logprobs, self.failed_kv_blocks)
         tokens = self.host["sampled"].tolist()
         sampled = dict(zip(self.request_ids, tokens))
         logprobs: dict[str, dict[int, float]] = {}
@@ -137,7 +141,7 @@ class LaunchedStep:
                 for tid, lp in zip(top_ids[j][:n], top_lps[j][:n]):
                     entry.setdefault(tid, lp)
                 logprobs[rid] = entry
-        return StepResult(sampled, logprobs, self.prompt_logprobs)
+        return StepResult(sampled, logprobs, self.prompt_logprobs, self.failed_kv_blocks)
 
 
 @dataclass

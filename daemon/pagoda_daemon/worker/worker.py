@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from pagoda_daemon.distributed.parallel_state import min_over_ranks, num_experts_of, tensor_parallel_group
+from pagoda_daemon.distributed.parallel_state import (
+    any_over_ranks,
+    min_over_ranks,
+    num_experts_of,
+    tensor_parallel_group,
+)
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.kv_offload.connector import OffloadWorker
 from pagoda_daemon.models import loader
@@ -116,6 +121,7 @@ class Worker:
         self.uses_cuda_graphs = (self.device.type == "cuda" and self.backend.uses_kernels
                                  and not config.enforce_eager)
         self.offload: OffloadWorker | None = None  # KV offload's worker half, once the cache exists
+        self._failed_kv_blocks: list[int] = []  # the latest step's blocks whose KV loads failed
 
     def info(self) -> WorkerInfo:
         pin = self.cpu_pin
@@ -205,20 +211,40 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         """KV offload loads first (the step counts their tokens as computed), then the step,
-        then the saves of the blocks it filled (synchronous copies: docs/kv-offload.md)."""
-        if scheduler_output.kv_loads and self.offload is not None:
+        then the saves of the blocks it filled (synchronous copies: docs/kv-offload.md).
+
+        A load that failed on any rank (a block file changed since its lookup) leaves wrong KV
+        in its block and in the blocks computed on top of it: the step's result names the failed
+        blocks (agreed by every rank), and the scheduler recomputes their requests and forgets
+        what the step saved of them."""
+        so = scheduler_output
+        failed: set[int] = set()
+        if so.kv_loads and self.offload is not None:
             with phase("pagoda.kv_offload_load"):
-                self.offload.run(scheduler_output.kv_loads, self.runner.kv_cache)
-        launched = self.runner.execute(scheduler_output)
-        if scheduler_output.kv_saves and self.offload is not None:
+                flags = self.offload.run(so.kv_loads, self.runner.kv_cache)
+            if so.loads_may_fail:
+                flags = any_over_ranks(flags, self.tp)
+            failed = {t.gpu_block for t, bad in zip(so.kv_loads, flags, strict=True) if bad}
+        self._failed_kv_blocks = sorted(failed)
+        launched = self._with_failed_loads(self.runner.execute(so))
+        if so.kv_saves and self.offload is not None:
             with phase("pagoda.kv_offload_save"):
-                self.offload.run(scheduler_output.kv_saves, self.runner.kv_cache)
-        if self.balancer is not None and not scheduler_output.is_empty:
+                self.offload.run(so.kv_saves, self.runner.kv_cache)
+        if self.balancer is not None and not so.is_empty:
             self.balancer.step()  # every rank runs the same steps: they rebalance together
         return launched
 
     def sample_tokens(self, grammar: GrammarBitmask) -> LaunchedStep:
-        return self.runner.sample(grammar)
+        launched = self._with_failed_loads(self.runner.sample(grammar))
+        assert launched is not None
+        return launched
+
+    def _with_failed_loads(self, launched: LaunchedStep | None) -> LaunchedStep | None:
+        """The step's result carries the blocks whose loads failed (a step with constrained rows
+        launches its sampling, hence its result, later: sample_tokens)."""
+        if launched is not None:
+            launched.failed_kv_blocks = self._failed_kv_blocks
+        return launched
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
