@@ -8,7 +8,9 @@ loads them instead of computing them, and generates the answer, streamed or not,
 proxy passes back as it comes. vLLM's P/D examples route the same way.
 
 The proxy holds no state and no credentials of its own: a client's ``Authorization`` header
-goes to both instances, which check it (docs/security.md).
+goes to both instances, which check it (docs/security.md). ``/ready`` is ready only when both
+instances are (a pod running the three is Ready only then), and ``/metrics`` is the decode
+instance's: its requests, KV cache and prefix hits are what the clients of the proxy see.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request,
@@ -40,13 +42,28 @@ def forwarded_headers(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
 
 
-def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
+PROBE_TIMEOUT_S = 5.0  # a probe of an instance: well inside a kubelet probe's own timeout
+
+
+def not_ready_answer(role: str, status_code: int, body: Any) -> dict[str, Any]:
+    """The proxy's 503 body for an instance that is not ready: the instance's reason and start-up
+    phases, each named after its role, so a reader of the proxy's ``/ready`` (the operator's
+    ``startupPhase``) sees which instance is still loading and what it does."""
+    body = body if isinstance(body, dict) else {}
+    phases = body.get("startup") if isinstance(body.get("startup"), list) else []
+    return {"status": "not ready",
+            "reason": f"{role} instance: {body.get('reason') or body.get('status') or f'HTTP {status_code}'}",
+            "startup": [{**p, "phase": f"{role}: {p.get('phase')}"} for p in phases if isinstance(p, dict)]}
+
+
+def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, transport: Any = None):
+    """The proxy's ASGI app (``transport``: an httpx transport for the instances, for tests)."""
     import httpx  # here: `pagoda --help` and the delegated commands need neither it nor fastapi
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
     app = FastAPI(title="pagoda pd-proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -108,10 +125,35 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0):
         ok = True
         for url in (prefill_url, decode_url):
             try:
-                ok = ok and (await client.get(url + "/health")).status_code == 200
+                ok = ok and (await client.get(url + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
             except httpx.HTTPError:
                 ok = False
         return Response(status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready():
+        answers = {}
+        for role, url in (("prefill", prefill_url), ("decode", decode_url)):
+            try:
+                r = await client.get(url + "/ready", timeout=PROBE_TIMEOUT_S)
+            except httpx.HTTPError as e:
+                return JSONResponse({"status": "not ready", "reason": f"{role} instance did not answer: {e}",
+                                     "startup": []}, status_code=503)
+            try:
+                body = r.json()
+            except ValueError:
+                body = {}
+            if r.status_code != 200:
+                return JSONResponse(not_ready_answer(role, r.status_code, body), status_code=503)
+            answers[role] = body
+        return {"status": "ready", **answers}
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            return passed(await client.get(decode_url + "/metrics", timeout=PROBE_TIMEOUT_S))
+        except httpx.HTTPError as e:
+            raise APIError(f"the decode instance did not answer: {e}", 502, code="bad_gateway") from e
 
     @app.on_event("shutdown")
     async def close() -> None:
