@@ -156,3 +156,31 @@ def test_the_operator_reads_elastic_ep_as_the_daemon_writes_it():
     assert elastic.PHASES == ELASTIC_PHASES
     assert elastic.ADMIN_KEY_ENV == ADMIN_API_KEY_ENV
     assert {"/elastic_ep", "/scale_elastic_ep"} <= set(ADMIN_PATHS)
+
+
+def test_the_disaggregated_pods_command_lines_are_the_daemons(tmp_path):
+    """spec.disaggregation's engines and proxy: each command line parses through `pagoda`'s own
+    parser, the role's flags win over the shared engine.yaml, and the proxy reaches the engines'
+    ports."""
+    from pagoda_operator import disaggregation
+
+    body = {"model": {"name": "m", "pvc": {"claimName": "w"}}, "resources": {"gpusPerReplica": 2},
+            "engine": {"maxNumSeqs": 64},
+            "disaggregation": {"kvDiskGiB": 1.5, "prefill": {"maxNumSeqs": 4}, "decode": {"port": 8300}}}
+    svc = spec.parse("llama", "default", body)
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text(yaml.safe_dump(builders.daemon_config(svc)))
+    pod = disaggregation.pod(svc, builders.Settings(), "hash")
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    options = {}
+    for role in ("prefill", "decode"):
+        argv = list(containers[role]["args"])
+        argv[argv.index("--config") + 1] = str(config_file)
+        options[role] = resolve_options(build_parser().parse_args(argv), _explicit_options(argv))
+        assert options[role]["kv_offload_disk_gib"] == 1.5
+    assert (options["prefill"]["port"], options["decode"]["port"]) == (8100, 8300)
+    assert (options["prefill"]["max_num_seqs"], options["decode"]["max_num_seqs"]) == (4, 64)
+    assert options["decode"]["kv_offload_disk_source"] == options["prefill"]["kv_offload_disk_path"]
+    assert options["prefill"]["kv_offload_disk_source"] is None
+    proxy = build_parser().parse_args(containers["proxy"]["args"])
+    assert (proxy.prefill, proxy.decode, proxy.port) == ("http://127.0.0.1:8100", "http://127.0.0.1:8300", 8000)

@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,15 +138,16 @@ def model_argument(spec: ServiceSpec) -> str:
     return MODEL_DIR
 
 
-def daemon_args(spec: ServiceSpec) -> list[str]:
-    """Arguments after the ``pagoda`` entrypoint; engine options come from the mounted config."""
+def daemon_args(spec: ServiceSpec, port: int | None = None) -> list[str]:
+    """Arguments after the ``pagoda`` entrypoint; engine options come from the mounted config.
+    ``port``: where the engine serves, when it is not the Service's (spec.disaggregation)."""
     return [
         "serve",
         model_argument(spec),
         "--host",
         "0.0.0.0",
         "--port",
-        str(spec.port),
+        str(spec.port if port is None else port),
         "--served-model-name",
         spec.model.name,
         "--device",
@@ -284,9 +285,9 @@ def _resources(spec: ServiceSpec) -> dict[str, Any]:
     out: dict[str, dict[str, Any]] = {
         k: dict(v) for k, v in spec.pod.resources.items() if k in ("requests", "limits")
     }
-    if spec.gpus > 0:
+    if spec.gpus > 0:  # each engine container its own share (two per pod with spec.disaggregation)
         for k in ("requests", "limits"):
-            out.setdefault(k, {})[spec.gpu_resource] = spec.gpus_per_pod
+            out.setdefault(k, {})[spec.gpu_resource] = spec.gpus_per_engine // spec.pods_per_replica
     # The host-memory KV tier is allocated up front (pinned on GPUs, never swapped): a memory
     # request or limit the user gave is for the engine without it, so the pool is added on top.
     pool = int((spec.kv_offload.cpu_gib or 0) * 2**30)
@@ -363,32 +364,25 @@ def container_security_context() -> dict[str, Any]:
     }
 
 
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+def probe(path: str, period: int, failures: int, port: str = "http") -> dict[str, Any]:
+    """An HTTP probe of ``path`` on the container port named ``port``."""
     return {
-        "httpGet": {"path": path, "port": "http"},
+        "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
     }
 
 
-def container(spec: ServiceSpec, settings: Settings) -> dict[str, Any]:
-    """The daemon container of a replica's (leader) pod: API port, probes, drain on stop."""
-    _, mounts = _volumes(spec, settings)
+def process_container(spec: ServiceSpec, settings: Settings, name: str, args: list[str]) -> dict[str, Any]:
+    """What every container of a daemon pod shares, whatever ``pagoda`` command it runs: the
+    image, least privilege, drain on stop, its last words in the pod status."""
     return {
-        "name": "daemon",
+        "name": name,
         "image": spec.image or settings.daemon_image,
         "imagePullPolicy": spec.image_pull_policy or settings.image_pull_policy,
         "command": ["pagoda"],
-        "args": daemon_args(spec),
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
-        "env": _env(spec, settings),
-        "resources": _resources(spec),
-        "volumeMounts": mounts,
-        # Model loading and warm-up can take many minutes: liveness waits for the startup probe.
-        "startupProbe": _probe("/health", 10, 180),
-        "livenessProbe": _probe("/health", 10, 3),
-        "readinessProbe": _probe("/ready", 5, 3),
+        "args": args,
         # A daemon that exits on bad input says why on stderr ("pagoda serve: model path ... has
         # no config.json"); this puts the end of its log into the pod status, where the operator
         # reads it into the Degraded condition.
@@ -399,15 +393,35 @@ def container(spec: ServiceSpec, settings: Settings) -> dict[str, Any]:
     }
 
 
+def container(spec: ServiceSpec, settings: Settings, name: str = "daemon", port: int | None = None,
+              port_name: str = "http") -> dict[str, Any]:
+    """An engine container (``pagoda serve``): API port, probes, drain on stop. By default the
+    one daemon of a replica's (leader) pod; spec.disaggregation's engines pass their own ``name``,
+    ``port`` and ``port_name`` (disaggregation.py)."""
+    _, mounts = _volumes(spec, settings)
+    return {
+        **process_container(spec, settings, name, daemon_args(spec, port)),
+        "ports": [{"name": port_name, "containerPort": spec.port if port is None else port, "protocol": "TCP"}],
+        "env": _env(spec, settings),
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # Model loading and warm-up can take many minutes: liveness waits for the startup probe.
+        "startupProbe": probe("/health", 10, 180, port_name),
+        "livenessProbe": probe("/health", 10, 3, port_name),
+        "readinessProbe": probe("/ready", 5, 3, port_name),
+    }
+
+
 def pod_template(
-    spec: ServiceSpec, settings: Settings, config_hash: str, daemon: dict[str, Any],
+    spec: ServiceSpec, settings: Settings, config_hash: str, containers: Sequence[dict[str, Any]],
     extra_labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A pod of this InferenceService around its ``daemon`` container: volumes, least privilege,
-    placement, the user's pod overrides."""
+    """A pod of this InferenceService around its ``containers`` (the daemon; with
+    spec.disaggregation two engines and their proxy): volumes, least privilege, placement, the
+    user's pod overrides."""
     volumes, _ = _volumes(spec, settings)
     pod_spec: dict[str, Any] = {
-        "containers": [daemon],
+        "containers": list(containers),
         "volumes": volumes,
         "securityContext": pod_security_context(),
         # The daemon calls no Kubernetes API: the topology agent publishes NodeTopology (the
@@ -439,12 +453,22 @@ def pod_template(
     return {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec}
 
 
+# A pod template renderer: (spec, settings, config hash) -> the Deployment's template.
+PodRenderer = Callable[[ServiceSpec, Settings, str], dict[str, Any]]
+
+
+def one_engine_pod(spec: ServiceSpec, settings: Settings, config_hash: str) -> dict[str, Any]:
+    """The pod of a replica served by one daemon."""
+    return pod_template(spec, settings, config_hash, [container(spec, settings)])
+
+
 def deployment(
     spec: ServiceSpec,
     owner: Mapping[str, Any],
     replicas: int,
     settings: Settings,
     config_hash: str,
+    render_pod: PodRenderer = one_engine_pod,
 ) -> dict[str, Any]:
     return stamp(
         {
@@ -456,7 +480,7 @@ def deployment(
                 "selector": {"matchLabels": selector_labels(spec.name)},
                 "progressDeadlineSeconds": settings.progress_deadline_s,
                 "revisionHistoryLimit": 5,
-                "template": pod_template(spec, settings, config_hash, container(spec, settings)),
+                "template": render_pod(spec, settings, config_hash),
             },
         }
     )
@@ -486,13 +510,15 @@ def network_policy(spec: ServiceSpec, owner: Mapping[str, Any], settings: Settin
     )
 
 
-def children(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, settings: Settings) -> Children:
-    """Everything one InferenceService owns, as desired now."""
+def children(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, settings: Settings,
+             render_pod: PodRenderer = one_engine_pod) -> Children:
+    """Everything one InferenceService owns, as desired now (``render_pod``: its Deployment's pod,
+    by default one daemon's)."""
     cm = config_map(spec, owner)
     return Children(
         config_map=cm,
         service=service(spec, owner),
-        workload=deployment(spec, owner, replicas, settings, config_hash=digest(cm["data"])),
+        workload=deployment(spec, owner, replicas, settings, digest(cm["data"]), render_pod),
         network_policy=network_policy(spec, owner, settings) if settings.network_policy else None,
     )
 

@@ -115,7 +115,7 @@ def leaders(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, settings
     daemon = builders.container(spec, settings)
     daemon["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
     selector = leader_selector(spec.name)
-    template = builders.pod_template(spec, settings, config_hash, daemon, selector)
+    template = builders.pod_template(spec, settings, config_hash, [daemon], selector)
     return _stateful_set(spec, owner, spec.name, replicas, selector, template)
 
 
@@ -135,7 +135,7 @@ def workers(spec: ServiceSpec, owner: Mapping[str, Any], group: int, leader_ip: 
                       "--node-rank-from-hostname", "--master-addr", leader_ip,
                       "--node-ready-port", str(RENDEZVOUS_PORT)]
     selector = worker_selector(spec.name, group)
-    template = builders.pod_template(spec, settings, config_hash, daemon, selector)
+    template = builders.pod_template(spec, settings, config_hash, [daemon], selector)
     template["metadata"]["annotations"] = {k: v for k, v in template["metadata"]["annotations"].items()
                                            if not k.startswith("prometheus.io/")}  # no /metrics here
     return _stateful_set(spec, owner, workers_name(spec.name, group), spec.pods_per_replica - 1, selector,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagoda_daemon.capabilities import supported
-from pagoda_operator import autoscaler, builders, placement, pod_groups
+from pagoda_operator import autoscaler, builders, disaggregation, placement, pod_groups
 from pagoda_operator import elastic as elastic_mod
 from pagoda_operator import metrics_scrape as scrape_mod
 from pagoda_operator import status as status_mod
@@ -359,7 +359,8 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
             ips = pod_groups.leader_ips(observed.pods, spec.name)
             kids = pod_groups.children(spec, body, replicas, settings, ips)
         else:
-            kids = builders.children(spec, body, replicas, settings)
+            kids = builders.children(spec, body, replicas, settings,
+                                     disaggregation.pod if spec.disaggregation else builders.one_engine_pod)
     else:
         live = observed.deployment or observed.leaders
         replicas = int(((live or {}).get("spec") or {}).get("replicas") or 0)
@@ -492,6 +493,7 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         autoscaling=decision.autoscaling,
         elastic=decision.elastic,
         scaling=decision.scaling,
+        disaggregation=disaggregation.status(spec, observed.pods),
     )
     warning = status_mod.degraded_event(previous, new)
     if warning:

@@ -58,6 +58,13 @@ METRICS = ("kvCacheUsage", "requestsWaiting", "requestsRunning")
 # sequences routed to 8 experts each over 4 ranks: about 512).
 ELASTIC_METRICS = (*METRICS, "expertLoad")
 DEFAULT_TARGETS = {"kvCacheUsage": 0.8, "requestsWaiting": 2.0, "requestsRunning": 16.0, "expertLoad": 512.0}
+# spec.disaggregation: the engines' ports inside the pod, and the bounds of its numbers (the CRD
+# carries the same ones).
+DEFAULT_PREFILL_PORT, DEFAULT_DECODE_PORT = 8100, 8200
+MAX_KV_DISK_GIB = 65536.0  # 64 TiB: far above any node's local disk, below float rounding of MiB
+MAX_SCHEDULER_LIMIT = 2**20
+DISAGGREGATION_KEYS = ("enabled", "kvDiskGiB", "prefill", "decode")
+ROLE_KEYS = ("port", "maxNumSeqs", "maxNumBatchedTokens")
 
 
 class InvalidSpec(ValueError):
@@ -121,6 +128,27 @@ class KVOffload:
     cpu_gib: float | None = None
     disk_path: str | None = None
     disk_gib: float | None = None
+
+
+@dataclass(frozen=True)
+class Role:
+    """One engine of a prefill/decode unit (spec.disaggregation.prefill or .decode): the port it
+    serves on inside the pod, and the scheduler limits it sets apart from spec.engine's."""
+
+    port: int
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Disaggregation:
+    """spec.disaggregation: each replica is a prefill engine, a decode engine that loads the
+    prompts' KV blocks from the prefill engine's disk tier, and the pd-proxy in front of both, in
+    one pod (the blocks move by hard link, so both tiers share one filesystem; disaggregation.py)."""
+
+    kv_disk_gib: float  # each engine's disk KV tier
+    prefill: Role = field(default_factory=lambda: Role(DEFAULT_PREFILL_PORT))
+    decode: Role = field(default_factory=lambda: Role(DEFAULT_DECODE_PORT))
 
 
 @dataclass(frozen=True)
@@ -201,10 +229,16 @@ class ServiceSpec:
     pod: PodOverrides = field(default_factory=PodOverrides)
     # spec.server.apiKeySecretRef: the daemon's API key (PAGODA_API_KEY); None serves without one.
     api_key_secret: SecretKeyRef | None = None
+    disaggregation: Disaggregation | None = None
 
     @property
     def device(self) -> str:
         return "cuda" if self.gpus > 0 else "cpu"
+
+    @property
+    def gpus_per_engine(self) -> int:
+        """The GPUs one engine holds: a replica's, or half of them with disaggregation (two engines)."""
+        return self.gpus // 2 if self.disaggregation is not None else self.gpus
 
     @property
     def gpus_per_pod(self) -> int:
@@ -363,9 +397,112 @@ def parse(
         port=int(_get(spec, "port", 8000)),
         pod=pod,
         api_key_secret=api_key_secret,
+        disaggregation=parse_disaggregation(spec.get("disaggregation")),
     )
     validate(parsed, supports)
     return parsed
+
+def _bounded_int(value: Any, name: str, low: int, high: int, errors: list[str]) -> int | None:
+    """``value`` when it is an integer in [low, high]; else None, with an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        errors.append(f"{name} must be an integer, not {type(value).__name__} {value!r}")
+        return None
+    if not low <= value <= high:
+        errors.append(f"{name} must be {low} to {high}; got {value}")
+        return None
+    return value
+
+
+def _unknown_keys(raw: Mapping[str, Any], known: tuple[str, ...], name: str) -> list[str]:
+    return [f"{name}.{k} is not a field (known: {', '.join(known)})" for k in sorted(set(raw) - set(known))]
+
+
+def _role(raw: Any, name: str, default_port: int, errors: list[str]) -> Role | None:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        errors.append(f"{name} must be an object, not {type(raw).__name__}")
+        return None
+    errors += _unknown_keys(raw, ROLE_KEYS, name)
+    port = _bounded_int(raw.get("port", default_port), f"{name}.port", 1, 65535, errors)
+    limits = {key: _bounded_int(raw[key], f"{name}.{key}", 1, MAX_SCHEDULER_LIMIT, errors)
+              for key in ("maxNumSeqs", "maxNumBatchedTokens") if raw.get(key) is not None}
+    if port is None or None in limits.values():
+        return None
+    return Role(port, limits.get("maxNumSeqs"), limits.get("maxNumBatchedTokens"))
+
+
+def _read_disaggregation(raw: Any) -> tuple[Disaggregation | None, list[str]]:
+    """spec.disaggregation read field by field: (the value, None when absent or ``enabled: false``;
+    every wrong type, unknown field or number out of bounds, named)."""
+    if raw is None:
+        return None, []
+    name = "spec.disaggregation"
+    if not isinstance(raw, Mapping):
+        return None, [f"{name} must be an object, not {type(raw).__name__}"]
+    errors = _unknown_keys(raw, DISAGGREGATION_KEYS, name)
+    enabled = raw.get("enabled", True)
+    if not isinstance(enabled, bool):
+        errors.append(f"{name}.enabled must be true or false, not {enabled!r}")
+    gib = raw.get("kvDiskGiB")
+    if gib is None:
+        errors.append(f"{name}.kvDiskGiB is required: the disk space of each engine's KV tier, GiB (the prefill "
+                      "engine's tier is where the decode engine takes the prompts' blocks from)")
+    elif isinstance(gib, bool) or not isinstance(gib, (int, float)):
+        errors.append(f"{name}.kvDiskGiB must be a number, not {type(gib).__name__} {gib!r}")
+    elif not (math.isfinite(gib) and 0 < gib <= MAX_KV_DISK_GIB):
+        errors.append(f"{name}.kvDiskGiB must be above 0 and at most {MAX_KV_DISK_GIB:g}; got {gib}")
+    prefill = _role(raw.get("prefill"), f"{name}.prefill", DEFAULT_PREFILL_PORT, errors)
+    decode = _role(raw.get("decode"), f"{name}.decode", DEFAULT_DECODE_PORT, errors)
+    if errors or enabled is False or gib is None or prefill is None or decode is None:
+        return None, errors
+    return Disaggregation(float(gib), prefill, decode), []
+
+
+def disaggregation_field_errors(raw: Any) -> list[str]:
+    """What is malformed in a raw spec.disaggregation: :func:`parse` refuses it, and so does the
+    admission webhook at apply time."""
+    return _read_disaggregation(raw)[1]
+
+
+def parse_disaggregation(raw: Any) -> Disaggregation | None:
+    """spec.disaggregation, or :class:`InvalidSpec` naming every malformed field."""
+    value, errors = _read_disaggregation(raw)
+    if errors:
+        raise InvalidSpec("; ".join(errors))
+    return value
+
+
+def disaggregation_errors(s: ServiceSpec, supports: Supports = capabilities.supported) -> list[str]:
+    """What cannot combine with spec.disaggregation: each refused rather than rendered half-working."""
+    d = s.disaggregation
+    if d is None:
+        return []
+    name = "spec.disaggregation"
+    errors = []
+    ports = {"spec.port": s.port, f"{name}.prefill.port": d.prefill.port, f"{name}.decode.port": d.decode.port}
+    if len(set(ports.values())) < len(ports):
+        errors.append(f"{', '.join(f'{k} ({v})' for k, v in ports.items())} must differ: the proxy and the two "
+                      "engines listen in one pod")
+    if not supports("kv_offload"):
+        errors.append(f"{name}: {capabilities.refusal('kv_offload')} (the decode engine loads the prompts' KV "
+                      "from the prefill engine's disk tier)")
+    if s.gpus % 2:
+        errors.append(f"{name} needs an even resources.gpusPerReplica (got {s.gpus}): it is split evenly between "
+                      "the prefill and the decode engine")
+    if s.pods_per_replica > 1:
+        errors.append(f"{name} needs resources.podsPerReplica 1: both engines' KV tiers must be on one "
+                      "filesystem (there is no transport between nodes)")
+    if s.parallelism.elastic is not None:
+        errors.append(f"{name} does not combine with parallelism.elastic (the two engines' layouts must stay equal)")
+    if s.kv_offload.cpu_gib or s.kv_offload.disk_path:
+        errors.append(f"{name} renders each engine's disk KV tier itself: leave kvOffload unset (a second tier "
+                      "per engine is not built)")
+    if not s.engine.enable_prefix_caching:
+        errors.append(f"{name} needs engine.enablePrefixCaching true: the decode engine finds the prompts' "
+                      "blocks by their prefix hashes")
+    return errors
+
 
 def model_source_errors(model: Any) -> list[str]:
     """What is wrong with ``spec.model.uri`` and the options of a remote source (credentials,
@@ -536,15 +673,18 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
         )
     errors += _field_errors(s)
     errors += capability_errors(s, supports)
+    errors += disaggregation_errors(s, supports)
     par = s.parallelism
     ranks = par.tensor * par.expert * par.data
     if s.gpus == 0:  # CPU ranks over gloo share the pod's cores: a layout can be tried without GPUs
         if par.data != 1:
             errors.append("with resources.gpusPerReplica 0 (CPU) parallelism.data must be 1")
-    elif par.elastic is None and ranks != s.gpus:  # one engine rank per GPU: none idle, none shared
+    elif par.elastic is None and ranks != s.gpus_per_engine and not (s.disaggregation and s.gpus % 2):
+        # one engine rank per GPU: none idle, none shared
+        per = " / 2 (each of the two engines of spec.disaggregation)" if s.disaggregation else ""
         errors.append(
             f"parallelism.tensor ({par.tensor}) × expert ({par.expert}) × data ({par.data}) = {ranks} "
-            f"must equal resources.gpusPerReplica ({s.gpus}): the engine runs one rank per GPU"
+            f"must equal resources.gpusPerReplica ({s.gpus}){per}: the engine runs one rank per GPU"
         )
     pods = s.pods_per_replica
     if not 1 <= pods <= 64:

@@ -304,10 +304,11 @@ def compute(
     autoscaling: dict[str, Any] | None = None,
     elastic: dict[str, Any] | None = None,
     scaling: tuple[str, str, str] | None = None,
+    disaggregation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole status: conditions, counts and observedGeneration, and what the pass carries
     through (the scale selector, the endpoint, the expert-parallel size, where each replica
-    runs, the autoscaler's state, elastic EP's state). ``scaling``: the ``Scaling`` condition
+    runs, the autoscaler's state, elastic EP's state, the prefill/decode roles). ``scaling``: the ``Scaling`` condition
     (status, reason, message) of elastic EP, which only an elastic InferenceService has.
 
     ``blocker`` is a problem that stopped the operator from applying this generation (InvalidSpec,
@@ -379,7 +380,8 @@ def compute(
     if observed is not None:
         out["observedGeneration"] = observed
     carried = {"selector": selector, "endpoint": endpoint, "expertParallel": expert_parallel,
-               "placement": placement, "autoscaling": autoscaling, "elastic": elastic}
+               "placement": placement, "autoscaling": autoscaling, "elastic": elastic,
+               "disaggregation": disaggregation}
     out.update({k: v for k, v in carried.items() if v is not None})
     return out
 
