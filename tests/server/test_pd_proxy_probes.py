@@ -5,10 +5,17 @@ instance's."""
 
 from __future__ import annotations
 
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from pagoda_daemon.server import pd_proxy
 from pagoda_daemon.server.pd_proxy import build_app
 
 PREFILL, DECODE = "http://127.0.0.1:8100", "http://127.0.0.1:8200"
@@ -71,3 +78,18 @@ def test_metrics_are_the_decode_instances():
     assert r.text == text
     assert r.headers["content-type"].startswith("text/plain")
     assert proxy({}).get("/metrics").status_code == 502
+
+
+def test_the_daemon_extra_carries_every_package_the_proxy_imports():
+    """The daemon image installs the daemon extra only: a package the proxy imports outside it
+    (httpx was one) makes `pagoda pd-proxy` exit at start in the image."""
+    tree = ast.parse(Path(pd_proxy.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+    third_party = imported - set(sys.stdlib_module_names) - {"pagoda_daemon"}
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    extra = {re.match(r"[A-Za-z0-9._-]+", r).group(0).lower().replace("-", "_")
+             for r in pyproject["project"]["optional-dependencies"]["daemon"]}
+    assert third_party == {"httpx", "fastapi", "uvicorn"}
+    assert third_party <= extra, third_party - extra
