@@ -35,7 +35,8 @@ from pagoda_daemon.demo import free_port, wait_ready
 
 OFFLOAD_METRICS = ("vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
                    "vllm:prefix_cache_hits_total", "pagoda:kv_offload_loaded_bytes_total",
-                   "pagoda:kv_offload_saved_bytes_total", "pagoda:kv_offload_transfer_seconds_total")
+                   "pagoda:kv_offload_saved_bytes_total", "pagoda:kv_offload_transfer_seconds_total",
+                   "pagoda:kv_offload_failed_loads_total")
 
 
 def offload_flags(config: str, cpu_gib: float, disk_gib: float, disk_dir: str) -> list[str]:
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--extra", default="", help="more `pagoda serve` flags, space-separated")
     ap.add_argument("--out", type=Path, help="append the RESULT lines here too")
+    ap.add_argument("--label", default="", help="names the tree or variant in the RESULT lines")
     args = ap.parse_args(argv)
 
     with open(Path(args.model) / "config.json") as f:
@@ -119,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=120)
-            result = {"bench": "kv_offload", "config": config, "model": os.path.basename(args.model.rstrip("/")),
+            result = {"bench": "kv_offload", "label": args.label, "config": config,
+                      "model": os.path.basename(args.model.rstrip("/")),
+                      "cpu_gib": args.cpu_gib if config in ("cpu", "both") else None,
+                      "disk_gib": args.disk_gib if config in ("disk", "both") else None,
                       "conversations": args.conversations, "turns": args.turns, "shared_len": args.shared_len,
                       "num_kv_blocks": args.num_kv_blocks, "completed": point["completed"], "failed": point["failed"],
                       "errors": point["errors"], "duration_s": point["duration_s"],

@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd] ...
+#                                               kv-offload|kv-offload-tests|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -155,12 +155,25 @@ if has kv-offload; then
   # KVO_DISK_GIB: the disk tier's size (kv_offload.py's default, 64 GiB, otherwise); the disk and
   # both configurations keep their files until the run ends, which a 64 GiB disk may not hold.
   step "KV offload: multi-turn conversations beyond the GPU cache (off, cpu, disk, both)"
+  # KVO_CPU_GIB: the host tier's size (16 GiB otherwise). KVO_BASE: a copy of an earlier daemon/,
+  # kernels/ and benchmarks/ (`git archive`), run after this tree with KVO_BASE_CONFIGS.
   TOK=/tmp/qwen3-0.6b-synth
   python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/qwen3-0.6b/config.json >/dev/null || status=1
-  timeout "${KVO_TIMEOUT:-540}" python3 -m benchmarks.kv_offload $CFG/qwen3-0.6b --tokenizer $TOK --load-format dummy \
-    ${KVO_BLOCKS:+--num-kv-blocks $KVO_BLOCKS} --conversations "${KVO_CONVERSATIONS:-100}" --turns "${KVO_TURNS:-10}" \
-    --shared-len "${KVO_SHARED:-2000}" ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} --configs "${KVO_CONFIGS:-off,cpu,disk,both}" --out "$OUT/kv_offload.jsonl" \
-    2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  for tree in head ${KVO_BASE:+base}; do
+    root=$PWD; configs=${KVO_CONFIGS:-off,cpu,disk,both}
+    [ "$tree" = base ] && root=$PWD/$KVO_BASE && configs=${KVO_BASE_CONFIGS:-cpu}
+    (cd "$root" && PYTHONPATH=$root:$root/daemon:$root/kernels:$PYTHONPATH timeout "${KVO_TIMEOUT:-540}" \
+      python3 -m benchmarks.kv_offload $CFG/qwen3-0.6b --tokenizer $TOK --load-format dummy \
+      ${KVO_BLOCKS:+--num-kv-blocks $KVO_BLOCKS} --conversations "${KVO_CONVERSATIONS:-100}" --turns "${KVO_TURNS:-10}" \
+      --shared-len "${KVO_SHARED:-2000}" ${KVO_CPU_GIB:+--cpu-gib $KVO_CPU_GIB} ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} \
+      --configs "$configs" --out "$OUT/kv_offload.jsonl" $([ "$tree" = head ] && echo --label head)) \
+      2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+fi
+if has kv-offload-tests; then
+  step "KV offload on the GPU: asynchronous host copies and failed loads against the engine without offload"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kv_offload_gpu.py 2>&1 | tail -5 \
+    | tee "$OUT/kv-offload-pytest.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has structured; then
   step "structured outputs: 50% of the nano-vllm workload under JSON schemas (Pagoda, then vLLM 0.26.0)"

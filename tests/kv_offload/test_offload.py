@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,15 @@ def corrupt(path: Path) -> None:
     path.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
 
 
+def run_pairs(llm: LLM, prompts: list[list[int]], hook: Callable[[], None] = lambda: None) -> list[list[int]]:
+    """Two requests at a time (the GPU cache holds about two), ``hook`` after each pair."""
+    outs = []
+    for i in range(0, len(prompts), 2):
+        outs += [o.outputs[0].token_ids for o in llm.generate(prompts[i : i + 2], PARAMS)]
+        hook()
+    return outs
+
+
 # Prefixes asked for twice in one batch too, so that a request shares a failing load's block
 # as a GPU prefix hit in the step that loads it.
 PAIRS_ORDER = [0, 1, 2, 3, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 2, 3, 3]
@@ -171,15 +181,7 @@ def test_block_files_corrupted_after_their_lookup_cost_a_recompute(model, block_
     counted, no block is left held and the tiers' accounting matches their contents."""
     prompts = workload(order=PAIRS_ORDER)
     engine = dict(ENGINE, async_scheduling=async_scheduling)
-
-    def run_pairs(llm: LLM, hook=lambda: None) -> list[list[int]]:
-        outs = []
-        for i in range(0, len(prompts), 2):
-            outs += [o.outputs[0].token_ids for o in llm.generate(prompts[i : i + 2], PARAMS)]
-            hook()
-        return outs
-
-    reference = run_pairs(LLM(model, **engine))
+    reference = run_pairs(LLM(model, **engine), prompts)
     opts: dict = dict(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
     if tiers == "cpu+disk":
         opts["kv_offload_cpu_gib"] = gib(8, block_bytes)  # most repeats come back from disk, promoted
@@ -195,7 +197,7 @@ def test_block_files_corrupted_after_their_lookup_cost_a_recompute(model, block_
             corrupted.add(path.name)
 
     with caplog.at_level("WARNING", logger="pagoda_daemon.kv_offload.tiered"):
-        assert run_pairs(llm, corrupt_a_third) == reference
+        assert run_pairs(llm, prompts, corrupt_a_third) == reference
     stats = llm.get_stats().kv_offload
     assert stats.failed_loads >= 3 and stats.loaded_bytes.get("disk", 0) > 0, stats
     assert_idle_and_consistent(llm)
@@ -203,7 +205,7 @@ def test_block_files_corrupted_after_their_lookup_cost_a_recompute(model, block_
     assert len(failed) == stats.failed_loads and {p.name for p in failed} <= corrupted
     # once more without corruption: files still corrupt (never looked up since) fail and are
     # recomputed the same way; the rest load
-    assert run_pairs(llm) == reference
+    assert run_pairs(llm, prompts) == reference
     assert_idle_and_consistent(llm)
 
 

@@ -230,7 +230,7 @@ class TieredWorker(OffloadWorker):
         shape = (layers, two, block_size, heads, head_dim)
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        self.cpu = CpuStore(cpu_blocks, shape, kv_cache.dtype) if cpu_blocks else None
+        self.cpu = CpuStore(cpu_blocks, shape, kv_cache.dtype, kv_cache.device) if cpu_blocks else None
         self.disk = (DiskStore(config.kv_offload_disk_path, rank, _identities(config, dtype, block_bytes)[rank], shape,
                                kv_cache.dtype)
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
@@ -266,6 +266,8 @@ class TieredWorker(OffloadWorker):
                 self.disk.drop(t.block_hash)
             else:
                 raise ValueError(f"unknown KV transfer {t.kind!r}")
+        if self.cpu is not None:
+            self.cpu.fence()
         self.transfer_seconds += time.perf_counter() - started
         return failed
 

@@ -1,0 +1,72 @@
+"""KV offload on a GPU: the host tier's copies are asynchronous (enqueued on the step's stream,
+docs/kv-offload.md), async scheduling is on, CUDA graphs are captured. Greedy float32 output
+must equal the engine without offload, with every tier serving hits; and block files corrupted
+after their lookups cost a recompute, not a wrong token.
+
+Skipped without a GPU; run on the GPU machine by `benchmarks/run_gpu.sh kv-offload-tests`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.kv_offload.test_offload import BS, ORDER, PAIRS_ORDER, corrupt, gib, run_pairs, workload
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ENGINE = dict(device="cuda", dtype="float32", block_size=BS, num_kv_blocks=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "cpu+disk"])
+def test_outputs_identical_with_asynchronous_host_copies(model, tmp_path, tiers):
+    from pagoda_daemon import LLM
+
+    prompts = workload(order=ORDER + PAIRS_ORDER)
+    reference = run_pairs(LLM(model, **ENGINE), prompts)
+    plain = LLM(model, **ENGINE)
+    block_bytes = plain.engine.core.worker_info.kv_block_bytes
+    assert plain.engine.core.async_scheduling
+    opts: dict = {"kv_offload_cpu_gib": gib(64 if tiers == "cpu" else 30, block_bytes)}  # 30: some hits in each
+    if "disk" in tiers:
+        opts.update(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
+    llm = LLM(model, **ENGINE, **opts)
+    assert llm.engine.core.executor.worker.offload.cpu.data.is_pinned()
+    assert run_pairs(llm, prompts) == reference
+    stats = llm.get_stats().kv_offload
+    for tier in tiers.split("+"):
+        assert stats.loaded_bytes.get(tier, 0) > 0 and stats.saved_bytes.get(tier, 0) > 0, stats
+    kv = llm.engine.core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+    llm.engine.core.connector.check()
+
+
+def test_block_files_corrupted_after_their_lookup_cost_a_recompute(model, tmp_path):
+    from pagoda_daemon import LLM
+
+    prompts = workload(order=PAIRS_ORDER)
+    reference = run_pairs(LLM(model, **ENGINE), prompts)
+    block_bytes = LLM(model, **ENGINE).engine.core.worker_info.kv_block_bytes
+    llm = LLM(model, **ENGINE, kv_offload_cpu_gib=gib(8, block_bytes), kv_offload_disk_path=str(tmp_path / "kv"),
+              kv_offload_disk_gib=gib(64, block_bytes))
+    rng = random.Random(5)
+
+    def corrupt_a_third() -> None:
+        files = sorted((tmp_path / "kv" / "rank0").glob("*.kvblock"))
+        for path in rng.sample(files, len(files) // 3):
+            corrupt(path)
+
+    assert run_pairs(llm, prompts, corrupt_a_third) == reference
+    assert llm.get_stats().kv_offload.failed_loads > 0
+    kv = llm.engine.core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
