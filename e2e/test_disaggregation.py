@@ -1,0 +1,60 @@
+"""Prefill/decode disaggregation on the real-container cluster: an InferenceService with
+`spec.disaggregation` on the tiny CPU model becomes Ready as one pod of three containers (prefill
+engine, decode engine, pd-proxy on the Service's port), answers chat completions through the
+openai client, and the decode engine took the prompts' KV blocks from the prefill engine's disk
+tier (its `vllm:external_prefix_cache_hits_total`, which the proxy's /metrics serves) while the
+prefill engine generated one token per request."""
+
+from __future__ import annotations
+
+import re
+
+from test_real_containers import PORT, client, cond, httpx, manifest, wait_ready
+
+NAME = "pd"
+PREFILL_PORT = 8100
+# 80 words: several full 16-token blocks whatever the chat template adds.
+MESSAGES = [{"role": "user", "content": " ".join(f"w{i}" for i in range(80))}]
+
+
+def metric(ip: str, port: int, name: str) -> float:
+    text = httpx.get(f"http://{ip}:{port}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_prefill_decode_and_proxy_serve_as_one_ready_pod(local_cluster):
+    ns = local_cluster.create_namespace("pd")
+    doc = manifest(local_cluster, NAME)
+    doc["spec"]["disaggregation"] = {"kvDiskGiB": 0.05}
+    try:
+        local_cluster.apply(doc, namespace=ns)
+        obj = wait_ready(local_cluster, ns, replicas=1, timeout=420, name=NAME)
+        assert cond(obj, "Degraded")["status"] == "False"
+        (pod,) = local_cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"pagoda.dev/inferenceservice={NAME}")[
+            "items"]
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["prefill", "decode", "proxy"]
+        assert {c["name"]: c["ready"] for c in pod["status"]["containerStatuses"]} == {
+            "prefill": True, "decode": True, "proxy": True}
+        roles = obj["status"]["disaggregation"]
+        assert [roles[r]["readyPods"] for r in ("prefill", "decode", "proxy")] == [1, 1, 1]
+        (ip,) = local_cluster.endpoints(NAME, ns)
+        assert ip == pod["status"]["podIP"]
+
+        c = client(ip)
+        assert [m.id for m in c.models.list().data] == [doc["spec"]["model"]["name"]]
+        for _ in range(3):
+            reply = c.chat.completions.create(model=doc["spec"]["model"]["name"], messages=MESSAGES, max_tokens=8,
+                                              temperature=0)
+            assert reply.choices[0].finish_reason in ("length", "stop") and reply.usage.completion_tokens >= 1
+        streamed = c.chat.completions.create(model=doc["spec"]["model"]["name"], messages=MESSAGES, max_tokens=8,
+                                             temperature=0, stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == (
+            reply.choices[0].message.content)
+        # the proxy's /metrics are the decode engine's: it loaded the prompt's blocks from the prefill tier
+        assert metric(ip, PORT, "vllm:external_prefix_cache_hits_total") > 0
+        assert metric(ip, PORT, "vllm:generation_tokens_total") >= 3
+        # the prefill engine (its own port, open on the pod IP for the kubelet's probes) generated
+        # one token for each of the 4 requests
+        assert metric(ip, PREFILL_PORT, "vllm:generation_tokens_total") == 4
+    finally:
+        local_cluster.delete_namespace(ns)
