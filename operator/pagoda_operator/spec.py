@@ -61,7 +61,7 @@ DEFAULT_TARGETS = {"kvCacheUsage": 0.8, "requestsWaiting": 2.0, "requestsRunning
 # spec.disaggregation: the engines' ports inside the pod, and the bounds of its numbers (the CRD
 # carries the same ones).
 DEFAULT_PREFILL_PORT, DEFAULT_DECODE_PORT = 8100, 8200
-MAX_KV_DISK_GIB = 65536.0  # 64 TiB: far above any node's local disk, below float rounding of MiB
+MAX_KV_DISK_GIB = 65536.0  # 64 TiB: above any node's local disk
 MAX_SCHEDULER_LIMIT = 2**20
 DISAGGREGATION_KEYS = ("enabled", "kvDiskGiB", "prefill", "decode")
 ROLE_KEYS = ("port", "maxNumSeqs", "maxNumBatchedTokens")
@@ -402,6 +402,7 @@ def parse(
     validate(parsed, supports)
     return parsed
 
+
 def _bounded_int(value: Any, name: str, low: int, high: int, errors: list[str]) -> int | None:
     """``value`` when it is an integer in [low, high]; else None, with an error naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -424,7 +425,7 @@ def _role(raw: Any, name: str, default_port: int, errors: list[str]) -> Role | N
         errors.append(f"{name} must be an object, not {type(raw).__name__}")
         return None
     errors += _unknown_keys(raw, ROLE_KEYS, name)
-    port = _bounded_int(raw.get("port", default_port), f"{name}.port", 1, 65535, errors)
+    port = _bounded_int(_get(raw, "port", default_port), f"{name}.port", 1, 65535, errors)
     limits = {key: _bounded_int(raw[key], f"{name}.{key}", 1, MAX_SCHEDULER_LIMIT, errors)
               for key in ("maxNumSeqs", "maxNumBatchedTokens") if raw.get(key) is not None}
     if port is None or None in limits.values():
@@ -441,7 +442,7 @@ def _read_disaggregation(raw: Any) -> tuple[Disaggregation | None, list[str]]:
     if not isinstance(raw, Mapping):
         return None, [f"{name} must be an object, not {type(raw).__name__}"]
     errors = _unknown_keys(raw, DISAGGREGATION_KEYS, name)
-    enabled = raw.get("enabled", True)
+    enabled = _get(raw, "enabled", True)
     if not isinstance(enabled, bool):
         errors.append(f"{name}.enabled must be true or false, not {enabled!r}")
     gib = raw.get("kvDiskGiB")

@@ -93,6 +93,12 @@ def test_a_malformed_field_is_refused_by_name(value, message):
     assert message in str(e.value)
 
 
+def test_null_fields_take_their_defaults():
+    d = parsed(disaggregation={"kvDiskGiB": 4, "enabled": None, "prefill": None, "decode": {"port": None}},
+               **ONE_GPU_EACH).disaggregation
+    assert d == Disaggregation(4.0, Role(8100), Role(8200))
+
+
 def test_the_largest_and_smallest_values_are_accepted():
     d = parsed(disaggregation={"kvDiskGiB": 65536, "prefill": {"port": 1, "maxNumSeqs": 1},
                                "decode": {"port": 65535, "maxNumBatchedTokens": 2**20}}, **ONE_GPU_EACH).disaggregation
