@@ -64,6 +64,19 @@ def test_an_instance_that_does_not_answer_makes_the_proxy_not_ready():
     assert r.json()["reason"].startswith("decode instance did not answer")
 
 
+def test_a_dropped_connection_is_a_502_that_names_the_error():
+    """httpx's errors for a connection dropped mid-request carry no message: the 502 names the
+    error's type (a bare "did not answer: " was all a failed request said on an H100 run)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadError("", request=request)
+
+    client = TestClient(build_app(PREFILL, DECODE, transport=httpx.MockTransport(handle)))
+    r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
+    assert r.status_code == 502
+    assert r.json()["error"]["message"] == "an instance behind the proxy did not answer: ReadError"
+
+
 def test_a_ready_answer_that_is_not_json_still_counts_by_its_status():
     r = proxy({PREFILL + "/ready": (503, "starting"), DECODE + "/ready": (200, READY)}).get("/ready")
     assert r.status_code == 503

@@ -43,6 +43,12 @@ def forwarded_headers(headers: Any) -> dict[str, str]:
 
 
 PROBE_TIMEOUT_S = 5.0  # a probe of an instance: well inside a kubelet probe's own timeout
+KEEPALIVE_S = 2.0  # an idle connection to an instance is closed after this, before the instance's 5 s
+
+
+def describe(error: Exception) -> str:
+    """An exception as a client can read it: httpx's often have no message (a dropped connection)."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def not_ready_answer(role: str, status_code: int, body: Any) -> dict[str, Any]:
@@ -63,7 +69,10 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
+    # Idle connections are dropped before the instances' (uvicorn closes them after 5 s): a request
+    # sent on a connection the instance is closing fails with nothing received.
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+                               limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S))
     app = FastAPI(title="pagoda pd-proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -91,7 +100,8 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
             answer = await client.send(client.build_request("POST", decode_url + path, content=raw, headers=headers),
                                        stream=True)
         except httpx.HTTPError as e:
-            raise APIError(f"an instance behind the proxy did not answer: {e}", 502, code="bad_gateway") from e
+            raise APIError(f"an instance behind the proxy did not answer: {describe(e)}", 502,
+                           code="bad_gateway") from e
         if answer.status_code != 200:
             await answer.aread()
             await answer.aclose()
@@ -118,7 +128,7 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
         try:
             return passed(await client.get(decode_url + "/v1/models", headers=headers))
         except httpx.HTTPError as e:
-            raise APIError(f"the decode instance did not answer: {e}", 502, code="bad_gateway") from e
+            raise APIError(f"the decode instance did not answer: {describe(e)}", 502, code="bad_gateway") from e
 
     @app.get("/health")
     async def health():
@@ -137,7 +147,7 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
             try:
                 r = await client.get(url + "/ready", timeout=PROBE_TIMEOUT_S)
             except httpx.HTTPError as e:
-                return JSONResponse({"status": "not ready", "reason": f"{role} instance did not answer: {e}",
+                return JSONResponse({"status": "not ready", "reason": f"{role} instance did not answer: {describe(e)}",
                                      "startup": []}, status_code=503)
             try:
                 body = r.json()
@@ -153,7 +163,7 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
         try:
             return passed(await client.get(decode_url + "/metrics", timeout=PROBE_TIMEOUT_S))
         except httpx.HTTPError as e:
-            raise APIError(f"the decode instance did not answer: {e}", 502, code="bad_gateway") from e
+            raise APIError(f"the decode instance did not answer: {describe(e)}", 502, code="bad_gateway") from e
 
     @app.on_event("shutdown")
     async def close() -> None:
