@@ -319,3 +319,33 @@ def test_warm_up_sends_no_offload_traffic(model, block_bytes, tmp_path):
     assert len(connector.cpu) == 0 and len(connector.disk) == 0
     assert not list(Path(tmp_path / "kv" / "rank0").iterdir())
     assert llm.engine.core.executor.worker.offload.transfer_seconds == 0.0
+
+
+def test_blocks_taken_from_another_engines_tier_are_checked_by_header_then_by_load(model, block_bytes, tmp_path,
+                                                                                   tiny_models):
+    """A decode engine adopts a prefill engine's files by their headers (identity, block, size);
+    a payload corrupted behind an intact header fails its load and the request is recomputed;
+    another model's files are never adopted."""
+    prompts = workload(num_prefixes=2, repeats=1)
+    reference = run(LLM(model, **ENGINE), prompts)
+    disk = dict(kv_offload_disk_gib=gib(64, block_bytes))
+    prefill = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "prefill"), **disk)
+    run(prefill, prompts)
+    saved = sorted((tmp_path / "prefill" / "rank0").glob(f"*{disk_tier.SUFFIX}"))
+    assert len(saved) == 2 * 6
+    for path in saved[::3]:
+        corrupt(path)  # the payload's last bytes: the header still names the block
+    decode = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "decode"),
+                 kv_offload_disk_source=str(tmp_path / "prefill"), **disk)
+    assert run(decode, prompts) == reference
+    stats = decode.get_stats().kv_offload
+    # each corrupt source file failed once: not adopted again (without that, adopt, fail, recompute
+    # and adopt again looped for ever)
+    assert stats.hits > 0 and 0 < stats.failed_loads <= len(saved[::3]), stats
+    assert_idle_and_consistent(decode)
+
+    other = tiny_models["qwen3"]
+    foreign = LLM(other, **ENGINE, kv_offload_disk_path=str(tmp_path / "foreign"),
+                  kv_offload_disk_source=str(tmp_path / "prefill"), **disk)
+    run(foreign, prompts)
+    assert foreign.get_stats().kv_offload.hits == 0

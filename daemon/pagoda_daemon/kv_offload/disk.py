@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"PAGODA-KV1\n"
 SUFFIX = ".kvblock"
 _LEN = struct.Struct("<I")
+MAX_REFUSED = 65536  # source files remembered as unusable (a few MB of hashes)
 
 
 def identity(model: str, load_format: str, seed: int, dtype: str, block_size: int, block_bytes: int,
@@ -73,22 +74,44 @@ def write_block(path: Path, ident: str, block_hash: BlockHash, block: torch.Tens
     return len(payload)
 
 
-def read_block(path: Path, ident: str, block_hash: BlockHash) -> tuple[dict, bytes]:
-    """The header and payload of a valid file; ValueError (or OSError) for anything else."""
-    data = path.read_bytes()
+def _header(data: bytes, ident: str, block_hash: BlockHash) -> tuple[dict, int]:
+    """The header of a file starting with ``data`` and where its payload starts, if the file is
+    this engine's copy of this block; ValueError otherwise."""
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LEN.size:
         raise ValueError("not a Pagoda KV block file")
     (hlen,) = _LEN.unpack_from(data, len(MAGIC))
     start = len(MAGIC) + _LEN.size
-    header = json.loads(data[start : start + hlen])
-    payload = data[start + hlen :]
-    if header.get("identity") != ident:
+    try:
+        header = json.loads(data[start : start + hlen])
+    except ValueError as e:
+        raise ValueError(f"unreadable header ({e})") from None
+    if not isinstance(header, dict) or header.get("identity") != ident:
         raise ValueError("written by another model or layout")
     if header.get("hash") != block_hash.hex():
         raise ValueError("holds another block")
+    return header, start + hlen
+
+
+def read_block(path: Path, ident: str, block_hash: BlockHash) -> tuple[dict, bytes]:
+    """The header and payload of a valid file; ValueError (or OSError) for anything else."""
+    data = path.read_bytes()
+    header, start = _header(data, ident, block_hash)
+    payload = data[start:]
     if header.get("nbytes") != len(payload) or header.get("crc32") != zlib.crc32(payload):
         raise ValueError("truncated or corrupt")
     return header, payload
+
+
+def check_header(path: Path, ident: str, block_hash: BlockHash) -> None:
+    """Whether the file is this engine's copy of this block, from its header alone (its first
+    bytes): its payload is checked when it is loaded (a load that fails is recomputed)."""
+    with open(path, "rb") as f:
+        data = f.read(len(MAGIC) + _LEN.size)
+        if len(data) == len(MAGIC) + _LEN.size:
+            data += f.read(_LEN.unpack_from(data, len(MAGIC))[0])
+    header, start = _header(data, ident, block_hash)
+    if path.stat().st_size != start + header.get("nbytes", -1):
+        raise ValueError("truncated")
 
 
 class DiskIndex:
@@ -100,7 +123,11 @@ class DiskIndex:
         self.num_files = num_files
         self.identities = identities  # one per rank
         self.files: OrderedDict[BlockHash, None] = OrderedDict()
-        self.checked: set[BlockHash] = set()  # written by this run, or read back whole once
+        self.checked: set[BlockHash] = set()  # written by this run, read back whole once, or adopted
+        # adopted blocks: the source file's (inode, mtime); and those forgotten (a load failed), so
+        # that the same source file is not adopted again, and failed again, without end
+        self._adopted: dict[BlockHash, tuple[int, int]] = {}
+        self._refused: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
         self._scan()
 
     def _scan(self) -> None:
@@ -147,6 +174,11 @@ class DiskIndex:
         del self.files[block_hash]
         self.checked.discard(block_hash)
         self._delete(block_hash)
+        source_file = self._adopted.pop(block_hash, None)
+        if source_file is not None:
+            self._refused[block_hash] = source_file
+            if len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)
         return True
 
     def __len__(self) -> int:
@@ -178,8 +210,10 @@ class DiskIndex:
 
     def adopt(self, block_hash: BlockHash) -> bool:
         """Take a block another engine wrote to the source directory (a prefill instance), if it
-        has it on every rank and it checks out: hard links into this tier's directories, so the
-        other engine may evict its own files meanwhile. The block becomes this tier's most recent;
+        has it on every rank and their headers name this engine and this block (the payloads are
+        checked when they are loaded; one that fails is recomputed): hard links into this tier's
+        directories, so the other engine may evict its own files meanwhile. The block becomes this
+        tier's most recent;
         the tier may exceed its size until ``shrink`` (after the step's lookups, whose loads
         must find what they found)."""
         if self.source is None or block_hash in self.files:
@@ -187,18 +221,23 @@ class DiskIndex:
         name = file_name(block_hash)
         linked: list[Path] = []
         try:
+            found = os.stat(rank_dir(self.source, 0) / name)
+            source_file = (found.st_ino, found.st_mtime_ns)
+            if self._refused.get(block_hash) == source_file:
+                return False  # this very file failed a load: recomputed instead, until it is written anew
             for r, ident in enumerate(self.identities):
                 target = rank_dir(self.root, r) / name
                 target.unlink(missing_ok=True)  # a file this index does not know: stale
                 os.link(rank_dir(self.source, r) / name, target)
                 linked.append(target)
-                read_block(target, ident, block_hash)
+                check_header(target, ident, block_hash)  # the payload is checked when it is loaded
         except (OSError, ValueError):  # not there (yet, or any more) on some rank, or not for this engine
             for target in linked:
                 target.unlink(missing_ok=True)
             return False
         self.files[block_hash] = None
         self.checked.add(block_hash)
+        self._adopted[block_hash] = source_file
         return True
 
     def shrink(self) -> list[BlockHash]:
@@ -211,6 +250,7 @@ class DiskIndex:
         while len(self.files) > count:
             old, _ = self.files.popitem(last=False)
             self.checked.discard(old)
+            self._adopted.pop(old, None)
             evicted.append(old)
         return evicted
 
@@ -236,6 +276,7 @@ class DiskIndex:
     def check(self) -> None:
         assert len(self.files) <= self.num_files, "disk tier over capacity"
         assert self.checked <= set(self.files), "a checked block is not indexed"
+        assert set(self._adopted) <= set(self.files), "an adopted block is not indexed"
 
 
 class DiskStore:

@@ -16,6 +16,7 @@ import logging
 import os
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -30,6 +31,7 @@ from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
 
 log = logging.getLogger(__name__)
 
+DISK_IO_THREADS = 8
 CPU, DISK = "cpu", "disk"  # the tiers' names in the stats (the metrics' `medium` label upper-cases them)
 
 
@@ -234,18 +236,37 @@ class TieredWorker(OffloadWorker):
         self.disk = (DiskStore(config.kv_offload_disk_path, rank, _identities(config, dtype, block_bytes)[rank], shape,
                                kv_cache.dtype)
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
+        # Disk reads and writes run here, several at once (file I/O and the CRC release the GIL):
+        # one at a time on the engine's thread, a step waited for each file in turn.
+        self._io = ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-disk") if self.disk else None
 
     def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> list[bool]:
+        """Host-memory copies in list order (enqueued on the step's stream on a GPU); disk reads
+        and writes in the I/O threads, every one finished before this returns, so a step's
+        files are whole when its outputs go out (a prefill instance's answer promises them).
+        The disk blocks a step saves come off the GPU in one copy, once the step has run."""
         started = time.perf_counter()
         failed = [False] * len(transfers)
+        disk = self.disk
+        reads: dict[int, Future[torch.Tensor]] = {}
+        writes: dict[BlockHash, Future[None]] = {}
+        from_gpu: dict[BlockHash, torch.Tensor] = {}
+        io = self._io
+        if disk is not None:
+            assert io is not None
+            reads = {i: io.submit(disk.read, t.block_hash) for i, t in enumerate(transfers)
+                     if t.kind == "load_disk"}
+            saves = [t for t in transfers if t.kind == "save_disk"]
+            if saves:
+                blocks = torch.stack([kv_cache[:, :, t.gpu_block] for t in saves]).cpu()
+                from_gpu = {t.block_hash: blocks[j] for j, t in enumerate(saves)}
         for i, t in enumerate(transfers):
             if t.kind == "load_cpu":
                 assert self.cpu is not None
                 self.cpu.load(t.slot, kv_cache, t.gpu_block)
             elif t.kind == "load_disk":
-                assert self.disk is not None
                 try:
-                    block = self.disk.read(t.block_hash)
+                    block = reads[i].result()
                 except RuntimeError as e:  # the file changed since the lookup: the block is recomputed
                     log.warning("%s: its requests are recomputed", e)
                     kv_cache[:, :, t.gpu_block].zero_()  # the step runs over it: finite values, never stale ones
@@ -256,16 +277,24 @@ class TieredWorker(OffloadWorker):
                 assert self.cpu is not None
                 self.cpu.save(t.slot, kv_cache, t.gpu_block)
             elif t.kind == "save_disk":
-                assert self.disk is not None
-                self.disk.write(t.block_hash, kv_cache[:, :, t.gpu_block])
+                assert disk is not None
+                assert io is not None
+                writes[t.block_hash] = io.submit(disk.write, t.block_hash, from_gpu[t.block_hash])
             elif t.kind == "demote":
-                assert self.cpu is not None and self.disk is not None
-                self.disk.write(t.block_hash, self.cpu.block(t.slot))
+                assert self.cpu is not None and disk is not None
+                # a copy: a later save of this list may reuse the slot while the write runs
+                assert io is not None
+                writes[t.block_hash] = io.submit(disk.write, t.block_hash, self.cpu.block(t.slot).clone())
             elif t.kind == "drop":
-                assert self.disk is not None
-                self.disk.drop(t.block_hash)
+                assert disk is not None
+                pending = writes.pop(t.block_hash, None)
+                if pending is not None:  # written and evicted by the same step: the write first
+                    pending.result()
+                disk.drop(t.block_hash)
             else:
                 raise ValueError(f"unknown KV transfer {t.kind!r}")
+        for write in writes.values():
+            write.result()
         if self.cpu is not None:
             self.cpu.fence()
         self.transfer_seconds += time.perf_counter() - started
