@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                       "cpu_gib": args.cpu_gib if config in ("cpu", "both") else None,
                       "disk_gib": args.disk_gib if config in ("disk", "both") else None,
                       "conversations": args.conversations, "turns": args.turns, "shared_len": args.shared_len,
+                      "max_concurrency": args.max_concurrency, "turn_delay_s": args.turn_delay,
                       "num_kv_blocks": args.num_kv_blocks, "completed": point["completed"], "failed": point["failed"],
                       "errors": point["errors"], "duration_s": point["duration_s"],
                       "output_throughput": point["output_throughput"], "ttft_ms": point["ttft_ms"],

@@ -157,13 +157,18 @@ if has kv-offload; then
   step "KV offload: multi-turn conversations beyond the GPU cache (off, cpu, disk, both)"
   # KVO_CPU_GIB: the host tier's size (16 GiB otherwise). KVO_BASE: a copy of an earlier daemon/,
   # kernels/ and benchmarks/ (`git archive`), run after this tree with KVO_BASE_CONFIGS.
-  TOK=/tmp/qwen3-0.6b-synth
-  python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/qwen3-0.6b/config.json >/dev/null || status=1
+  # KVO_MODEL: a directory of benchmarks/configs (qwen3-0.6b); KVO_CONCURRENCY: conversations in
+  # flight (all otherwise); KVO_MAX_LEN: --max-model-len (32768; the cache needs one sequence of it);
+  # KVO_TURN_DELAY: seconds between a conversation's answer and its next turn (1).
+  KVO_MODEL=${KVO_MODEL:-qwen3-0.6b}; TOK=/tmp/$KVO_MODEL-synth
+  python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/$KVO_MODEL/config.json >/dev/null || status=1
   for tree in head ${KVO_BASE:+base}; do
     root=$PWD; configs=${KVO_CONFIGS:-off,cpu,disk,both}
     [ "$tree" = base ] && root=$PWD/$KVO_BASE && configs=${KVO_BASE_CONFIGS:-cpu}
     (cd "$root" && PYTHONPATH=$root:$root/daemon:$root/kernels:$PYTHONPATH timeout "${KVO_TIMEOUT:-540}" \
-      python3 -m benchmarks.kv_offload $CFG/qwen3-0.6b --tokenizer $TOK --load-format dummy \
+      python3 -m benchmarks.kv_offload $CFG/$KVO_MODEL --tokenizer $TOK --load-format dummy \
+      ${KVO_CONCURRENCY:+--max-concurrency $KVO_CONCURRENCY} ${KVO_MAX_LEN:+--max-model-len $KVO_MAX_LEN} \
+      ${KVO_TURN_DELAY:+--turn-delay $KVO_TURN_DELAY} \
       ${KVO_BLOCKS:+--num-kv-blocks $KVO_BLOCKS} --conversations "${KVO_CONVERSATIONS:-100}" --turns "${KVO_TURNS:-10}" \
       --shared-len "${KVO_SHARED:-2000}" ${KVO_CPU_GIB:+--cpu-gib $KVO_CPU_GIB} ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} \
       --configs "$configs" --out "$OUT/kv_offload.jsonl" $([ "$tree" = head ] && echo --label head)) \
@@ -365,10 +370,16 @@ if has pd; then
   python3 -m pagoda_daemon pd-proxy --prefill http://127.0.0.1:18100 --decode http://127.0.0.1:18200 --port 18000 \
     > "$OUT/pd-proxy.log" 2>&1 &
   PIDS="$PIDS $!"
-  if wait_ready 18000 /health; then pd_sweep disaggregated 18000; else status=1; tail -20 "$OUT/pd-proxy.log"; fi
+  if wait_ready 18000 /health; then
+    python3 -m benchmarks.pd_parity --url http://127.0.0.1:18000 --out "$OUT/pd-answers-disaggregated.json" || status=1
+    pd_sweep disaggregated 18000
+  else status=1; tail -20 "$OUT/pd-proxy.log"; fi
   curl -s localhost:18200/metrics | grep -E '^vllm:external_prefix_cache_(hits|queries)_total' | tee "$OUT/pd-decode-hits.txt"
   kill -TERM $PIDS; wait $PIDS; rm -rf "$KV"
   PIDS=""; pd_serve single 18300
+  python3 -m benchmarks.pd_parity --url http://127.0.0.1:18300 --out "$OUT/pd-answers-single.json" || status=1
+  python3 -m benchmarks.pd_parity --compare "$OUT/pd-answers-disaggregated.json" "$OUT/pd-answers-single.json" \
+    | tee "$OUT/pd-parity.txt" || status=1
   pd_sweep single 18300
   kill -TERM $PIDS; wait $PIDS
   tar czf "$OUT/pd-points.tgz" -C "$OUT" sweep
