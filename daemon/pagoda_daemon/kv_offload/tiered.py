@@ -32,6 +32,7 @@ from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
 log = logging.getLogger(__name__)
 
 DISK_IO_THREADS = 8
+SAVE_COPY_BLOCKS = 64  # blocks a disk save stages on the device at a time (64 Llama-3-8B blocks: 128 MiB)
 CPU, DISK = "cpu", "disk"  # the tiers' names in the stats (the metrics' `medium` label upper-cases them)
 
 
@@ -244,7 +245,8 @@ class TieredWorker(OffloadWorker):
         """Host-memory copies in list order (enqueued on the step's stream on a GPU); disk reads
         and writes in the I/O threads, every one finished before this returns, so a step's
         files are whole when its outputs go out (a prefill instance's answer promises them).
-        The disk blocks a step saves come off the GPU in one copy, once the step has run."""
+        The disk blocks a step saves come off the GPU in a few copies (not one per block), once
+        the step has run."""
         started = time.perf_counter()
         failed = [False] * len(transfers)
         disk = self.disk
@@ -257,9 +259,10 @@ class TieredWorker(OffloadWorker):
             reads = {i: io.submit(disk.read, t.block_hash) for i, t in enumerate(transfers)
                      if t.kind == "load_disk"}
             saves = [t for t in transfers if t.kind == "save_disk"]
-            if saves:
-                blocks = torch.stack([kv_cache[:, :, t.gpu_block] for t in saves]).cpu()
-                from_gpu = {t.block_hash: blocks[j] for j, t in enumerate(saves)}
+            for first in range(0, len(saves), SAVE_COPY_BLOCKS):  # a bounded staging buffer on the device
+                chunk = saves[first : first + SAVE_COPY_BLOCKS]
+                blocks = torch.stack([kv_cache[:, :, t.gpu_block] for t in chunk]).cpu()
+                from_gpu.update((t.block_hash, blocks[j]) for j, t in enumerate(chunk))
         for i, t in enumerate(transfers):
             if t.kind == "load_cpu":
                 assert self.cpu is not None
