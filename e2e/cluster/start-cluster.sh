@@ -80,7 +80,8 @@ if [ -n "${PAGODA_K8S_ETCD_PORT:-}" ]; then
   ETCD_PORT=$PAGODA_K8S_ETCD_PORT; ETCD_PEER_PORT=$((ETCD_PORT + 1)); ETCD_METRICS_PORT=$((ETCD_PORT + 2))
 fi
 BIND_IP=127.0.0.1
-SERVICE_CIDR=10.0.0.0/24
+# 253 Services: enough for the e2e tests; benchmarks/operator_scale.py asks for more at its sizes
+SERVICE_CIDR=${PAGODA_K8S_SERVICE_CIDR:-10.0.0.0/24}
 if [ "$NODE" = 1 ]; then
   # The node's bridge first: the API server listens on one of its addresses.
   "$HERE/node.sh" net-up "$D" || fail "could not set up the node's network"
