@@ -128,27 +128,29 @@ def tensor_parallel_group(size: int, expert_groups: int = 1) -> TensorParallel:
     return TensorParallel(dist.get_rank(), size, dist.group.WORLD, expert_groups)
 
 
+def _reduce_ints(values: list[int], op: dist.ReduceOp.RedOpType, tp: TensorParallel) -> list[int]:
+    """Every rank's ``values`` reduced element-wise with ``op`` (on the group's device: NCCL takes
+    GPU tensors only)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if dist.get_backend(tp.group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=op, group=tp.group)
+    return t.tolist()
+
+
 def min_over_ranks(value: int, tp: TensorParallel) -> int:
     """The smallest of every rank's value (the KV blocks each rank can hold: all must agree)."""
     if not tp.enabled:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend(tp.group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
-    return int(t.item())
+    return _reduce_ints([value], dist.ReduceOp.MIN, tp)[0]
 
 
 def any_over_ranks(flags: list[bool], tp: TensorParallel) -> list[bool]:
-    """Each flag set where any rank set it (KV loads that failed on some rank: every rank must
-    skip the same saves and the scheduler must undo the same requests)."""
+    """Each flag set where any rank set it (KV loads that failed on some rank: the scheduler must
+    undo the same requests whichever rank's file was bad)."""
     if not tp.enabled or not flags:
         return flags
-    t = torch.tensor(flags, dtype=torch.int32)
-    if dist.get_backend(tp.group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp.group)
-    return [bool(v) for v in t.tolist()]
+    return [bool(v) for v in _reduce_ints([int(f) for f in flags], dist.ReduceOp.MAX, tp)]
 
 
 def num_experts_of(model_config) -> int:

@@ -253,9 +253,8 @@ class TieredWorker(OffloadWorker):
         reads: dict[int, Future[torch.Tensor]] = {}
         writes: dict[BlockHash, Future[None]] = {}
         from_gpu: dict[BlockHash, torch.Tensor] = {}
-        io = self._io
-        if disk is not None:
-            assert io is not None
+        io = self._io  # there exactly when the disk tier is
+        if disk is not None and io is not None:
             reads = {i: io.submit(disk.read, t.block_hash) for i, t in enumerate(transfers)
                      if t.kind == "load_disk"}
             saves = [t for t in transfers if t.kind == "save_disk"]
@@ -280,13 +279,11 @@ class TieredWorker(OffloadWorker):
                 assert self.cpu is not None
                 self.cpu.save(t.slot, kv_cache, t.gpu_block)
             elif t.kind == "save_disk":
-                assert disk is not None
-                assert io is not None
+                assert disk is not None and io is not None
                 writes[t.block_hash] = io.submit(disk.write, t.block_hash, from_gpu[t.block_hash])
             elif t.kind == "demote":
-                assert self.cpu is not None and disk is not None
+                assert self.cpu is not None and disk is not None and io is not None
                 # a copy: a later save of this list may reuse the slot while the write runs
-                assert io is not None
                 writes[t.block_hash] = io.submit(disk.write, t.block_hash, self.cpu.block(t.slot).clone())
             elif t.kind == "drop":
                 assert disk is not None

@@ -211,7 +211,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         """KV offload loads first (the step counts their tokens as computed), then the step,
-        then the saves of the blocks it filled (synchronous copies: docs/kv-offload.md).
+        then the saves of the blocks it filled (docs/kv-offload.md, "How the copies run").
 
         A load that failed on any rank (a block file changed since its lookup) leaves wrong KV
         in its block and in the blocks computed on top of it: the step's result names the failed
