@@ -349,3 +349,18 @@ def test_blocks_taken_from_another_engines_tier_are_checked_by_header_then_by_lo
                   kv_offload_disk_source=str(tmp_path / "prefill"), **disk)
     run(foreign, prompts)
     assert foreign.get_stats().kv_offload.hits == 0
+
+
+@pytest.mark.parametrize("nbytes", ["8192", None, 1.5, True, -1])
+def test_a_header_without_a_usable_size_is_not_adopted(tmp_path, nbytes):
+    """check_header refuses (ValueError, which adoption turns into a miss) a header whose size is
+    missing or not an integer, rather than raising something the engine does not catch."""
+    import json
+    import struct
+
+    block_hash = b"\x07" * 32
+    header = json.dumps({"identity": "me", "hash": block_hash.hex(), "nbytes": nbytes}).encode()
+    path = tmp_path / disk_tier.file_name(block_hash)
+    path.write_bytes(disk_tier.MAGIC + struct.pack("<I", len(header)) + header + b"\0" * 16)
+    with pytest.raises(ValueError, match="truncated"):
+        disk_tier.check_header(path, "me", block_hash)

@@ -110,8 +110,9 @@ def check_header(path: Path, ident: str, block_hash: BlockHash) -> None:
         if len(data) == len(MAGIC) + _LEN.size:
             data += f.read(_LEN.unpack_from(data, len(MAGIC))[0])
     header, start = _header(data, ident, block_hash)
-    if path.stat().st_size != start + header.get("nbytes", -1):
-        raise ValueError("truncated")
+    nbytes = header.get("nbytes")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or path.stat().st_size != start + nbytes:
+        raise ValueError("truncated, or a header without its payload's size")
 
 
 class DiskIndex:
