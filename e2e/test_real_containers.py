@@ -293,15 +293,18 @@ def test_delete_removes_everything(local_cluster, ns):
 
 def test_bad_model_path_is_degraded_with_the_reason(local_cluster, tmp_path):
     """Two ways to get the path wrong: nothing there (the kubelet cannot mount it), or a
-    directory without a model (the daemon exits saying so)."""
+    directory without a model (the daemon exits saying so); and a layout only the model's
+    config.json rules out (tensor 3 against its 4 heads), named in the spec's own fields."""
     ns = local_cluster.create_namespace("bad-model")
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     empty.chmod(0o755)
     missing = "/var/lib/pagoda/models/no-such-model"
+    split = manifest(local_cluster, "split")
+    split["spec"]["parallelism"] = {"tensor": 3}
     try:
-        local_cluster.apply([manifest(local_cluster, "missing", missing), manifest(local_cluster, "empty", str(empty))],
-                            namespace=ns)
+        local_cluster.apply([manifest(local_cluster, "missing", missing), manifest(local_cluster, "empty", str(empty)),
+                             split], namespace=ns)
 
         def degraded(name: str) -> dict[str, Any] | None:
             c = cond(isvc(local_cluster, ns, name), "Degraded")
@@ -312,9 +315,14 @@ def test_bad_model_path_is_degraded_with_the_reason(local_cluster, tmp_path):
         assert missing in mount["message"] and "not a directory" in mount["message"]
 
         crash = local_cluster.wait_for(lambda: degraded("empty"), timeout=180, what="empty: Degraded")
-        assert crash["reason"] in ("CrashLoopBackOff", "ContainerConfigError"), crash
+        assert crash["reason"] == "ConfigurationRefused", crash  # `pagoda serve` exits 2
         assert "has no config.json" in crash["message"], crash
-        for name in ("missing", "empty"):
+
+        layout = local_cluster.wait_for(lambda: degraded("split"), timeout=180, what="split: Degraded")
+        assert layout["reason"] == "ConfigurationRefused", layout
+        assert ("attention heads (4) is not divisible by spec.parallelism.tensor × spec.parallelism.expert = 3"
+                in layout["message"]), layout
+        for name in ("missing", "empty", "split"):
             assert cond(isvc(local_cluster, ns, name), "Ready")["status"] == "False"
     finally:
         local_cluster.delete_namespace(ns)

@@ -3,6 +3,7 @@ and engine ConfigMap parse through `pagoda serve`'s own option handling."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,31 @@ def test_the_disaggregated_pods_command_lines_are_the_daemons(tmp_path):
     assert options["prefill"]["kv_offload_disk_source"] is None
     proxy = build_parser().parse_args(containers["proxy"]["args"])
     assert (proxy.prefill, proxy.decode, proxy.port) == ("http://127.0.0.1:8100", "http://127.0.0.1:8300", 8000)
+
+
+def test_every_option_a_layout_refusal_names_is_an_inferenceservice_field(tiny_models):
+    """check_layout's refusals, put in the spec's terms by the operator (status.pod_problems),
+    name no daemon option the user did not write."""
+    from types import SimpleNamespace
+
+    from pagoda_daemon.distributed.parallel_state import check_layout
+    from pagoda_daemon.models.loader import load_config
+
+    moe = load_config(tiny_models["qwen3_moe"])
+    dense = load_config(tiny_models["llama"])
+    refusals = []
+    for model, args in [(moe, (3, 1)), (moe, (1, 3, True, 1)), (dense, (1, 2, True, 0)), (moe, (1, 2, False, 2)),
+                        (moe, (1, 2, True, 99)), (moe, (3, 1)),
+                        (SimpleNamespace(num_attention_heads=6, num_key_value_heads=4, intermediate_size=7), (2, 1)),
+                        (moe, (1, 1, False, 0, 99)), (dense, (1, 1, False, 0, 2))]:
+        with pytest.raises(ValueError) as refused:
+            check_layout(model, *args)
+        refusals.append(str(refused.value))
+    options = {d.name for d in declared(EngineConfig) if "_" in d.name}  # one-word names read as prose
+
+    def named(text: str) -> set[str]:
+        return {w for w in options if re.search(rf"\b{w}\b", text)}
+
+    for message in refusals:
+        assert named(message), message  # each names what to change
+        assert not named(spec.in_crd_terms(message)), spec.in_crd_terms(message)

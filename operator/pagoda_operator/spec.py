@@ -650,6 +650,23 @@ CRD_FIELD_OF_OPTION = {
 }
 
 
+# The fields of the options a daemon's refusal of its configuration may name beyond the gated ones
+# (distributed/parallel_state.check_layout: layouts only the model's config.json can rule out).
+CRD_FIELD_OF_LAYOUT_OPTION = {
+    "enable_eplb": "spec.parallelism.eplb",
+    "num_redundant_experts": "spec.parallelism.eplb.redundantExperts",
+    "elastic_ep_max_size": "spec.parallelism.elastic.maxExpert",
+}
+
+
+def in_crd_terms(message: str) -> str:
+    """A daemon's message with the options it names replaced by the InferenceService fields
+    they come from (``tensor_parallel_size`` -> ``spec.parallelism.tensor``)."""
+    fields = {**CRD_FIELD_OF_OPTION, **CRD_FIELD_OF_LAYOUT_OPTION}
+    return re.sub(r"\b(" + "|".join(map(re.escape, sorted(fields, key=len, reverse=True))) + r")\b",
+                  lambda m: fields[m.group(1)], message)
+
+
 def capability_errors(s: ServiceSpec, supports: Supports = capabilities.supported) -> list[str]:
     """What the spec asks for that this Pagoda build's daemon cannot do (``pagoda_daemon.capabilities``,
     the list the daemon itself refuses with): refused here, at apply time, instead of by a crash loop."""

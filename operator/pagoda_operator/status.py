@@ -6,7 +6,7 @@ carries the pod template of the current generation and its ready, updated and to
 all equal the desired count; a group is one replica, ready when every member is. Progressing is True while a
 rollout or a scale is under way. Degraded says, with a reason, why things are not converging:
 an invalid spec, no eligible node, pods that cannot be scheduled, pods whose volumes cannot be
-mounted, crash loops (with the last lines the container wrote before it died), image pulls,
+mounted, a configuration the daemon refused (with the spec fields it named), crash loops (with the last lines the container wrote before it died), image pulls,
 replica failures or an exceeded progress deadline.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 
 from pagoda_operator.builders import GROUP_LABEL, HASH_ANNOTATION, LEADER, ROLE_LABEL, WORKER
 from pagoda_operator.placement import pod_ready
+from pagoda_operator.spec import in_crd_terms
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 CRASH_REASONS = {
@@ -36,6 +37,8 @@ START_FAILURES = {
     "FailedAttachVolume": "VolumeMountFailed",
     "FailedCreatePodSandBox": "PodSandboxFailed",
 }
+# `pagoda serve`'s exit status for options, a model or a layout it refuses (one line on stderr).
+REFUSED_EXIT_CODE = 2
 # Waiting reasons of a container whose pod has not started yet.
 NOT_STARTED = ("ContainerCreating", "PodInitializing")
 DETAIL_CHARS = 300
@@ -225,13 +228,21 @@ def pod_problems(
                 )
         for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
             waiting = (cs.get("state") or {}).get("waiting") or {}
+            last = ((cs.get("lastState") or {}).get("terminated")) or {}
+            if last.get("exitCode") == REFUSED_EXIT_CODE and not cs.get("ready"):
+                # Checks that need the model's config.json (a layout its heads or experts cannot
+                # be split into) run in the daemon, not at apply time: name the spec's fields.
+                line = _last_line(last.get("message")) or "(no message)"
+                out.append(Problem("ConfigurationRefused", f"pod {name} container {cs.get('name')} refused "
+                                   f"its configuration (exit {REFUSED_EXIT_CODE}, restarted "
+                                   f"{cs.get('restartCount', 0)} times): {in_crd_terms(line)}"))
+                continue
             reason = CRASH_REASONS.get(waiting.get("reason", ""))
             if not reason:
                 continue
             msg = f"pod {name} container {cs.get('name')}: {waiting.get('reason')}"
             if cs.get("restartCount"):
                 msg += f" (restarted {cs['restartCount']} times)"
-            last = ((cs.get("lastState") or {}).get("terminated")) or {}
             if last.get("reason"):
                 msg += f", last exit {last.get('reason')} code {last.get('exitCode')}"
             # What the container said before it died names the problem better than the back-off.

@@ -12,10 +12,10 @@ from pagoda_daemon.models.loader import load_config
 
 
 @pytest.mark.parametrize(("arch", "tensor", "expert", "message"), [
-    ("llama", 3, 1, r"attention heads \(4\) is not divisible by tensor × expert = 3"),
+    ("llama", 3, 1, r"attention heads \(4\) is not divisible by tensor_parallel_size × expert_parallel_size = 3"),
     ("llama", 1, 2, "expert_parallel_size 2 needs a mixture-of-experts model"),
-    ("qwen3_moe", 1, 3, r"attention heads \(4\) is not divisible by tensor × expert = 3.*number of experts \(8\)"),
-    ("qwen3_moe", 8, 1, r"heads \(4\) is not divisible by tensor × expert = 8"),
+    ("qwen3_moe", 1, 3, r"attention heads \(4\) is not divisible by tensor_parallel_size × expert_parallel_size = 3.*number of experts \(8\)"),
+    ("qwen3_moe", 8, 1, r"heads \(4\) is not divisible by tensor_parallel_size × expert_parallel_size = 8"),
 ])
 def test_a_layout_the_model_cannot_take_is_refused(tiny_models, arch, tensor, expert, message):
     with pytest.raises(ValueError, match=message):

@@ -293,7 +293,7 @@ def crashing_pod(message: str) -> dict[str, Any]:
                     "name": "daemon",
                     "restartCount": 3,
                     "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting"}},
-                    "lastState": {"terminated": {"reason": "Error", "exitCode": 2, "message": message}},
+                    "lastState": {"terminated": {"reason": "Error", "exitCode": 1, "message": message}},
                 }
             ],
         },
@@ -308,7 +308,7 @@ def test_a_failed_fetch_is_the_degraded_message():
     (problem,) = pod_problems([crashing_pod(log_tail)])
     assert problem == Problem(
         "CrashLoopBackOff",
-        "pod llama-abc container daemon: CrashLoopBackOff (restarted 3 times), last exit Error code 2: "
+        "pod llama-abc container daemon: CrashLoopBackOff (restarted 3 times), last exit Error code 1: "
         + FETCH_FAILURE,
     )
     st = compute(

@@ -207,6 +207,25 @@ def test_degraded_from_pods(pod_status, reason, fragment):
     assert fragment in deg["message"] and "pod x" in deg["message"]
 
 
+@pytest.mark.parametrize("waiting", [{"reason": "CrashLoopBackOff", "message": "back-off 10s"}, None])
+def test_a_layout_the_daemon_refused_is_degraded_naming_the_spec_fields(waiting):
+    """A layout only the model's config.json rules out: `pagoda serve` exits 2 with one line,
+    and Degraded says so in the InferenceService's own terms, during the back-off and while the
+    container runs again."""
+    refusal = ("pagoda serve: the number of attention heads (32) is not divisible by tensor_parallel_size × "
+               "expert_parallel_size = 3; num_redundant_experts needs enable_eplb")
+    status = {"name": "daemon", "restartCount": 1, "ready": False,
+              "state": {"waiting": waiting} if waiting else {"running": {"startedAt": NOW}},
+              "lastState": {"terminated": {"reason": "Error", "exitCode": 2,
+                                           "message": f"INFO loading config\n{refusal}\n"}}}
+    deg = condition(run(dep(ready=2), pods=[pod("x", containerStatuses=[status]), pod("y")]), "Degraded")
+    assert (deg["status"], deg["reason"]) == ("True", "ConfigurationRefused")
+    assert deg["message"] == (
+        "pod x container daemon refused its configuration (exit 2, restarted 1 times): pagoda serve: the number of attention heads "
+        "(32) is not divisible by spec.parallelism.tensor × spec.parallelism.expert = 3; "
+        "spec.parallelism.eplb.redundantExperts needs spec.parallelism.eplb")
+
+
 def test_terminating_pods_are_not_problems():
     p = pod("x", containerStatuses=[{"name": "d", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}])
     p["metadata"]["deletionTimestamp"] = NOW
@@ -277,9 +296,9 @@ def test_crash_loop_names_what_the_container_said():
         ],
     )
     deg = condition(run(dep(ready=0), pods=[p]), "Degraded")
-    assert deg["reason"] == "CrashLoopBackOff"
+    assert deg["reason"] == "ConfigurationRefused"  # exit 2: `pagoda serve` refused what it was given
     assert deg["message"] == (
-        "pod x container daemon: CrashLoopBackOff (restarted 2 times), last exit Error code 2: "
+        "pod x container daemon refused its configuration (exit 2, restarted 2 times): "
         "pagoda serve: model path '/models' has no config.json"
     )
 

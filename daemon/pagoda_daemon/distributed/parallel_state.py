@@ -158,10 +158,14 @@ def num_experts_of(model_config) -> int:
     return getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", None) or 0
 
 
+RANKS = "tensor_parallel_size × expert_parallel_size"
+
+
 def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, redundant: int = 0,
                  elastic_max: int = 0) -> None:
     """Refuse, in one line, a layout the model cannot be split into (before any rank starts;
-    the layers check again as they are built). Elastic EP (``elastic_max`` > 0) splits only
+    the layers check again as they are built). The line names options as the config file
+    does, so that the operator can name the InferenceService fields instead. Elastic EP (``elastic_max`` > 0) splits only
     the experts, whatever their number: a size that does not divide them takes redundant slots."""
     if elastic_max:
         return _check_elastic_layout(model_config, elastic_max)
@@ -172,9 +176,9 @@ def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, red
     is_moe = experts > 0 and (getattr(model_config, "num_experts_per_tok", 0) or 0) > 0
     problems = []
     if heads % ranks:
-        problems.append(f"the number of attention heads ({heads}) is not divisible by tensor × expert = {ranks}")
+        problems.append(f"the number of attention heads ({heads}) is not divisible by {RANKS} = {ranks}")
     elif (ranks % kv_heads) if ranks > kv_heads else (kv_heads % ranks):
-        problems.append(f"tensor × expert = {ranks} is neither a divisor nor a multiple of the number of KV "
+        problems.append(f"{RANKS} = {ranks} is neither a divisor nor a multiple of the number of KV "
                         f"heads ({kv_heads})")
     if expert > 1 and not is_moe:
         problems.append(f"expert_parallel_size {expert} needs a mixture-of-experts model; this one has no experts")
@@ -197,7 +201,7 @@ def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, red
     dense_layers = not is_moe or getattr(model_config, "mlp_only_layers", None) or (
         getattr(model_config, "decoder_sparse_step", 1) or 1) > 1
     if inter and dense_layers and inter % ranks:
-        problems.append(f"the intermediate size ({inter}) is not divisible by tensor × expert = {ranks}")
+        problems.append(f"the intermediate size ({inter}) is not divisible by {RANKS} = {ranks}")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -205,7 +209,8 @@ def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, red
 def _check_elastic_layout(model_config, elastic_max: int) -> None:
     experts = num_experts_of(model_config)
     if not experts or not (getattr(model_config, "num_experts_per_tok", 0) or 0):
-        raise ValueError("elastic expert parallelism needs a mixture-of-experts model; this one has no experts")
+        raise ValueError(f"elastic_ep_max_size {elastic_max}: elastic expert parallelism needs a mixture-of-experts "
+                         "model; this one has no experts")
     if elastic_max > experts:
         raise ValueError(f"elastic_ep_max_size {elastic_max} is more than the model's {experts} experts: a rank "
                          "would hold only copies")
