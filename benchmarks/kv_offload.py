@@ -5,6 +5,7 @@ the conversation so far), reporting TTFT p50/p99, throughput and the offload cou
 
     python -m benchmarks.kv_offload MODEL_DIR [--tokenizer DIR] [--load-format dummy] \\
         [--num-kv-blocks N] [--conversations 100] [--turns 10] [--shared-len 2000] \\
+        [--max-concurrency N | --conversation-rate R --turn-delay S] \\
         [--configs off,cpu,disk,both] [--cpu-gib 16] [--disk-gib 64] [--out results.jsonl]
 
 MODEL_DIR may be a config-only directory (benchmarks/configs/...) with `--load-format dummy` and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -50,9 +52,29 @@ def offload_flags(config: str, cpu_gib: float, disk_gib: float, disk_dir: str) -
     return flags
 
 
+# Where a turn's TTFT goes, as the engine measures it: waiting for its first step (a free KV
+# block, a step boundary), then from that step to its first token (loads and prefill).
+PHASE_HISTOGRAMS = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                    "ttft": "vllm:time_to_first_token_seconds"}
+
+
+def engine_phases_ms(text: str) -> dict[str, float]:
+    """The mean of each PHASE_HISTOGRAMS histogram over the run, in ms, from its _sum and _count."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in PHASE_HISTOGRAMS.values():
+            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {phase: round(1000 * sums[f"{h}_sum"] / sums[f"{h}_count"], 3)
+            for phase, h in PHASE_HISTOGRAMS.items() if sums.get(f"{h}_count")}
+
+
 def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for phase, ms in engine_phases_ms(text).items():
+        out[f"mean_{phase}_ms"] = ms
+    for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in OFFLOAD_METRICS:
             medium = line.split('medium="', 1)[1].split('"', 1)[0] if 'medium="' in line else ""
@@ -91,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-concurrency", type=int, default=None, help="conversations in flight (default: all)")
     ap.add_argument("--turn-delay", type=float, default=1.0,
                     help="seconds a user pauses between turns (other conversations run meanwhile)")
+    ap.add_argument("--conversation-rate", type=float, default=math.inf,
+                    help="conversations starting per second (Poisson; default: all at once)")
     ap.add_argument("--configs", default="off,cpu,disk,both")
     ap.add_argument("--cpu-gib", type=float, default=16.0)
     ap.add_argument("--disk-gib", type=float, default=64.0)
@@ -116,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                               work / f"serve-{config}.log", args.ready_timeout)
             try:
                 point = run_point(PointConfig(base_url=url, model="bench", max_concurrency=args.max_concurrency,
-                                              turn_delay_s=args.turn_delay), requests)
+                                              turn_delay_s=args.turn_delay, request_rate=args.conversation_rate),
+                                  requests)
                 counters = scrape(url)
             finally:
                 proc.send_signal(signal.SIGTERM)
@@ -127,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                       "disk_gib": args.disk_gib if config in ("disk", "both") else None,
                       "conversations": args.conversations, "turns": args.turns, "shared_len": args.shared_len,
                       "max_concurrency": args.max_concurrency, "turn_delay_s": args.turn_delay,
+                      "conversation_rate": None if math.isinf(args.conversation_rate) else args.conversation_rate,
+                      "turn_len": args.turn_len, "output_len": args.output_len,
                       "num_kv_blocks": args.num_kv_blocks, "completed": point["completed"], "failed": point["failed"],
                       "errors": point["errors"], "duration_s": point["duration_s"],
                       "output_throughput": point["output_throughput"], "ttft_ms": point["ttft_ms"],

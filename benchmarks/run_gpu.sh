@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|kv-offload-tests|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd] ...
+#                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -159,7 +159,8 @@ if has kv-offload; then
   # kernels/ and benchmarks/ (`git archive`), run after this tree with KVO_BASE_CONFIGS.
   # KVO_MODEL: a directory of benchmarks/configs (qwen3-0.6b); KVO_CONCURRENCY: conversations in
   # flight (all otherwise); KVO_MAX_LEN: --max-model-len (32768; the cache needs one sequence of it);
-  # KVO_TURN_DELAY: seconds between a conversation's answer and its next turn (1).
+  # KVO_TURN_DELAY: seconds between a conversation's answer and its next turn (1); KVO_RATE:
+  # conversations starting per second (all at once otherwise).
   KVO_MODEL=${KVO_MODEL:-qwen3-0.6b}; TOK=/tmp/$KVO_MODEL-synth
   python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/$KVO_MODEL/config.json >/dev/null || status=1
   for tree in head ${KVO_BASE:+base}; do
@@ -168,11 +169,26 @@ if has kv-offload; then
     (cd "$root" && PYTHONPATH=$root:$root/daemon:$root/kernels:$PYTHONPATH timeout "${KVO_TIMEOUT:-540}" \
       python3 -m benchmarks.kv_offload $CFG/$KVO_MODEL --tokenizer $TOK --load-format dummy \
       ${KVO_CONCURRENCY:+--max-concurrency $KVO_CONCURRENCY} ${KVO_MAX_LEN:+--max-model-len $KVO_MAX_LEN} \
-      ${KVO_TURN_DELAY:+--turn-delay $KVO_TURN_DELAY} \
+      ${KVO_TURN_DELAY:+--turn-delay $KVO_TURN_DELAY} ${KVO_RATE:+--conversation-rate $KVO_RATE} \
       ${KVO_BLOCKS:+--num-kv-blocks $KVO_BLOCKS} --conversations "${KVO_CONVERSATIONS:-100}" --turns "${KVO_TURNS:-10}" \
       --shared-len "${KVO_SHARED:-2000}" ${KVO_CPU_GIB:+--cpu-gib $KVO_CPU_GIB} ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} \
       --configs "$configs" --out "$OUT/kv_offload.jsonl" $([ "$tree" = head ] && echo --label head)) \
       2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+fi
+if has kv-offload-fit; then
+  # Issue #19's other goal: what offload costs when everything fits the GPU cache (every full
+  # block saved to host memory, none ever read back): the nano-vllm workload, off and with a
+  # KVF_CPU_GIB host tier, alternated KVF_REPEATS times; fresh prompt ids each round.
+  step "KV offload when prefixes fit: throughput with and without a host tier"
+  for model in ${KVF_MODELS:-qwen3-0.6b llama3-8b}; do
+    for i in $(seq "${KVF_REPEATS:-2}"); do
+      for gib in 0 "${KVF_CPU_GIB:-16}"; do
+        python3 -m benchmarks.throughput $CFG/$model --rounds 2 --fresh-prompts-per-round \
+          --kv-offload-cpu-gib "$gib" --label "fit-$model-cpu$gib-$i" 2>&1 \
+          | grep -E '^RESULT|Error' | tee -a "$OUT/kv-offload-fit.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done
+    done
   done
 fi
 if has kv-offload-tests; then

@@ -80,7 +80,7 @@ def start_core(args, **options):
 def build_core(args):
     return start_core(args, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                       async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-                      expert_parallel_size=args.expert_parallel_size)
+                      expert_parallel_size=args.expert_parallel_size, kv_offload_cpu_gib=args.kv_offload_cpu_gib)
 
 
 def token_workload(num_seqs: int, min_input: int, max_input: int, min_output: int, max_output: int,
@@ -144,17 +144,24 @@ def throughput(args) -> dict:
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature,
                                core.model_config.vocab_size, args.min_input_len, args.min_output_len)
     rounds, step_times = [], []
+    vocab = core.model_config.vocab_size
     for r in range(args.rounds):
+        # fresh ids (same lengths): no offload tier can hand a later round what an earlier saved
+        round_prompts = [[(t + r) % vocab for t in p] for p in prompts] if args.fresh_prompts_per_round else prompts
         sync()
         with watch_compiles() as compiles, gpu_kernel_profile(args.profile_run) as kernels, \
                 host_stalls() as stalls:
             clocks: dict = {}
             t = time.perf_counter()
-            generated, steps = run_requests(core, prompts, params, f"tput{r}", clocks if torch.cuda.is_available() else None)
+            generated, steps = run_requests(core, round_prompts, params, f"tput{r}",
+                                            clocks if torch.cuda.is_available() else None)
             sync()
             elapsed = time.perf_counter() - t
         core.kv_cache.reset_prefix_cache()  # every round prefills from scratch
+        offload = core.connector.take_stats() if core.connector is not None else None
         rounds.append({"time_s": round(elapsed, 3), "output_tok_per_s": round(generated / elapsed, 1),
+                       **({"kv_offload_saved_bytes": offload.saved_bytes, "kv_offload_hits": offload.hits}
+                          if offload is not None else {}),
                        "output_tokens_generated": generated, "steps": len(steps),
                        "triton_compiles": compiles.summary(), **stalls, **kernels,
                        **({"sm_clock_mhz_before_step": clocks} if clocks else {})})
@@ -421,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--rounds", type=int, default=1, help="run the workload this many times on one engine")
+    ap.add_argument("--fresh-prompts-per-round", action="store_true",
+                    help="round r's prompt ids shifted by r (same lengths): nothing cached serves a later round")
+    ap.add_argument("--kv-offload-cpu-gib", type=float, default=0.0, help="KV offload to this much host memory")
     ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over each round")
     ap.add_argument("--offline-llm", action="store_true", help="the workload through the offline LLM, per round")
     ap.add_argument("--skip-llm-warm-up", action="store_true", help="with --offline-llm: build it without warm-up")
@@ -432,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--trace-dir", default=None)
+    ap.add_argument("--label", default="", help="copied into the RESULT line")
     args = ap.parse_args(argv)
     if args.ready_only:
         ready_only(args)
@@ -449,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(model=os.path.basename(os.path.normpath(args.model)), dtype=args.dtype,
                   tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **({"label": args.label} if args.label else {}))
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

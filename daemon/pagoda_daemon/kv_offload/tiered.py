@@ -26,7 +26,7 @@ from pagoda_daemon.engine.block_pool import CPU as CPU_MEDIUM
 from pagoda_daemon.engine.block_pool import DISK as DISK_MEDIUM
 from pagoda_daemon.engine.scheduler_output import KVTransfer
 from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, capacity_blocks
-from pagoda_daemon.kv_offload.cpu import CpuIndex, CpuStore
+from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, STAGE_BLOCKS, CpuIndex, CpuStore
 from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,14 @@ CPU, DISK = "cpu", "disk"  # the tiers' names in the stats (the metrics' `medium
 
 def enabled(config: EngineConfig) -> bool:
     return config.kv_offload_cpu_gib > 0 or config.kv_offload_disk_path is not None
+
+
+def device_staging_bytes(config: EngineConfig, block_bytes: int) -> int:
+    """What the copies may hold on the device beside the KV cache: the saves crossing to host
+    memory, a load's and a disk save's staging buffers (the worker sizes the cache without it)."""
+    if not enabled(config):
+        return 0
+    return (SAVE_STAGING_BYTES if config.kv_offload_cpu_gib > 0 else 0) + (STAGE_BLOCKS + SAVE_COPY_BLOCKS) * block_bytes
 
 
 def check_options(config: EngineConfig) -> None:
@@ -242,7 +250,8 @@ class TieredWorker(OffloadWorker):
         self._io = ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-disk") if self.disk else None
 
     def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> list[bool]:
-        """Host-memory copies in list order (enqueued on the step's stream on a GPU); disk reads
+        """Host-memory copies in list order (batched; on a GPU, loads on the step's stream and
+        saves beside it: CpuStore); disk reads
         and writes in the I/O threads, every one finished before this returns, so a step's
         files are whole when its outputs go out (a prefill instance's answer promises them).
         The disk blocks a step saves come off the GPU in a few copies (not one per block), once
@@ -262,11 +271,24 @@ class TieredWorker(OffloadWorker):
                 chunk = saves[first : first + SAVE_COPY_BLOCKS]
                 blocks = torch.stack([kv_cache[:, :, t.gpu_block] for t in chunk]).cpu()
                 from_gpu.update((t.block_hash, blocks[j]) for j, t in enumerate(chunk))
-        for i, t in enumerate(transfers):
-            if t.kind == "load_cpu":
+        # consecutive host-memory loads (or saves) go as one batch: a few copies, not one per block
+        batch: list[KVTransfer] = []
+
+        def flush() -> None:
+            if batch:
                 assert self.cpu is not None
-                self.cpu.load(t.slot, kv_cache, t.gpu_block)
-            elif t.kind == "load_disk":
+                copy = self.cpu.load if batch[0].kind == "load_cpu" else self.cpu.save
+                copy([b.slot for b in batch], kv_cache, [b.gpu_block for b in batch])
+                batch.clear()
+
+        for i, t in enumerate(transfers):
+            if t.kind in ("load_cpu", "save_cpu"):
+                if batch and batch[0].kind != t.kind:
+                    flush()
+                batch.append(t)
+                continue
+            flush()
+            if t.kind == "load_disk":
                 try:
                     block = reads[i].result()
                 except RuntimeError as e:  # the file changed since the lookup: the block is recomputed
@@ -275,9 +297,6 @@ class TieredWorker(OffloadWorker):
                     failed[i] = True
                     continue
                 kv_cache[:, :, t.gpu_block].copy_(block)
-            elif t.kind == "save_cpu":
-                assert self.cpu is not None
-                self.cpu.save(t.slot, kv_cache, t.gpu_block)
             elif t.kind == "save_disk":
                 assert disk is not None and io is not None
                 writes[t.block_hash] = io.submit(disk.write, t.block_hash, from_gpu[t.block_hash])
@@ -293,10 +312,9 @@ class TieredWorker(OffloadWorker):
                 disk.drop(t.block_hash)
             else:
                 raise ValueError(f"unknown KV transfer {t.kind!r}")
+        flush()
         for write in writes.values():
             write.result()
-        if self.cpu is not None:
-            self.cpu.fence()
         self.transfer_seconds += time.perf_counter() - started
         return failed
 

@@ -161,7 +161,10 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
         free_after_profile = total - non_torch - peak
-        budget = int(free_after_profile * self.config.gpu_memory_utilization) - self.elastic_reserve_bytes()
+        from pagoda_daemon.kv_offload.tiered import device_staging_bytes
+
+        budget = (int(free_after_profile * self.config.gpu_memory_utilization) - self.elastic_reserve_bytes()
+                  - device_staging_bytes(self.config, per_block))
         log.info("start-up: memory profile: total %.1f GiB, peak torch %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
                  total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
         torch.cuda.empty_cache()
