@@ -53,6 +53,30 @@ def rss_mib(pid: int) -> float:
     return math.nan
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat), 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def component_pids(state: Path, operator_pid: int) -> dict[str, list[int]]:
+    """The processes the run's CPU goes to: the control plane (start-cluster.sh's pid files),
+    the fake kubelets and the operator."""
+    pids: dict[str, list[int]] = {"operator": [operator_pid]}
+    for f in sorted(state.glob("*.pid")):
+        name = "fake-kubelets" if f.stem.startswith("fake-kubelet-") else f.stem
+        if name != "watchdog":
+            pids.setdefault(name, []).append(int(f.read_text().split()[0]))
+    return pids
+
+
+def cpu_by_component(pids: dict[str, list[int]]) -> dict[str, float]:
+    return {name: sum(map(cpu_seconds, ps)) for name, ps in pids.items()}
+
+
 def scrape(url: str) -> str:
     import urllib.request
 
@@ -108,6 +132,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="give up waiting for Ready after this long")
     ap.add_argument("--operator-root", default=str(ROOT), help="the tree whose operator runs")
     ap.add_argument("--operator-env", action="append", default=[], help="KEY=VALUE for the operator's process")
+    ap.add_argument("--controller-qps", type=int, default=0,
+                    help="the controller-manager's and scheduler's client rate (0: their defaults)")
     ap.add_argument("--label", default="")
     a = ap.parse_args()
 
@@ -118,16 +144,22 @@ def main() -> int:
                                   check=True).stdout.strip())
     state = Path(tempfile.mkdtemp(prefix="pagoda-scale-"))
     # a Service per object: the e2e recipe's /24 holds 253 (a run of 1,000 stopped there)
-    _start_cluster(state, bin_dir, {"PAGODA_K8S_SERVICE_CIDR": "10.0.0.0/16"})
+    cluster_env = {"PAGODA_K8S_SERVICE_CIDR": "10.0.0.0/16"}
+    if a.controller_qps:
+        cluster_env["PAGODA_K8S_CONTROLLER_QPS"] = str(a.controller_qps)
+    _start_cluster(state, bin_dir, cluster_env)
     cluster = KubeCluster(state, bin_dir)
     operator = None
     try:
         for crd in sorted((ROOT / "crds").glob("*.yaml")):
             cluster.kubectl("apply", "-f", str(crd))
         cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
-        gpus = max(8, -(-a.objects // a.nodes) + 1)
+        # room for every object's pod: a run of 1,000 on 4 nodes stopped at 440, the nodes'
+        # default 110 pods each
+        per_node = -(-a.objects // a.nodes) + 1
         for i in range(a.nodes):
-            cluster.start_fake_kubelet(f"node-{i}", gpus=gpus, cpu="100000", memory="100Ti")
+            cluster.start_fake_kubelet(f"node-{i}", gpus=max(8, per_node), cpu="100000", memory="100Ti",
+                                       max_pods=max(110, per_node))
         namespaces = [f"scale-{i}" for i in range(a.namespaces)]
         for ns in [*namespaces, "pagoda-system"]:
             cluster.kubectl("create", "namespace", ns)
@@ -195,6 +227,8 @@ def main() -> int:
             created_at[f"{ns}/{name}"] = time.monotonic()
             kube.create(body)
 
+        pids = component_pids(state, operator.pid)
+        cpu_0 = cpu_by_component(pids)
         t0 = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(create, range(a.objects)))
@@ -202,6 +236,7 @@ def main() -> int:
         while len(ready_at) < a.objects and time.monotonic() - t0 < a.timeout:
             time.sleep(0.5)
         all_ready = time.monotonic()
+        cpu_1 = cpu_by_component(pids)
         ops_1, api_1 = operator_requests(port), apiserver_requests(kube)
         rss_after = rss_mib(operator.pid)
         cached = cache_bytes(port)
@@ -221,10 +256,12 @@ def main() -> int:
         idle = {k: round(v - api_1.get(k, 0)) for k, v in (api_2 - api_1).items() if v - api_1.get(k, 0) >= 1}
         print("RESULT " + json.dumps({
             "label": a.label, "operator_root": str(root), "operator_env": a.operator_env, "objects": a.objects, "namespaces": a.namespaces,
-            "nodes": a.nodes, "ready": len(ready_at), "create_s": round(last_create - t0, 2),
+            "nodes": a.nodes, "controller_qps": a.controller_qps or None, "ready": len(ready_at), "create_s": round(last_create - t0, 2),
             "create_to_ready_p50_s": pct(0.5), "create_to_ready_p99_s": pct(0.99),
             "last_ready_after_last_create_s": round(max(ready_at.values()) - last_create, 2) if ready_at else None,
             "all_ready_s": round(all_ready - t0, 2),
+            # CPU seconds each part used from the first create to all Ready (or the timeout)
+            "cpu_s_until_ready": {k: round(cpu_1[k] - cpu_0.get(k, 0.0), 1) for k in cpu_1},
             "operator_requests_per_object": (round((ops_1 - ops_0) / a.objects, 2)
                                              if ops_0 is not None and ops_1 is not None else None),
             "operator_idle_requests_per_object_per_s": (round((ops_2 - ops_1) / a.idle_s / a.objects, 5)

@@ -163,13 +163,14 @@ class KubeCluster:
         self.kubectl("delete", "namespace", name, "--ignore-not-found", f"--wait={str(wait).lower()}", check=False)
 
     def start_fake_kubelet(self, node_name: str, gpus: int = 8, *, cpu: str = "32", memory: str = "256Gi",
-                           labels: dict[str, str] | None = None, timeout: float = 30) -> FakeKubeletHandle:
+                           labels: dict[str, str] | None = None, max_pods: int = 110,
+                           timeout: float = 30) -> FakeKubeletHandle:
         """Register a Ready node with ``gpus`` ``nvidia.com/gpu`` and start marking the pods
         scheduled on it Running/Ready. Returns once the node is Ready and untainted. The
         handle is stopped (and its Node deleted) at session teardown, or by ``.stop()``."""
         log_path = self.logs_dir / f"fake-kubelet-{node_name}.log"
         argv = [sys.executable, str(FAKE_KUBELET), node_name, f"--kubeconfig={self.kubeconfig}",
-                f"--gpus={gpus}", f"--cpu={cpu}", f"--memory={memory}",
+                f"--gpus={gpus}", f"--cpu={cpu}", f"--memory={memory}", f"--max-pods={max_pods}",
                 f"--pid-file={self.state_dir / f'fake-kubelet-{node_name}.pid'}"]
         argv += [f"--label={k}={v}" for k, v in (labels or {}).items()]
         with open(log_path, "ab") as log:

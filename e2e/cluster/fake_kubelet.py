@@ -118,11 +118,16 @@ class KubeApi:
 
 class FakeKubelet:
     def __init__(self, api: KubeApi, node: str, gpus: int, cpu: str, memory: str,
-                 labels: dict[str, str], bind_unscheduled: bool):
+                 labels: dict[str, str], bind_unscheduled: bool, max_pods: int = 110):
         self.api, self.node, self.bind_unscheduled = api, node, bind_unscheduled
         self.labels = {"kubernetes.io/hostname": node, "kubernetes.io/os": "linux",
                        "kubernetes.io/arch": "amd64", "type": "fake-kubelet", **labels}
-        self.capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"}
+        self.capacity = {"cpu": cpu, "memory": memory, "pods": str(max_pods), "ephemeral-storage": "100Gi"}
+        # A real kubelet lists and watches only its own node's pods; so do we, unless we must
+        # also see unscheduled ones to bind them. Every kubelet watching every pod made four
+        # fake nodes parse four copies of each pod event.
+        self.pods_path = "/api/v1/pods" if bind_unscheduled else (
+            "/api/v1/pods?fieldSelector=" + urllib.parse.quote(f"spec.nodeName={node}"))
         if gpus:
             self.capacity["nvidia.com/gpu"] = str(gpus)
 
@@ -197,7 +202,7 @@ class FakeKubelet:
 
     def sync(self) -> str:
         """Handle every existing pod; return the list's resourceVersion to watch from."""
-        pods = self.api.request("GET", "/api/v1/pods")
+        pods = self.api.request("GET", self.pods_path)
         for pod in pods["items"]:
             self._handle_quietly(pod)
         return pods["metadata"]["resourceVersion"]
@@ -215,7 +220,8 @@ class FakeKubelet:
         while True:
             try:
                 rv = self.sync()
-                for ev in self.api.watch(f"/api/v1/pods?resourceVersion={rv}&allowWatchBookmarks=true", 50):
+                sep = "&" if "?" in self.pods_path else "?"
+                for ev in self.api.watch(f"{self.pods_path}{sep}resourceVersion={rv}&allowWatchBookmarks=true", 50):
                     if ev["type"] == "ERROR":   # e.g. 410 Gone: relist
                         break
                     if ev["type"] in ("ADDED", "MODIFIED"):
@@ -233,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu capacity (0: none)")
     p.add_argument("--cpu", default="32")
     p.add_argument("--memory", default="256Gi")
+    p.add_argument("--max-pods", type=int, default=110, help="the node's pod capacity (the kubelet's default: 110)")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="extra node label")
     p.add_argument("--bind-unscheduled", action="store_true",
                    help="bind pods with no node to this one (only for a cluster without kube-scheduler)")
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM is how we are stopped: exit quietly instead of with a traceback.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     FakeKubelet(KubeApi(args.kubeconfig), args.node, args.gpus, args.cpu, args.memory, labels,
-                args.bind_unscheduled).run()
+                args.bind_unscheduled, args.max_pods).run()
     return 0
 
 

@@ -27,6 +27,9 @@
 #   PAGODA_K8S_API_PORT, PAGODA_K8S_ETCD_PORT  fixed ports; by default free ones are picked, so
 #                           several clusters (parallel test runs, other people) never clash.
 #                           ETCD_PORT+1 and +2 (peer, metrics) are used too.
+#   PAGODA_K8S_SERVICE_CIDR the Service range (default 10.0.0.0/24: 253 Services)
+#   PAGODA_K8S_CONTROLLER_QPS  the controller-manager's and scheduler's client rate (burst twice
+#                           that); by default their own defaults (20 and 50 requests/s in 1.20)
 # Every port listens on 127.0.0.1 only. Stop with stop-cluster.sh STATE_DIR.
 set -euo pipefail
 
@@ -82,6 +85,13 @@ fi
 BIND_IP=127.0.0.1
 # 253 Services: enough for the e2e tests; benchmarks/operator_scale.py asks for more at its sizes
 SERVICE_CIDR=${PAGODA_K8S_SERVICE_CIDR:-10.0.0.0/24}
+# The controllers' own client rate limits pace how fast Deployments become pods: at 20 requests/s
+# the controller-manager made about 5 pods/s, which set create-to-Ready at 100 and 200 objects
+# (docs/benchmarks/2026-11-26-operator-scale.md). Large clusters raise them; the benchmark can.
+CONTROLLER_QPS_FLAGS=()
+if [ -n "${PAGODA_K8S_CONTROLLER_QPS:-}" ]; then
+  CONTROLLER_QPS_FLAGS=(--kube-api-qps="$PAGODA_K8S_CONTROLLER_QPS" --kube-api-burst=$((2 * PAGODA_K8S_CONTROLLER_QPS)))
+fi
 if [ "$NODE" = 1 ]; then
   # The node's bridge first: the API server listens on one of its addresses.
   "$HERE/node.sh" net-up "$D" || fail "could not set up the node's network"
@@ -229,12 +239,14 @@ if [ "$CONTROLLERS" = 1 ]; then
     --cert-dir="$D/pki/generated-cm" \
     --service-account-private-key-file="$D/pki/sa.key" --root-ca-file="$D/pki/ca.crt" \
     --use-service-account-credentials=false \
-    --controllers='*,-nodeipam,-nodelifecycle,-ttl,-route,-service,-cloud-node-lifecycle'
+    --controllers='*,-nodeipam,-nodelifecycle,-ttl,-route,-service,-cloud-node-lifecycle' \
+    ${CONTROLLER_QPS_FLAGS[@]+"${CONTROLLER_QPS_FLAGS[@]}"}
   start kube-scheduler "$BIN/kube-scheduler" \
     --kubeconfig="$D/admin.kubeconfig" \
     --authentication-kubeconfig="$D/admin.kubeconfig" --authorization-kubeconfig="$D/admin.kubeconfig" \
     --leader-elect=false --bind-address=127.0.0.1 --port=0 --secure-port="$SCHED_PORT" \
-    --cert-dir="$D/pki/generated-scheduler"
+    --cert-dir="$D/pki/generated-scheduler" \
+    ${CONTROLLER_QPS_FLAGS[@]+"${CONTROLLER_QPS_FLAGS[@]}"}
   wait_until kube-controller-manager 30 curl -sfk "https://127.0.0.1:$CM_PORT/healthz"
   wait_until kube-scheduler 30 curl -sfk "https://127.0.0.1:$SCHED_PORT/healthz"
   # Pods are rejected until their namespace's `default` ServiceAccount exists; wait for the
