@@ -98,8 +98,9 @@ class CpuStore:
     reads them. Saves are gathered on the step's stream right after the forward pass that wrote
     the blocks (so no later step can overwrite them first), then copied to host memory on a
     stream of their own, beside the next steps: on the step's stream, one copy per block, they
-    cost the nano-vllm workload 30% of its throughput on an H100 with every prefix fitting the
-    GPU (docs/benchmarks/2026-11-26-kv-offload-fit-h100.md). A load from a slot whose save is
+    cost the nano-vllm workload 16% (Llama-3-8B) to 31% (Qwen3-0.6B) of its throughput on an
+    H100 with every prefix fitting the GPU, 2.5-5% now
+    (docs/benchmarks/2026-11-26-kv-offload-fit-h100.md). A load from a slot whose save is
     still under way waits for it on the GPU; ``block`` (the host reading a slot, to demote it
     to disk) waits for it on the host."""
 
