@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -120,6 +121,13 @@ def _run(ctx: Context, namespace: str, name: str, trigger: str, autoscale: bool 
         raise
 
 
+def keeps_time(body: Mapping[str, Any]) -> bool:
+    """An InferenceService whose periodic pass takes a step by the clock: an autoscaler, or
+    elastic EP (its decisions scrape the pods' metrics on each round)."""
+    spec = body.get("spec") or {}
+    return bool(spec.get("autoscaling")) or bool((spec.get("parallelism") or {}).get("elastic"))
+
+
 class Ticker:
     """Every ``interval`` seconds, one autoscaling + resync pass over every InferenceService."""
 
@@ -131,13 +139,20 @@ class Ticker:
         self.thread: threading.Thread | None = None
 
     def targets(self) -> list[tuple[str, str]]:
+        """The InferenceServices this round passes over: every one that keeps time (an autoscaler
+        or elastic EP steps on this clock), the others unless a pass triggered by a watch event
+        ran within the interval. Each such pass costs the operator the same CPU (1,000 objects on
+        2 cores: 12,151 periodic passes of 20,687 while they came up, 2026-11-26-operator-scale.md)."""
         items = []
         for ns in self.namespaces or [None]:
             items += self.ctx.kube.list("InferenceService", ns)
+        recent = self.ctx.clock() - self.interval
         return sorted(
             (i["metadata"]["namespace"], i["metadata"]["name"])
             for i in items
             if not i["metadata"].get("deletionTimestamp")
+            and (keeps_time(i) or self.ctx.passed_at.get((i["metadata"]["namespace"], i["metadata"]["name"]),
+                                                         -math.inf) <= recent)
         )
 
     def tick(self) -> None:

@@ -140,6 +140,9 @@ class Context:
     locks_guard: threading.Lock = field(default_factory=threading.Lock)
     backoff: WriteBackoff = field(default_factory=WriteBackoff)
     tracer: OperatorTracer | None = None  # OTLP traces of the passes (tracing.py); None: off
+    # when each InferenceService's latest pass finished (ctx.clock()), whatever triggered it: the
+    # periodic pass leaves alone what a watch event had reconciled since its previous round
+    passed_at: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self.locks_guard:
@@ -148,6 +151,7 @@ class Context:
     def forget(self, namespace: str, name: str) -> None:
         with self.locks_guard:
             self.locks.pop((namespace, name), None)
+            self.passed_at.pop((namespace, name), None)
         self.backoff.forget(namespace, name)
 
 
@@ -172,6 +176,8 @@ def reconcile(
     try:
         with ctx.lock(namespace, name):
             result = _reconcile(ctx, namespace, name, autoscale)
+            if result is not None:
+                ctx.passed_at[(namespace, name)] = ctx.clock()
     except Exception:
         ERRORS.labels(trigger).inc()
         RECONCILES.labels(trigger, "error").inc()

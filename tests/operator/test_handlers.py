@@ -47,6 +47,29 @@ def test_ticker_passes_over_every_service_and_posts_events(fake_kube):
     assert len(fake_kube.list("Event", "other")) == 1
 
 
+def test_the_periodic_pass_leaves_alone_what_an_event_just_reconciled(fake_kube):
+    """Each pass costs the same CPU: the periodic round skips a service reconciled within its
+    interval, unless the service keeps time (an autoscaler steps on each round)."""
+    from pagoda_operator.reconcile import reconcile
+
+    now = [1000.0]
+    fake_kube.put(isvc("quiet"))
+    fake_kube.put(isvc("scaled", autoscaling={"minReplicas": 1, "maxReplicas": 2, "metric": "requestsWaiting",
+                                               "target": 2}))
+    fake_kube.put(isvc("never"))
+    ctx = Context(kube=fake_kube, settings=Settings(daemon_image="img"), clock=lambda: now[0])
+    reconcile(ctx, "default", "quiet", "pod")
+    reconcile(ctx, "default", "scaled", "pod")
+    ticker = Ticker(ctx, interval=15)
+    now[0] += 10
+    assert ticker.targets() == [("default", "never"), ("default", "scaled")]
+    ticker.tick()
+    now[0] += 6  # 16 s after the event's pass, 6 s after the round's
+    assert ticker.targets() == [("default", "quiet"), ("default", "scaled")]
+    ctx.forget("default", "never")
+    assert ("default", "never") in ticker.targets()
+
+
 def test_registry_has_no_finalizer_handlers(fake_kube):
     """Deleting an InferenceService must never wait for the operator (no kopf timers/daemons/on.delete)."""
     registry = build_registry(Context(kube=fake_kube), interval=1)
