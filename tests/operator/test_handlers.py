@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagoda_operator import telemetry
 from pagoda_operator.builders import Settings
 from pagoda_operator.handlers import Ticker, build_registry, operator_settings, sync_node_labels
 from pagoda_operator.reconcile import Context
@@ -54,20 +55,21 @@ def test_the_periodic_pass_leaves_alone_what_an_event_just_reconciled(fake_kube)
 
     now = [1000.0]
     fake_kube.put(isvc("quiet"))
-    fake_kube.put(isvc("scaled", autoscaling={"minReplicas": 1, "maxReplicas": 2, "metric": "requestsWaiting",
+    fake_kube.put(isvc("clocked", autoscaling={"minReplicas": 1, "maxReplicas": 2, "metric": "requestsWaiting",
                                                "target": 2}))
     fake_kube.put(isvc("never"))
     ctx = Context(kube=fake_kube, settings=Settings(daemon_image="img"), clock=lambda: now[0])
     reconcile(ctx, "default", "quiet", "pod")
-    reconcile(ctx, "default", "scaled", "pod")
+    reconcile(ctx, "default", "clocked", "pod")
     ticker = Ticker(ctx, interval=15)
     now[0] += 10
-    assert ticker.targets() == [("default", "never"), ("default", "scaled")]
+    assert ticker.targets() == [("default", "clocked"), ("default", "never")]
     ticker.tick()
     now[0] += 6  # 16 s after the event's pass, 6 s after the round's
-    assert ticker.targets() == [("default", "quiet"), ("default", "scaled")]
+    assert ticker.targets() == [("default", "clocked"), ("default", "quiet")]
     ctx.forget("default", "never")
     assert ("default", "never") in ticker.targets()
+    telemetry.forget("default", "clocked")  # its autoscaler's series live in the process-wide registry
 
 
 def test_registry_has_no_finalizer_handlers(fake_kube):
