@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pagoda_daemon.logs import FORMATS
 from pagoda_daemon.logs import configure as configure_logging
+from pagoda_daemon.options import EXIT_REFUSED
 
 DEFAULT_PROMPTS = ["The capital of France is", "Paged attention means"]
 
@@ -46,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if (args.model is None) == (args.tiny is None):
         print("pagoda generate: give a MODEL_DIR or --tiny ARCH (not both)", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     model = str(tiny_model_dir(args.tiny)) if args.tiny else args.model
     prompts = args.prompt or DEFAULT_PROMPTS
     try:
@@ -58,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params)
     except ValueError as e:
         print(f"pagoda generate: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     if args.tiny:
         print(f"(a tiny {args.tiny} with random weights from {model}: the text is noise by design)")
     for out in outputs:
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level, "api" if args.command == "serve" else "", args.log_format)
     except ValueError as e:  # a bad level or $PAGODA_LOG_FORMAT
         print(f"pagoda: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     if args.command == "serve":
         from pagoda_daemon.server.serve import run_serve
 

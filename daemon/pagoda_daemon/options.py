@@ -23,6 +23,9 @@ from typing import Any
 from pagoda_daemon import capabilities
 
 _KEY = "pagoda.option"
+# The exit status of a `pagoda` command that refuses what it was given (options, a model, a
+# layout), saying why in one line on stderr; the operator reads it off a pod (status.py).
+EXIT_REFUSED = 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -659,12 +659,14 @@ CRD_FIELD_OF_LAYOUT_OPTION = {
 }
 
 
+_CRD_FIELDS = {**CRD_FIELD_OF_OPTION, **CRD_FIELD_OF_LAYOUT_OPTION}
+_OPTION_NAMES = re.compile(r"\b(" + "|".join(map(re.escape, sorted(_CRD_FIELDS, key=len, reverse=True))) + r")\b")
+
+
 def in_crd_terms(message: str) -> str:
     """A daemon's message with the options it names replaced by the InferenceService fields
     they come from (``tensor_parallel_size`` -> ``spec.parallelism.tensor``)."""
-    fields = {**CRD_FIELD_OF_OPTION, **CRD_FIELD_OF_LAYOUT_OPTION}
-    return re.sub(r"\b(" + "|".join(map(re.escape, sorted(fields, key=len, reverse=True))) + r")\b",
-                  lambda m: fields[m.group(1)], message)
+    return _OPTION_NAMES.sub(lambda m: _CRD_FIELDS[m.group(1)], message)
 
 
 def capability_errors(s: ServiceSpec, supports: Supports = capabilities.supported) -> list[str]:

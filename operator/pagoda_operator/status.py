@@ -6,8 +6,9 @@ carries the pod template of the current generation and its ready, updated and to
 all equal the desired count; a group is one replica, ready when every member is. Progressing is True while a
 rollout or a scale is under way. Degraded says, with a reason, why things are not converging:
 an invalid spec, no eligible node, pods that cannot be scheduled, pods whose volumes cannot be
-mounted, a configuration the daemon refused (with the spec fields it named), crash loops (with the last lines the container wrote before it died), image pulls,
-replica failures or an exceeded progress deadline.
+mounted, a configuration the daemon refused (with the spec fields it named), crash loops (with
+the last lines the container wrote before it died), image pulls, replica failures or an exceeded
+progress deadline.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda_daemon.options import EXIT_REFUSED
 from pagoda_operator.builders import GROUP_LABEL, HASH_ANNOTATION, LEADER, ROLE_LABEL, WORKER
 from pagoda_operator.placement import pod_ready
 from pagoda_operator.spec import in_crd_terms
@@ -37,8 +39,6 @@ START_FAILURES = {
     "FailedAttachVolume": "VolumeMountFailed",
     "FailedCreatePodSandBox": "PodSandboxFailed",
 }
-# `pagoda serve`'s exit status for options, a model or a layout it refuses (one line on stderr).
-REFUSED_EXIT_CODE = 2
 # Waiting reasons of a container whose pod has not started yet.
 NOT_STARTED = ("ContainerCreating", "PodInitializing")
 DETAIL_CHARS = 300
@@ -229,12 +229,12 @@ def pod_problems(
         for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
             waiting = (cs.get("state") or {}).get("waiting") or {}
             last = ((cs.get("lastState") or {}).get("terminated")) or {}
-            if last.get("exitCode") == REFUSED_EXIT_CODE and not cs.get("ready"):
+            if last.get("exitCode") == EXIT_REFUSED and not cs.get("ready"):
                 # Checks that need the model's config.json (a layout its heads or experts cannot
                 # be split into) run in the daemon, not at apply time: name the spec's fields.
                 line = _last_line(last.get("message")) or "(no message)"
                 out.append(Problem("ConfigurationRefused", f"pod {name} container {cs.get('name')} refused "
-                                   f"its configuration (exit {REFUSED_EXIT_CODE}, restarted "
+                                   f"its configuration (exit {EXIT_REFUSED}, restarted "
                                    f"{cs.get('restartCount', 0)} times): {in_crd_terms(line)}"))
                 continue
             reason = CRASH_REASONS.get(waiting.get("reason", ""))

@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 from pagoda_daemon import capabilities
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.model_uri import is_uri
-from pagoda_daemon.options import check_value, declared, refusal_message, values_from_args
+from pagoda_daemon.options import EXIT_REFUSED, check_value, declared, refusal_message, values_from_args
 from pagoda_daemon.server.auth import (
     ADMIN_API_KEY_ENV,
     ADMIN_PATHS,
@@ -200,7 +200,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         options = resolve_options(args, explicit)
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     reference = str(options["model"])
     if is_uri(reference):  # fetched into the node's cache before anything starts; then a local directory
         from pagoda_daemon.models.fetch import ModelFetchError
@@ -234,7 +234,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         _keys(options)
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     name = options["served_model_name"] or Path(options["model"]).resolve().name
     max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 32768
     if config.node_rank > 0:  # a worker pod of a group: its ranks only, no API server
