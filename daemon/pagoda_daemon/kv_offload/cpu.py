@@ -89,6 +89,16 @@ def _on_device(ids: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
+def _blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache ``[layers, 2, blocks, ...]`` viewed block-first, as the slots are laid out."""
+    return kv_cache.movedim(2, 0)
+
+
+def gather(kv_cache: torch.Tensor, gpu_blocks: list[int]) -> torch.Tensor:
+    """The blocks, contiguous ``[n, layers, 2, ...]`` on the cache's device: one kernel."""
+    return _blocks(kv_cache)[_on_device(gpu_blocks, kv_cache.device)]
+
+
 class CpuStore:
     """One rank's host copy of the blocks.
 
@@ -116,23 +126,17 @@ class CpuStore:
         self._written: dict[int, torch.cuda.Event] = {}  # slot -> recorded after the save that last wrote it
         self._in_flight: deque[tuple[torch.cuda.Event, int]] = deque()  # saves' (done, staged bytes), oldest first
 
-    @staticmethod
-    def _blocks(kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache ``[layers, 2, blocks, ...]`` viewed block-first, as the slots are laid out."""
-        return kv_cache.movedim(2, 0)
-
     def save(self, slots: list[int], kv_cache: torch.Tensor, gpu_blocks: list[int]) -> None:
         """Copy the GPU blocks into the host slots (pairwise)."""
         for first in range(0, len(slots), STAGE_BLOCKS):
             chunk = slots[first : first + STAGE_BLOCKS]
-            ids = _on_device(gpu_blocks[first : first + STAGE_BLOCKS], kv_cache.device)
+            if self.saves is not None:
+                self._make_room(len(chunk) * self.data[0].nbytes)
+            staged = gather(kv_cache, gpu_blocks[first : first + STAGE_BLOCKS])
             if self.saves is None:
-                staged = self._blocks(kv_cache)[ids]
                 for i, slot, n in _runs(chunk):
                     self.data[slot : slot + n].copy_(staged[i : i + n])
                 continue
-            self._make_room(len(chunk) * self.data[0].nbytes)
-            staged = self._blocks(kv_cache)[ids]  # one gather, contiguous [n, layers, 2, ...]
             self.saves.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.saves):
                 for i, slot, n in _runs(chunk):
@@ -162,7 +166,7 @@ class CpuStore:
             for i, slot, n in _runs(chunk):
                 staged[i : i + n].copy_(self.data[slot : slot + n], non_blocking=self.on_gpu)
             ids = _on_device(gpu_blocks[first : first + STAGE_BLOCKS], kv_cache.device)
-            self._blocks(kv_cache)[ids] = staged  # one scatter
+            _blocks(kv_cache)[ids] = staged  # one scatter
 
     def block(self, slot: int) -> torch.Tensor:
         """The slot's bytes on the host, once the save that wrote them has run."""

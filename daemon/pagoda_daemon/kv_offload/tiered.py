@@ -26,7 +26,7 @@ from pagoda_daemon.engine.block_pool import CPU as CPU_MEDIUM
 from pagoda_daemon.engine.block_pool import DISK as DISK_MEDIUM
 from pagoda_daemon.engine.scheduler_output import KVTransfer
 from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, capacity_blocks
-from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, STAGE_BLOCKS, CpuIndex, CpuStore
+from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, STAGE_BLOCKS, CpuIndex, CpuStore, gather
 from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ class TieredWorker(OffloadWorker):
             saves = [t for t in transfers if t.kind == "save_disk"]
             for first in range(0, len(saves), SAVE_COPY_BLOCKS):  # a bounded staging buffer on the device
                 chunk = saves[first : first + SAVE_COPY_BLOCKS]
-                blocks = torch.stack([kv_cache[:, :, t.gpu_block] for t in chunk]).cpu()
+                blocks = gather(kv_cache, [t.gpu_block for t in chunk]).cpu()
                 from_gpu.update((t.block_hash, blocks[j]) for j, t in enumerate(chunk))
         # consecutive host-memory loads (or saves) go as one batch: a few copies, not one per block
         batch: list[KVTransfer] = []
