@@ -6,7 +6,8 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd] ...
+#                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|
+#                                               all-reduce] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -281,6 +282,15 @@ if has multi-gpu || has multi-gpu-tests; then
   timeout "${MG_TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py \
     >"$OUT/multi-gpu-pytest.txt" 2>&1 || status=1
   tail -40 "$OUT/multi-gpu-pytest.txt"
+fi
+if has all-reduce; then
+  # The tensor-parallel all-reduce by size: NCCL against the one-shot read of the peers' memory
+  # (benchmarks/all_reduce.py), and the GPU test of that path against NCCL's sums
+  step "all-reduce on ${AR_RANKS:-2} GPUs: NCCL against the peers' memory, by size"
+  timeout 120 python3 -m benchmarks.all_reduce --ranks "${AR_RANKS:-2}" 2>&1 | tee "$OUT/all-reduce.log" \
+    | grep RESULT | tee -a "$OUT/all-reduce.jsonl" || { status=1; tail -30 "$OUT/all-reduce.log"; }
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_peer_all_reduce.py 2>&1 | tail -5 \
+    | tee "$OUT/peer-all-reduce-pytest.txt"; grep -q " passed" "$OUT/peer-all-reduce-pytest.txt" || status=1
 fi
 if has elastic; then
   # Elastic EP over NCCL (issue #18): the tiny Qwen3-MoE resized 1 -> 2 -> 1 while requests run

@@ -78,6 +78,9 @@ class EngineConfig:
         minimum=0, maximum=64)
     elastic_ep_max_size: int = option(
         0, "elastic expert parallelism: the most ranks a resize may reach", minimum=0, maximum=64)
+    disable_custom_all_reduce: bool = option(
+        False, "sum the ranks' partial products with NCCL only, not small ones from the other GPUs' memory "
+        "over NVLink (one pod's GPUs)")
     data_parallel_size: int = option(1, "engine replicas inside one daemon", minimum=1, needs="data_parallel")
     # Ranks over several pods (nodes): node 0 runs the API server and the engine core with its
     # share of the ranks; nodes 1..nnodes-1 run only theirs (docs/parallelism.md, "Across pods").

@@ -93,6 +93,7 @@ def _launch_everything(torch) -> None:
         decode_attention,
         fused_moe,
         gemv,
+        peer_sum,
         prefill_attention,
         rmsnorm,
         rope,
@@ -139,6 +140,9 @@ def _launch_everything(torch) -> None:
         fused_moe.fused_moe(x, torch.zeros(128, 1536, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16),
                             torch.zeros(tokens, 8), ids)
     fused_moe.route_topk(torch.zeros(4, 128, dtype=bf16), 8, True)
+    for dtype in (bf16, torch.float32):
+        for ranks in (2, 4, 8):
+            peer_sum.peer_sum(torch.zeros(ranks, dtype=torch.int64), torch.zeros(256 * 4096, dtype=dtype))
 
 
 if __name__ == "__main__":

@@ -152,3 +152,17 @@ def test_silu_and_mul_matches_twin(gen, dtype):
     ref = silu_and_mul_ref(x)
     assert torch.equal(ref, SiluAndMul()(x))
     assert_close(out, ref, 1e-6 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_peer_sum_adds_every_buffer_in_rank_order(gen, dtype, ranks):
+    from pagoda_kernels.peer_sum import peer_sum
+
+    n = randint(gen, 1, 5000, 1)[0]
+    buffers = [randn(gen, n + 64, dtype=dtype, scale=3.0) for _ in range(ranks)]  # longer than the span
+    table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    out = poisoned((n,), dtype)
+    peer_sum(table, out, block=1024)
+    expected = sum(b[:n].float() for b in buffers).to(dtype)  # float32, in rank order, rounded once
+    assert torch.equal(out, expected)

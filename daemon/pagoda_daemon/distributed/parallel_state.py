@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagoda_daemon.distributed.peer_all_reduce import PeerAllReduce, sum_over
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -35,6 +37,9 @@ class TensorParallel:
     # Elastic expert parallelism: attention, dense layers, embedding and LM head whole on every
     # rank (only the experts are spread), so that any number of ranks can serve (docs/elastic-ep.md).
     replicated_dense: bool = False
+    # Small tensors summed from the other GPUs' memory over NVLink instead of by NCCL
+    # (peer_all_reduce.py); None: NCCL sums everything.
+    peer: PeerAllReduce | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -75,10 +80,9 @@ class TensorParallel:
         return SINGLE if self.replicated_dense else self
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place (the row-parallel layers' partial products)."""
-        if self.enabled:
-            dist.all_reduce(x, group=self.group)
-        return x
+        """Sum over the group (the row-parallel layers' partial products): the returned tensor,
+        which may be ``x`` itself, summed in place, or a new one."""
+        return sum_over(self.group, x, self.peer) if self.enabled else x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's slice of the last dimension, concatenated in rank order (the logits)."""

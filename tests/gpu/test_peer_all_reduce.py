@@ -1,0 +1,73 @@
+"""On two or more GPUs: the all-reduce through the peers' memory (peer_all_reduce.py) gives
+NCCL's sums on random inputs, eagerly and replayed from a CUDA graph on new inputs, in bf16 and
+float32; tensors it does not take (too large, another dtype), and those of eager steps, are
+summed by NCCL.
+
+Skipped where fewer than two GPUs are visible (CI; a one-GPU machine); run on the GPU machine
+by `benchmarks/run_gpu.sh multi-gpu-tests`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    from pagoda_daemon.distributed import peer_all_reduce
+    from pagoda_daemon.distributed.parallel_state import TensorParallel
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2, device_id=device)
+    group = dist.group.WORLD
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(4), "little") + rank)
+    checks: dict[str, bool] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        peer = peer_all_reduce.create(group, 2, device, dtype)
+        assert peer is not None
+        tp = TensorParallel(rank, 2, group, peer=peer)
+        for rows in (1, 7, 256):
+            x = torch.randn(rows, 4096, generator=gen, device=device, dtype=dtype)
+            expected = x.clone()
+            dist.all_reduce(expected, group=group)
+            checks[f"{dtype} {rows} eager"] = peer.takes(x) and torch.equal(peer(x.clone()), expected)
+            checks[f"{dtype} {rows} eager steps by NCCL"] = torch.equal(tp.all_reduce(x.clone()), expected)
+            graph, static = torch.cuda.CUDAGraph(), []
+            tp.all_reduce(x)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                static.append(tp.all_reduce(x))
+            x.copy_(torch.randn(x.shape, generator=gen, device=device, dtype=dtype))
+            expected = x.clone()
+            dist.all_reduce(expected, group=group)
+            graph.replay()
+            checks[f"{dtype} {rows} replayed"] = torch.equal(static[0], expected)
+        big = torch.randn(peer.max_numel + 4096, generator=gen, device=device, dtype=dtype)
+        half = big.to(torch.float16)
+        for name, t in (("too large", big), ("other dtype", half)):
+            expected = t.clone()
+            dist.all_reduce(expected, group=group)
+            checks[f"{dtype} {name} by NCCL"] = not peer.takes(t) and torch.equal(tp.all_reduce(t.clone()), expected)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(checks, f)
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def test_peer_all_reduce_equals_nccl(tmp_path):
+    out = tmp_path / "checks.json"
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    checks = json.loads(out.read_text())
+    assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
