@@ -48,6 +48,23 @@ def test_streamed_completion_concatenates_to_the_same_text(openai_client, offlin
     assert sorted({c.choices[0].index for c in two if c.choices}) == [0, 1]
 
 
+def test_a_token_whose_text_is_held_back_still_streams_a_chunk(openai_client, offline):
+    """One chunk per generated token even while its bytes do not yet make a character (text ""),
+    as vLLM's server streams: a client times the first token by the first chunk, so holding the
+    chunk back until text appears made clients measure a later TTFT than the engine's."""
+    lead_byte = offline.tokenizer.convert_tokens_to_ids("\u00e4")  # byte 0xE4: starts a 3-byte character
+    stream = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                              stream=True, extra_body={"allowed_token_ids": [lead_byte]})
+    texts = [c.choices[0].text for c in stream if c.choices]
+    assert len(texts) == 4, texts  # before: one chunk, at the end
+    assert texts[0] == ""
+    chat = openai_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, temperature=0, stream=True,
+                                                 extra_body={"allowed_token_ids": [lead_byte]})
+    contents = [c.choices[0].delta.content for c in chat if c.choices and c.choices[0].delta.role is None]
+    assert len(contents) == 4 and contents[0] == "", contents
+
+
 def test_chat_completion_uses_the_chat_template(openai_client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     resp = openai_client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=10,

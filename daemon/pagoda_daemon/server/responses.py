@@ -213,7 +213,7 @@ class CompletionBuilder:
         else:
             text, token_ids, logprobs = c.text, c.token_ids, c.logprobs
             state.completion_tokens += len(token_ids)
-        if not (text or c.finish_reason is not None or logprobs):
+        if not (text or token_ids or c.finish_reason is not None or logprobs):
             return None
         lp = None
         if logprobs is not None:
@@ -312,5 +312,7 @@ class ChatBuilder(CompletionBuilder):
         return chunks
 
     def _delta_choice(self, index: int, text: str, logprobs, finish: str | None, stop_reason) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+        # a token whose text is held back still sends content "" (as vLLM's server does); only the
+        # closing chunk, with nothing new, has an empty delta
+        return {"index": index, "delta": {"content": text} if text or finish is None else {}, "logprobs": logprobs,
                 "finish_reason": finish, "stop_reason": stop_reason}
