@@ -284,8 +284,8 @@ if has multi-gpu || has multi-gpu-tests; then
   tail -40 "$OUT/multi-gpu-pytest.txt"
 fi
 if has all-reduce; then
-  # The tensor-parallel all-reduce by size: NCCL against the one-shot read of the peers' memory
-  # (benchmarks/all_reduce.py), and the GPU test of that path against NCCL's sums
+  # The tensor-parallel all-reduce by size: NCCL against the reads of the peers' memory and torch's
+  # one-shot kernel (benchmarks/all_reduce.py), and the GPU test of that path against NCCL's sums
   step "all-reduce on ${AR_RANKS:-2} GPUs: NCCL against the peers' memory, by size"
   timeout 120 python3 -m benchmarks.all_reduce --ranks "${AR_RANKS:-2}" 2>&1 | tee "$OUT/all-reduce.log" \
     | grep RESULT | tee -a "$OUT/all-reduce.jsonl" || { status=1; tail -30 "$OUT/all-reduce.log"; }

@@ -4,7 +4,7 @@ float32; tensors it does not take (too large, another dtype), and those of eager
 summed by NCCL.
 
 Skipped where fewer than two GPUs are visible (CI; a one-GPU machine); run on the GPU machine
-by `benchmarks/run_gpu.sh multi-gpu-tests`.
+by `benchmarks/run_gpu.sh all-reduce`.
 """
 
 from __future__ import annotations

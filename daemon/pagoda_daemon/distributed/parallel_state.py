@@ -132,21 +132,26 @@ def tensor_parallel_group(size: int, expert_groups: int = 1) -> TensorParallel:
     return TensorParallel(dist.get_rank(), size, dist.group.WORLD, expert_groups)
 
 
-def _reduce_ints(values: list[int], op: dist.ReduceOp.RedOpType, tp: TensorParallel) -> list[int]:
+def _reduce_ints(values: list[int], op: dist.ReduceOp.RedOpType, group: Any) -> list[int]:
     """Every rank's ``values`` reduced element-wise with ``op`` (on the group's device: NCCL takes
     GPU tensors only)."""
     t = torch.tensor(values, dtype=torch.int64)
-    if dist.get_backend(tp.group) == "nccl":
+    if dist.get_backend(group) == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=op, group=tp.group)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
+
+
+def min_over_group(value: int, group: Any) -> int:
+    """The smallest of every rank's value in ``group`` (collective)."""
+    return _reduce_ints([value], dist.ReduceOp.MIN, group)[0]
 
 
 def min_over_ranks(value: int, tp: TensorParallel) -> int:
     """The smallest of every rank's value (the KV blocks each rank can hold: all must agree)."""
     if not tp.enabled:
         return value
-    return _reduce_ints([value], dist.ReduceOp.MIN, tp)[0]
+    return min_over_group(value, tp.group)
 
 
 def any_over_ranks(flags: list[bool], tp: TensorParallel) -> list[bool]:
@@ -154,7 +159,7 @@ def any_over_ranks(flags: list[bool], tp: TensorParallel) -> list[bool]:
     undo the same requests whichever rank's file was bad)."""
     if not tp.enabled or not flags:
         return flags
-    return [bool(v) for v in _reduce_ints([int(f) for f in flags], dist.ReduceOp.MAX, tp)]
+    return [bool(v) for v in _reduce_ints([int(f) for f in flags], dist.ReduceOp.MAX, tp.group)]
 
 
 def num_experts_of(model_config) -> int:

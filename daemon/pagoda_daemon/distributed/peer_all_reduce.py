@@ -12,9 +12,8 @@ the other GPU in flight), 32.6 µs NCCL; 32 MiB 133.6 / 274.6 / 144.4 µs
 stay on NCCL, whose ring moves fewer bytes per rank once there are more than two ranks.
 
 Only where every rank is a GPU of this node (one pod): symmetric memory maps the other GPUs'
-memory, which another host's GPU cannot offer. NVLink multicast is never used (the one-shot
-kernel reads peers' memory point to point), so the multimem operations, which need it, are not
-called. If the buffer cannot be set up on some rank, every rank stays on NCCL.
+memory, which another host's GPU cannot offer. NVLink multicast is never used (peer_sum reads
+the peers' memory point to point), so the multimem operations, which need it, are not called. If the buffer cannot be set up on some rank, every rank stays on NCCL.
 """
 
 from __future__ import annotations
@@ -43,9 +42,8 @@ class PeerAllReduce:
 
     buffer: torch.Tensor  # this rank's part of the symmetric buffer
     group_name: str
-    ranks: int
-    handle: Any = None  # the rendezvous' handle: the barrier across the ranks
-    table: torch.Tensor | None = None  # every rank's buffer address, rank 0 first (int64, on the GPU)
+    handle: Any  # the rendezvous' handle: the barrier across the ranks
+    table: torch.Tensor  # every rank's buffer address, rank 0 first (int64, on the GPU)
 
     @property
     def max_numel(self) -> int:
@@ -63,7 +61,6 @@ class PeerAllReduce:
         again)."""
         from pagoda_kernels.peer_sum import peer_sum
 
-        assert self.table is not None
         out = torch.empty_like(x)
         self.buffer[: x.numel()].view(x.shape).copy_(x)
         self.handle.barrier(channel=0)
@@ -95,20 +92,16 @@ def create(group: Any, ranks: int, device: torch.device, dtype: torch.dtype,
         handle = symm_mem.rendezvous(buffer, group.group_name)
         table = torch.tensor([handle.get_buffer(r, (numel,), dtype).data_ptr() for r in range(ranks)],
                              dtype=torch.int64, device=device)
-        peer = PeerAllReduce(buffer, group.group_name, ranks, handle, table)
+        peer = PeerAllReduce(buffer, group.group_name, handle, table)
     except (RuntimeError, ImportError, AttributeError) as e:
         log.warning("all-reduce through the peers' memory unavailable on this rank (%s); NCCL sums every tensor", e)
-    if not _all_ranks_agree(peer is not None, group, device) or peer is None:
+    from pagoda_daemon.distributed.parallel_state import min_over_group  # it imports this module
+
+    if not min_over_group(int(peer is not None), group) or peer is None:
         return None
-    log.info("all-reduce: tensors up to %d MiB summed from the peers' memory (one-shot), larger ones by NCCL",
+    log.info("all-reduce: tensors up to %d MiB summed from the peers' memory in CUDA graphs, the rest by NCCL",
              max_bytes >> 20)
     return peer
-
-
-def _all_ranks_agree(ok: bool, group: Any, device: torch.device) -> bool:
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def sum_over(group: Any, x: torch.Tensor, peer: PeerAllReduce | None) -> torch.Tensor:
