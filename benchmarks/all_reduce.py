@@ -11,6 +11,7 @@ Prints one RESULT line per size (rank 0's view; each figure is the mean over the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -25,12 +26,12 @@ OPS_PER_GRAPH = 20
 REPLAYS = 20
 
 
-def _graphed(fn, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+def _graphed(fn, x: torch.Tensor, around=contextlib.nullcontext) -> torch.cuda.CUDAGraph:
     for _ in range(2):  # warm-up outside the graph (NCCL and the kernels set themselves up)
         fn(x)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), around():
         for _ in range(OPS_PER_GRAPH):
             fn(x)
     return graph
@@ -83,7 +84,7 @@ def _rank(rank: int, ranks: int, store: str, dtype_name: str) -> None:
                 graph = torch.cuda.CUDAGraph()
                 fn(x)
                 torch.cuda.synchronize()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph), peer.graph_capture():
                     static_out.append(fn(x))
                 fresh = torch.randn(x.shape, generator=gen, device=device, dtype=dtype)
                 fresh_sum = fresh.clone()
@@ -94,7 +95,7 @@ def _rank(rank: int, ranks: int, store: str, dtype_name: str) -> None:
                 result[f"{method}_equal_replayed"] = bool(torch.equal(static_out[0], fresh_sum))
                 x.copy_(x_saved)
                 del graph
-                result[f"{method}_us"] = round(_time_us(_graphed(fn, x), group), 2)
+                result[f"{method}_us"] = round(_time_us(_graphed(fn, x, peer.graph_capture), group), 2)
         result["nccl_us"] = round(_time_us(_graphed(lambda t: dist.all_reduce(t, group=group), x.clone()), group), 2)
         if rank == 0:
             print("RESULT " + json.dumps(result), flush=True)

@@ -1,7 +1,8 @@
 """On two or more GPUs: the all-reduce through the peers' memory (peer_all_reduce.py) gives
-NCCL's sums on random inputs, eagerly and replayed from a CUDA graph on new inputs, in bf16 and
-float32; tensors it does not take (too large, another dtype), and those of eager steps, are
-summed by NCCL.
+NCCL's sums on random inputs, eagerly and replayed from a CUDA graph on new inputs (three in a
+row, one of them a matmul written straight into the buffer, the graph replayed back to back), in
+bf16 and float32; tensors it does not take (too large, another dtype), and those of eager steps,
+are summed by NCCL.
 
 Skipped where fewer than two GPUs are visible (CI; a one-GPU machine); run on the GPU machine
 by `benchmarks/run_gpu.sh all-reduce`.
@@ -43,16 +44,32 @@ def _rank(rank: int, store: str, out: str) -> None:
             dist.all_reduce(expected, group=group)
             checks[f"{dtype} {rows} eager"] = peer.takes(x) and torch.equal(peer(x.clone()), expected)
             checks[f"{dtype} {rows} eager steps by NCCL"] = torch.equal(tp.all_reduce(x.clone()), expected)
-            graph, static = torch.cuda.CUDAGraph(), []
+            # A graph of three all-reduces in a row (an odd count: it ends on slot 0), the second
+            # of a matmul written straight into the buffer, replayed three times back to back
+            # on new inputs: every sum must be NCCL's, none may read a slot being rewritten.
+            w = torch.randn(4096, 4096, generator=gen, device=device, dtype=dtype) / 64
+            # Views of the previous dtype's buffer dropped here: freed during a capture, symmetric
+            # memory aborts the process (cudaErrorStreamCaptureUnsupported).
+            graph, static, target = torch.cuda.CUDAGraph(), [], None
             tp.all_reduce(x)
+            torch.mm(x, w)  # cuBLAS sets itself up outside the capture
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                static.append(tp.all_reduce(x))
-            x.copy_(torch.randn(x.shape, generator=gen, device=device, dtype=dtype))
-            expected = x.clone()
-            dist.all_reduce(expected, group=group)
-            graph.replay()
-            checks[f"{dtype} {rows} replayed"] = torch.equal(static[0], expected)
+            with torch.cuda.graph(graph), tp.graph_capture():
+                first = tp.all_reduce(x)
+                target = tp.all_reduce_input((rows, 4096), dtype)
+                second = tp.all_reduce(torch.mm(first, w, out=target))
+                static = [first, second, tp.all_reduce(second * 0.5)]
+            checks[f"{dtype} {rows} matmul written into the buffer"] = target is not None
+            for replay in range(3):
+                x.copy_(torch.randn(x.shape, generator=gen, device=device, dtype=dtype))
+                graph.replay()
+                expected = [x.clone()]
+                dist.all_reduce(expected[0], group=group)
+                expected.append(expected[0] @ w)
+                dist.all_reduce(expected[1], group=group)
+                expected.append(static[1] * 0.5)
+                dist.all_reduce(expected[2], group=group)
+                checks[f"{dtype} {rows} replay {replay}"] = all(map(torch.equal, static, expected))
         big = torch.randn(peer.max_numel + 4096, generator=gen, device=device, dtype=dtype)
         half = big.to(torch.float16)
         for name, t in (("too large", big), ("other dtype", half)):

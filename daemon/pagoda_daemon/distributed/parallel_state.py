@@ -17,6 +17,8 @@ the ranks' outputs: the all-gather + reduce form of dispatch and combine.
 
 from __future__ import annotations
 
+import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,18 @@ class TensorParallel:
         """Sum over the group (the row-parallel layers' partial products): the returned tensor,
         which may be ``x`` itself, summed in place, or a new one."""
         return sum_over(self.group, x, self.peer) if self.enabled else x
+
+    def all_reduce_input(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a partial product of ``shape`` that :meth:`all_reduce` sums next is best written
+        (the peer path's buffer, sparing a copy), or None: anywhere."""
+        peer = self.peer
+        if peer is None or not peer.capturing or dtype != peer.buffer.dtype or not 0 < math.prod(shape) <= peer.max_numel:
+            return None
+        return peer.slot(shape)
+
+    def graph_capture(self) -> AbstractContextManager[None]:
+        """Around the capture of each CUDA graph whose all-reduces may go through the peers' memory."""
+        return self.peer.graph_capture() if self.peer is not None else nullcontext()
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's slice of the last dimension, concatenated in rank order (the logits)."""

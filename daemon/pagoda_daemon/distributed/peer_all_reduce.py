@@ -1,25 +1,32 @@
 """The tensor-parallel all-reduce of small tensors, read straight from the other GPUs over
-NVLink: each rank copies its partial sum into a buffer every rank of the node has mapped
-(torch symmetric memory), and a kernel reads every rank's copy and adds them up
-(pagoda_kernels.peer_sum). vLLM's custom all-reduce does the same for the same reason.
+NVLink: each rank puts its partial sum in a buffer every rank of the node has mapped (torch
+symmetric memory; the row-parallel projections write their products there directly), and a
+kernel reads every rank's part and adds them up (pagoda_kernels.peer_sum). vLLM's custom
+all-reduce does the same for the same reason.
 
 Why: a Llama-3-8B decode step at TP = 2 and 256 sequences runs 64 all-reduces of 2 MiB, and
 NCCL's ring took 2.02 ms of the step's 11.57 ms on 2 × H100 (NV18), 31.6 µs each. Measured by
 `benchmarks/all_reduce.py` on that machine (2026-11-27, bf16, in CUDA graphs), per all-reduce:
 2 MiB 18.0 µs this way, 23.2 µs with torch's one-shot kernel (few programs, too few reads of
 the other GPU in flight), 32.6 µs NCCL; 32 MiB 133.6 / 274.6 / 144.4 µs
-(docs/benchmarks/2026-11-27-tp-all-reduce-h100-x2.md). Larger tensors (long prefill chunks)
+(docs/benchmarks/2026-11-27-tp-all-reduce-h100-x2.md, with two barriers and a copy per sum; with
+one and none, 12.9 µs for 2 MiB on 2 × H200 against NCCL's 31.4, and Llama-3-8B at TP = 2 3.2-3.4%
+faster end to end: 2026-11-27-tp-all-reduce-slots-h100-h200-x2.md). Larger tensors (long prefill chunks)
 stay on NCCL, whose ring moves fewer bytes per rank once there are more than two ranks.
 
 Only where every rank is a GPU of this node (one pod): symmetric memory maps the other GPUs'
 memory, which another host's GPU cannot offer. NVLink multicast is never used (peer_sum reads
-the peers' memory point to point), so the multimem operations, which need it, are not called. If the buffer cannot be set up on some rank, every rank stays on NCCL.
+the peers' memory point to point), so the multimem operations, which need it, are not called.
+If the buffer cannot be set up on some rank, every rank stays on NCCL.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,35 +45,64 @@ DEFAULT_MAX_BYTES = 1 << 20
 
 @dataclass(eq=False)
 class PeerAllReduce:
-    """One rank's end of the buffer: sums tensors of at most ``max_numel`` elements of ``dtype``."""
+    """One rank's end of the buffer: sums tensors of at most ``max_numel`` elements of ``dtype``,
+    inside the CUDA graphs captured under :meth:`graph_capture`.
 
-    buffer: torch.Tensor  # this rank's part of the symmetric buffer
+    The buffer has two slots, used in turn, so that one barrier per all-reduce is enough: a rank
+    writes slot s again only two all-reduces later, after the barrier of the one between, which
+    no rank passes before it has finished reading slot s. (With one slot a second barrier after
+    each sum kept the writers off the buffer: 64 barriers of 4.2 µs in each decode step of
+    Llama-3-8B at TP = 2 on 2 × H100, 2026-11-27.)"""
+
+    buffer: torch.Tensor  # this rank's part of the symmetric buffer: two slots of max_numel
     group_name: str
     handle: Any  # the rendezvous' handle: the barrier across the ranks
-    table: torch.Tensor  # every rank's buffer address, rank 0 first (int64, on the GPU)
+    tables: torch.Tensor  # [2, ranks] int64 on the GPU: each slot's address on every rank, rank 0 first
+    capturing: bool = False  # inside graph_capture: the only place this path is taken
+    calls: int = 0  # all-reduces since the capture began; slot = calls % 2
 
     @property
     def max_numel(self) -> int:
-        return self.buffer.numel()
+        return self.buffer.numel() // 2
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes this way: on the buffer's device, of its dtype, contiguous, small enough."""
         return (x.dtype == self.buffer.dtype and x.device == self.buffer.device and x.is_contiguous()
                 and 0 < x.numel() <= self.max_numel)
 
+    def slot(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slot the next all-reduce sums, as a tensor of ``shape``: a matmul that writes its
+        partial product here spares the copy into the buffer."""
+        start = (self.calls % 2) * self.max_numel
+        return self.buffer[start: start + math.prod(shape)].view(shape)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x``, in a new tensor: ``x`` copied into this rank's buffer,
-        a barrier (every rank's copy is in place), every buffer read and added up in rank order
-        (pagoda_kernels.peer_sum), a barrier (every rank has read: the buffers may be written
-        again)."""
+        """The sum of every rank's ``x``, in a new tensor: ``x`` in this rank's slot (copied there
+        unless it was computed there), a barrier (every rank's part is in place), every rank's
+        slot read and added up in rank order (pagoda_kernels.peer_sum)."""
         from pagoda_kernels.peer_sum import peer_sum
 
+        dst = self.slot(tuple(x.shape))
+        if x.data_ptr() != dst.data_ptr():
+            dst.copy_(x)
         out = torch.empty_like(x)
-        self.buffer[: x.numel()].view(x.shape).copy_(x)
         self.handle.barrier(channel=0)
-        peer_sum(self.table, out)
-        self.handle.barrier(channel=1)
+        peer_sum(self.tables[self.calls % 2], out)
+        self.calls += 1
         return out
+
+    @contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """Around the capture of one CUDA graph. Graphs are replayed in any order, so each starts
+        at slot 0 and leaves slot 0 free: where its last all-reduce used slot 0 (an odd count:
+        Llama's 64 layers' two and the embedding's one), a barrier ends it."""
+        self.capturing, self.calls = True, 0
+        try:
+            yield
+        finally:
+            if self.calls % 2:
+                self.handle.barrier(channel=1)
+            self.capturing, self.calls = False, 0
 
 
 def max_bytes_for(ranks: int) -> int:
@@ -76,27 +112,44 @@ def max_bytes_for(ranks: int) -> int:
 def create(group: Any, ranks: int, device: torch.device, dtype: torch.dtype,
            max_bytes: int | None = None) -> PeerAllReduce | None:
     """Every rank of ``group`` calls this together (it is collective). None, on every rank, where
-    the path is not available: off the GPU, or where any rank failed to map the buffer."""
+    the path is not available: off the GPU, or where any rank cannot map the buffer. The ranks
+    agree before the rendezvous (a rank that cannot take part would leave the others waiting in
+    it) and after it."""
     if device.type != "cuda" or ranks < 2 or dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
+    from pagoda_daemon.distributed.parallel_state import min_over_group  # it imports this module
+
     max_bytes = max_bytes or max_bytes_for(ranks)
     numel = max_bytes // torch.empty((), dtype=dtype).element_size()
-    peer = None
+    buffer, peer = None, None
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
-        buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+        if group.group_name in symm_mem._group_name_to_store:
+            # torch keeps the first store it was given for a group name for the life of the
+            # process, and a new world's group reuses the name ("0"): the rendezvous would
+            # wait on the old world's store. So an engine started after another in the same
+            # process (tests; not `pagoda serve`) sums by NCCL.
+            raise RuntimeError(f"symmetric memory was set up for a process group named {group.group_name!r} "
+                               "earlier in this process")
+        buffer = symm_mem.empty(2 * numel, dtype=dtype, device=device)
         with warnings.catch_warnings():  # required by torch 2.11, deprecated (and harmless) since
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group.group_name)
-        handle = symm_mem.rendezvous(buffer, group.group_name)
-        table = torch.tensor([handle.get_buffer(r, (numel,), dtype).data_ptr() for r in range(ranks)],
-                             dtype=torch.int64, device=device)
-        peer = PeerAllReduce(buffer, group.group_name, handle, table)
     except (RuntimeError, ImportError, AttributeError) as e:
         log.warning("all-reduce through the peers' memory unavailable on this rank (%s); NCCL sums every tensor", e)
-    from pagoda_daemon.distributed.parallel_state import min_over_group  # it imports this module
-
+    if not min_over_group(int(buffer is not None), group) or buffer is None:
+        return None
+    try:
+        handle = symm_mem.rendezvous(buffer, group.group_name)
+        bases = [handle.get_buffer(r, (2 * numel,), dtype).data_ptr() for r in range(ranks)]
+        size = torch.empty((), dtype=dtype).element_size()
+        tables = torch.tensor([[base + s * numel * size for base in bases] for s in (0, 1)], dtype=torch.int64,
+                              device=device)
+        peer = PeerAllReduce(buffer, group.group_name, handle, tables)
+    except (RuntimeError, AttributeError) as e:
+        log.warning("all-reduce through the peers' memory: rendezvous failed on this rank (%s); NCCL sums every "
+                    "tensor", e)
     if not min_over_group(int(peer is not None), group) or peer is None:
         return None
     log.info("all-reduce: tensors up to %d MiB summed from the peers' memory in CUDA graphs, the rest by NCCL",
@@ -106,9 +159,9 @@ def create(group: Any, ranks: int, device: torch.device, dtype: torch.dtype,
 
 def sum_over(group: Any, x: torch.Tensor, peer: PeerAllReduce | None) -> torch.Tensor:
     """``x`` summed over ``group``: through the peers' memory where it fits and a CUDA graph is
-    being captured (the decode steps), else NCCL in place. Eager steps stay on NCCL: there the
-    four launches (copy, barrier, sum, barrier) cost the host more than NCCL's one."""
-    if peer is not None and peer.takes(x) and torch.cuda.is_current_stream_capturing():
+    being captured under ``peer.graph_capture`` (the decode steps), else NCCL in place. Eager
+    steps stay on NCCL: there the launches (copy, barrier, sum) cost the host more than NCCL's one."""
+    if peer is not None and peer.capturing and peer.takes(x):
         return peer(x)
     dist.all_reduce(x, group=group)
     return x

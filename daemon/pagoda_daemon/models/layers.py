@@ -129,14 +129,21 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return super().forward(x)
-        out = self._gemv(x, self.weight, None) if self.skinny(x) else F.linear(x, self.weight)
+        target = self.tp.all_reduce_input((*x.shape[:-1], self.weight.shape[0]), x.dtype)
+        if self.skinny(x):
+            out = self._gemv(x, self.weight, None, out=target)
+        elif target is not None and x.dim() == 2:
+            out = torch.mm(x, self.weight.t(), out=target)
+        else:
+            out = F.linear(x, self.weight)
         out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return super().forward_silu_mul(gate_up)
-        out = self.tp.all_reduce(self._gemv(gate_up, self.weight, None, silu_mul=True))
+        target = self.tp.all_reduce_input((gate_up.shape[0], self.weight.shape[0]), gate_up.dtype)
+        out = self.tp.all_reduce(self._gemv(gate_up, self.weight, None, out=target, silu_mul=True))
         return out if self.bias is None else out + self.bias
 
 

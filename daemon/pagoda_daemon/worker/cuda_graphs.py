@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -41,8 +43,10 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, buffers, max_batch_size: int, max_seq_len: int, device: torch.device) -> None:
+    def __init__(self, model, buffers, max_batch_size: int, max_seq_len: int, device: torch.device,
+                 graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         self.model = model
+        self.graph_capture = graph_capture  # entered around each capture (TensorParallel.graph_capture)
         self.buffers = buffers
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = max_batch_size
@@ -102,7 +106,7 @@ class CudaGraphRunner:
             self.model.compute_logits(self.model(*inputs, self.metadata(size)))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool), self.graph_capture():
                 # fresh metadata: the per-step work the backend keeps in it must be captured
                 self.outputs[size] = self.model.compute_logits(self.model(*inputs, self.metadata(size)))
             pool = graph.pool()

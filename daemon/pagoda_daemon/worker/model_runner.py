@@ -11,6 +11,8 @@ schedule the next step while this one runs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,11 +210,12 @@ class ModelRunner:
         hidden = self.model(ids, positions, [None] * self.num_layers, meta)
         self.model.compute_logits(hidden[-min(num_seqs, self.max_num_seqs):])
 
-    def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs over the allocated KV cache (call once, after allocate_kv_cache)."""
+    def capture_cuda_graphs(self, graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
+        """Capture decode graphs over the allocated KV cache (call once, after allocate_kv_cache);
+        `graph_capture` is entered around each graph's capture (the tensor-parallel group's)."""
         assert self.kv_cache is not None, "allocate the KV cache before capturing graphs"
         graphs = CudaGraphRunner(self.model, self.buffers, self.max_cudagraph_batch_size, self.max_model_len,
-                                 self.device)
+                                 self.device, graph_capture)
         graphs.capture(self.kv_caches)
         self.cuda_graphs = graphs
 

@@ -99,8 +99,9 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         # Small all-reduces read from the other GPUs' memory (peer_all_reduce.py) for dense models
         # in one pod. Not for MoE models: at the Qwen3-30B-A3B shape, EP = 2, decode was 0.7-2.7%
-        # slower with it than with NCCL alone in three same-call pairs (2 × H100, 2026-11-27; not yet
-        # explained), where Llama-3-8B at TP = 2 gained 1.2-1.5%. Elastic EP changes its group as it
+        # slower with its first, two-barrier form than with NCCL alone in three same-call pairs
+        # (2 × H100, 2026-11-27; not yet explained, not rerun with one barrier), where Llama-3-8B at
+        # TP = 2 gained 1.2-1.5% (3.2-3.4% with one barrier, 2 × H200). Elastic EP changes its group as it
         # resizes, and ranks in other pods cannot map this GPU's memory: NCCL there.
         if (self.tp.enabled and not self.tp.replicated_dense and config.nnodes == 1
                 and not config.disable_custom_all_reduce and not num_experts_of(model_config)):
@@ -214,7 +215,7 @@ class Worker:
     def capture_cuda_graphs(self) -> None:
         if self.uses_cuda_graphs:
             started = time.monotonic()
-            self.runner.capture_cuda_graphs()
+            self.runner.capture_cuda_graphs(self.tp.graph_capture)
             log.info("start-up: CUDA graphs captured in %.1f s", time.monotonic() - started)
         elif self.device.type == "cuda" and not self.config.enforce_eager:
             log.info("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
