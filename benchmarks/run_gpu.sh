@@ -327,13 +327,26 @@ if has multi-gpu || has multi-gpu-vllm; then
   for layout in ${MG_LAYOUTS:-llama3-8b:2:1 qwen3-30b-a3b:1:2 qwen3-30b-a3b:2:1}; do
     IFS=: read -r m tp ep <<<"$layout"
     vflags="--tensor-parallel-size $((tp * ep))"; [ "$ep" -gt 1 ] && vflags="$vflags --enable-expert-parallel"
+    # MG_VLLM_PROFILE=1: vLLM's timed run also profiles 20 engine steps after its first 40 (its
+    # kernel table per rank lands in $OUT/vllm-profile-<layout>/); MG_VLLM_FLAGS: more vLLM flags
     if [ -f /tmp/vsite/vllm/__init__.py ] && [ -z "${MG_SKIP_VLLM:-}" ]; then
+      prof=""; [ -n "${MG_VLLM_PROFILE:-}" ] && prof="--profile-dir /tmp/vprof-$m-$tp-$ep"
       PYTHONPATH=/tmp/vsite timeout "${MG_VLLM_TIMEOUT:-300}" python3 -m benchmarks.vllm_throughput $CFG/$m $vflags \
-        > "$OUT/vllm-$m-$tp-$ep.log" 2>&1; grep RESULT "$OUT/vllm-$m-$tp-$ep.log" | tee -a "$OUT/vllm.jsonl" \
-        || { status=1; tail -20 "$OUT/vllm-$m-$tp-$ep.log"; }
+        ${MG_VLLM_FLAGS:-} $prof > "$OUT/vllm-$m-$tp-$ep.log" 2>&1; grep RESULT "$OUT/vllm-$m-$tp-$ep.log" \
+        | tee -a "$OUT/vllm.jsonl" || { status=1; tail -20 "$OUT/vllm-$m-$tp-$ep.log"; }
+      [ -n "$prof" ] && { mkdir -p "$OUT/vllm-profile-$m-$tp-$ep"; cp /tmp/vprof-$m-$tp-$ep/*.txt "$OUT/vllm-profile-$m-$tp-$ep/" \
+        || status=1; head -40 "$OUT/vllm-profile-$m-$tp-$ep/profiler_out_0.txt"; }
     fi
-    timeout "${MG_PAGODA_TIMEOUT:-300}" $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep 2>&1 \
-      | tee "$OUT/pagoda-$m-$tp-$ep.log" | grep RESULT | tee -a "$OUT/e2e.jsonl" || { status=1; tail -20 "$OUT/pagoda-$m-$tp-$ep.log"; }
+    # MG_PAGODA_VARIANTS: Pagoda flag sets separated by ';' (an empty one: the defaults), each run in turn
+    IFS=';' read -r -a variants <<<"${MG_PAGODA_VARIANTS:-}"; [ ${#variants[@]} = 0 ] && variants=("")
+    for i in "${!variants[@]}"; do
+      timeout "${MG_PAGODA_TIMEOUT:-300}" $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep \
+        ${variants[$i]} --label "variant $i: ${variants[$i]:-defaults}" 2>&1 | tee "$OUT/pagoda-$m-$tp-$ep-$i.log" \
+        | grep RESULT | tee -a "$OUT/e2e.jsonl" || { status=1; tail -20 "$OUT/pagoda-$m-$tp-$ep-$i.log"; }
+    done
+    # MG_PAGODA_PROFILE=1: Pagoda's steady decode steps profiled too (256 sequences, 20 steps, rank 0)
+    [ -n "${MG_PAGODA_PROFILE:-}" ] && { timeout 150 $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep \
+      --num-seqs 256 --profile-steps 20 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1; }
   done
 fi
 if has multi-gpu-ab; then

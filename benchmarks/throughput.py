@@ -414,7 +414,7 @@ def profile(args) -> dict:
         "host_syncs_per_step": {k: v / args.profile_steps for k, v in syncs.items()},
         "async_copies_per_step": {k: v / args.profile_steps for k, v in copies.items()},
         "cpu_ms_per_step_by_phase": {k: round(v, 3) for k, v in sorted(labels.items())},
-        "gpu_ms_per_step_by_kernel": {k: round(v, 3) for k, v in kernels.most_common(10)},
+        "gpu_ms_per_step_by_kernel": {k: round(v, 3) for k, v in kernels.most_common(int(os.environ.get("PROFILE_TOP_KERNELS", "10")))},
         "cuda_graphs": core.worker_info.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
     }
 
