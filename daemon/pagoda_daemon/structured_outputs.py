@@ -231,7 +231,8 @@ def _is_object(schema: dict) -> bool:
 
 def build_llguidance_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for these params (no tokenizer needed). JSON as build_grammar's:
-    whitespace between tokens of at most MAX_JSON_WHITESPACE characters, objects closed."""
+    whitespace between tokens of at most MAX_JSON_WHITESPACE characters, objects closed; regexes
+    with xgrammar's ASCII \\d and \\w."""
     import llguidance
 
     kind, text = params.key
@@ -242,7 +243,10 @@ def build_llguidance_grammar(params: StructuredOutputsParams) -> str:
                                                f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"}}
         return llguidance.grammar_from("json_schema", json.dumps(schema, ensure_ascii=False))
     if kind == "regex":
-        return llguidance.grammar_from("regex", text)
+        # \d and \w as ASCII classes ([0-9], [0-9a-zA-Z_]), as xgrammar (vLLM's default backend)
+        # and JSON Schema patterns read them; llguidance's own regexes take every Unicode digit
+        # (a tiny model at temperature 1 wrote "bca-᥏8𑽗" for [a-c]{2,4}-\d{3}, 2026-11-27)
+        return llguidance.grammar_from("lark", "start: /" + llguidance.regex_to_lark(text, "dw") + "/")
     if kind == "choice":
         return llguidance.grammar_from("choice", text)
     return llguidance.grammar_from("grammar", text)  # GBNF (xgrammar's and llama.cpp's EBNF) or Lark
