@@ -70,9 +70,12 @@ class _Entry:
 
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> _Entry:
-        meta = obj.get("metadata") or {}
+        """Kept without ``metadata.managedFields`` (server-side apply's record of who set each
+        field), which no pass reads and which is a large part of a pod's or Deployment's JSON; a
+        write of the object without it leaves the API server's copy as it was."""
+        meta = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "managedFields"}
         return cls(_version(obj), dict(meta.get("labels") or {}),
-                   json.dumps(obj, separators=(",", ":"), default=_plain).encode())
+                   json.dumps({**obj, "metadata": meta}, separators=(",", ":"), default=_plain).encode())
 
     def load(self) -> dict[str, Any]:
         return json.loads(self.text)

@@ -138,6 +138,25 @@ def test_the_body_a_kopf_handler_gets_is_cached_too():
     assert cache.get("Pod", "ns", "llama-0")["status"] == {"phase": "Running"}
 
 
+def test_entries_are_kept_without_managed_fields():
+    """managedFields (server-side apply's bookkeeping, much of a pod's JSON) is dropped from what
+    the cache keeps, from lists and events alike; the rest of the metadata stays."""
+    api = FakeApi()
+    fields = [{"manager": "kube-controller-manager", "operation": "Update", "fieldsType": "FieldsV1",
+               "fieldsV1": {"f:spec": {"f:containers": {"k:{\"name\":\"daemon\"}": {".": {}}}}}}]
+    api._bump(obj("Pod", "llama-0", 1))
+    api.objects[("Pod", "ns", "llama-0")]["metadata"]["managedFields"] = fields
+    cache = CachedKube(api).cache
+    listed = cache.get("Pod", "ns", "llama-0")
+    assert "managedFields" not in listed["metadata"] and listed["metadata"]["labels"] == MANAGED
+    event = obj("Pod", "llama-0", 300, status={"phase": "Running"})
+    event["metadata"]["managedFields"] = fields
+    cache.observe("Pod", event)
+    seen = cache.get("Pod", "ns", "llama-0")
+    assert "managedFields" not in seen["metadata"] and seen["status"] == {"phase": "Running"}
+    assert event["metadata"]["managedFields"] == fields  # the caller's object is left as it was
+
+
 def test_the_operators_writes_are_read_back_without_a_request():
     api = FakeApi()
     kube = CachedKube(api)
