@@ -17,7 +17,6 @@ the ranks' outputs: the all-gather + reduce form of dispatch and combine.
 
 from __future__ import annotations
 
-import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -89,10 +88,7 @@ class TensorParallel:
     def all_reduce_input(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """Where a partial product of ``shape`` that :meth:`all_reduce` sums next is best written
         (the peer path's buffer, sparing a copy), or None: anywhere."""
-        peer = self.peer
-        if peer is None or not peer.capturing or dtype != peer.buffer.dtype or not 0 < math.prod(shape) <= peer.max_numel:
-            return None
-        return peer.slot(shape)
+        return self.peer.input_slot(shape, dtype) if self.peer is not None else None
 
     def graph_capture(self) -> AbstractContextManager[None]:
         """Around the capture of each CUDA graph whose all-reduces may go through the peers' memory."""
