@@ -363,12 +363,16 @@ if has multi-gpu-ab; then
     IFS=: read -r m tp ep <<<"$layout"
     gpus=""; flags="--tensor-parallel-size $tp --expert-parallel-size $ep"
     [ "$tp" = 0 ] && { gpus=0; flags=""; }
-    for tree in head ${MG_BASE:+base}; do
-      root=$PWD; [ "$tree" = base ] && root=$PWD/$MG_BASE
-      env ${gpus:+CUDA_VISIBLE_DEVICES=$gpus} PYTHONPATH=$root/daemon:$root/kernels:$PYTHONPATH \
-        timeout "${MG_PAGODA_TIMEOUT:-150}" $T $CFG/$m $flags > "$OUT/ab-$tree-$m-$tp-$ep.log" 2>&1
-      grep RESULT "$OUT/ab-$tree-$m-$tp-$ep.log" | sed "s/^RESULT {/RESULT {\"tree\": \"$tree\", /" \
-        | tee -a "$OUT/ab.jsonl" || { status=1; tail -20 "$OUT/ab-$tree-$m-$tp-$ep.log"; }
+    # MG_BASE may name several trees (space-separated), each run in turn; MG_PROFILE_EACH=1 profiles
+    # every tree's steady decode steps after its run (as MG_PROFILE_LAYOUT does for this tree)
+    for tree in head ${MG_BASE:-}; do
+      root=$PWD; [ "$tree" != head ] && root=$PWD/$tree
+      label=${tree#.}; env=(env ${gpus:+CUDA_VISIBLE_DEVICES=$gpus} PYTHONPATH=$root/daemon:$root/kernels:$PYTHONPATH)
+      "${env[@]}" timeout "${MG_PAGODA_TIMEOUT:-150}" $T $CFG/$m $flags > "$OUT/ab-$label-$m-$tp-$ep.log" 2>&1
+      grep RESULT "$OUT/ab-$label-$m-$tp-$ep.log" | sed "s/^RESULT {/RESULT {\"tree\": \"$label\", /" \
+        | tee -a "$OUT/ab.jsonl" || { status=1; tail -20 "$OUT/ab-$label-$m-$tp-$ep.log"; }
+      [ -n "${MG_PROFILE_EACH:-}" ] && { "${env[@]}" timeout 150 $T $CFG/$m $flags --num-seqs 256 --profile-steps 20 \
+        2>&1 | grep RESULT | sed "s/^RESULT {/RESULT {\"tree\": \"$label\", /" | tee -a "$OUT/ab.jsonl" || status=1; }
     done
   done
   if [ -n "${MG_PROFILE_LAYOUT:-}" ]; then

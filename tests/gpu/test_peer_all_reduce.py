@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 
-def _rank(rank: int, store: str, out: str) -> None:
+def _rank(rank: int, store: str, out: str, dtype: torch.dtype) -> None:
     from pagoda_daemon.distributed import peer_all_reduce
     from pagoda_daemon.distributed.parallel_state import TensorParallel
 
@@ -34,48 +34,47 @@ def _rank(rank: int, store: str, out: str) -> None:
     group = dist.group.WORLD
     gen = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(4), "little") + rank)
     checks: dict[str, bool] = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        peer = peer_all_reduce.create(group, 2, device, dtype)
-        assert peer is not None
-        tp = TensorParallel(rank, 2, group, peer=peer)
-        for rows in (1, 7, 256):
-            x = torch.randn(rows, 4096, generator=gen, device=device, dtype=dtype)
-            expected = x.clone()
-            dist.all_reduce(expected, group=group)
-            checks[f"{dtype} {rows} eager"] = peer.takes(x) and torch.equal(peer(x.clone()), expected)
-            checks[f"{dtype} {rows} eager steps by NCCL"] = torch.equal(tp.all_reduce(x.clone()), expected)
-            # A graph of three all-reduces in a row (an odd count: it ends on slot 0), the second
-            # of a matmul written straight into the buffer, replayed three times back to back
-            # on new inputs: every sum must be NCCL's, none may read a slot being rewritten.
-            w = torch.randn(4096, 4096, generator=gen, device=device, dtype=dtype) / 64
-            # Views of the previous dtype's buffer dropped here: freed during a capture, symmetric
-            # memory aborts the process (cudaErrorStreamCaptureUnsupported).
-            graph, static, target = torch.cuda.CUDAGraph(), [], None
-            tp.all_reduce(x)
-            torch.mm(x, w)  # cuBLAS sets itself up outside the capture
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph), tp.graph_capture():
-                first = tp.all_reduce(x)
-                target = tp.all_reduce_input((rows, 4096), dtype)
-                second = tp.all_reduce(torch.mm(first, w, out=target))
-                static = [first, second, tp.all_reduce(second * 0.5)]
-            checks[f"{dtype} {rows} matmul written into the buffer"] = target is not None
-            for replay in range(3):
-                x.copy_(torch.randn(x.shape, generator=gen, device=device, dtype=dtype))
-                graph.replay()
-                expected = [x.clone()]
-                dist.all_reduce(expected[0], group=group)
-                expected.append(expected[0] @ w)
-                dist.all_reduce(expected[1], group=group)
-                expected.append(static[1] * 0.5)
-                dist.all_reduce(expected[2], group=group)
-                checks[f"{dtype} {rows} replay {replay}"] = all(map(torch.equal, static, expected))
-        big = torch.randn(peer.max_numel + 4096, generator=gen, device=device, dtype=dtype)
-        half = big.to(torch.float16)
-        for name, t in (("too large", big), ("other dtype", half)):
-            expected = t.clone()
-            dist.all_reduce(expected, group=group)
-            checks[f"{dtype} {name} by NCCL"] = not peer.takes(t) and torch.equal(tp.all_reduce(t.clone()), expected)
+    # One buffer per process: a process sets up symmetric memory for a group's name once (the
+    # second create() declines, see peer_all_reduce.create), so each dtype has its own world.
+    peer = peer_all_reduce.create(group, 2, device, dtype)
+    assert peer is not None
+    tp = TensorParallel(rank, 2, group, peer=peer)
+    for rows in (1, 7, 256):
+        x = torch.randn(rows, 4096, generator=gen, device=device, dtype=dtype)
+        expected = x.clone()
+        dist.all_reduce(expected, group=group)
+        checks[f"{dtype} {rows} eager"] = peer.takes(x) and torch.equal(peer(x.clone()), expected)
+        checks[f"{dtype} {rows} eager steps by NCCL"] = torch.equal(tp.all_reduce(x.clone()), expected)
+        # A graph of three all-reduces in a row (an odd count: it ends on slot 0), the second
+        # of a matmul written straight into the buffer, replayed three times back to back
+        # on new inputs: every sum must be NCCL's, none may read a slot being rewritten.
+        w = torch.randn(4096, 4096, generator=gen, device=device, dtype=dtype) / 64
+        graph, static, target = torch.cuda.CUDAGraph(), [], None
+        tp.all_reduce(x)
+        torch.mm(x, w)  # cuBLAS sets itself up outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph), tp.graph_capture():
+            first = tp.all_reduce(x)
+            target = tp.all_reduce_input((rows, 4096), dtype)
+            second = tp.all_reduce(torch.mm(first, w, out=target))
+            static = [first, second, tp.all_reduce(second * 0.5)]
+        checks[f"{dtype} {rows} matmul written into the buffer"] = target is not None
+        for replay in range(3):
+            x.copy_(torch.randn(x.shape, generator=gen, device=device, dtype=dtype))
+            graph.replay()
+            expected = [x.clone()]
+            dist.all_reduce(expected[0], group=group)
+            expected.append(expected[0] @ w)
+            dist.all_reduce(expected[1], group=group)
+            expected.append(static[1] * 0.5)
+            dist.all_reduce(expected[2], group=group)
+            checks[f"{dtype} {rows} replay {replay}"] = all(map(torch.equal, static, expected))
+    big = torch.randn(peer.max_numel + 4096, generator=gen, device=device, dtype=dtype)
+    half = big.to(torch.float16)
+    for name, t in (("too large", big), ("other dtype", half)):
+        expected = t.clone()
+        dist.all_reduce(expected, group=group)
+        checks[f"{dtype} {name} by NCCL"] = not peer.takes(t) and torch.equal(tp.all_reduce(t.clone()), expected)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(checks, f)
@@ -83,8 +82,9 @@ def _rank(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_peer_all_reduce_equals_nccl(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_peer_all_reduce_equals_nccl(tmp_path, dtype):
     out = tmp_path / "checks.json"
-    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(out), dtype), nprocs=2, start_method="spawn")
     checks = json.loads(out.read_text())
     assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
