@@ -240,6 +240,10 @@ if has structured; then
 fi
 T="python3 -m benchmarks.throughput"
 e2e() { $T "$@" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1; }
+# Pagoda's steady decode steps profiled (256 sequences, 20 steps, rank 0's view: its NCCL kernels
+# include the time they wait for the other ranks); the arguments are the throughput command
+# (with any env prefix) and its flags; its RESULT lines on stdout.
+decode_profile() { timeout 150 "$@" --num-seqs 256 --profile-steps 20 2>&1 | grep RESULT; }
 if has e2e || has e2e-throughput || has vllm; then
   step "Pagoda end to end: Qwen3-0.6B shape, nano-vllm workload (CUDA graphs + async scheduling), ${E2E_ROUNDS:-2} rounds"
   e2e $CFG/qwen3-0.6b --rounds "${E2E_ROUNDS:-2}"
@@ -345,8 +349,8 @@ if has multi-gpu || has multi-gpu-vllm; then
         | grep RESULT | tee -a "$OUT/e2e.jsonl" || { status=1; tail -20 "$OUT/pagoda-$m-$tp-$ep-$i.log"; }
     done
     # MG_PAGODA_PROFILE=1: Pagoda's steady decode steps profiled too (256 sequences, 20 steps, rank 0)
-    [ -n "${MG_PAGODA_PROFILE:-}" ] && { timeout 150 $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep \
-      --num-seqs 256 --profile-steps 20 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl" || status=1; }
+    [ -n "${MG_PAGODA_PROFILE:-}" ] && { decode_profile $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep \
+      | tee -a "$OUT/e2e.jsonl" || status=1; }
   done
 fi
 if has multi-gpu-ab; then
@@ -371,14 +375,13 @@ if has multi-gpu-ab; then
       "${env[@]}" timeout "${MG_PAGODA_TIMEOUT:-150}" $T $CFG/$m $flags > "$OUT/ab-$label-$m-$tp-$ep.log" 2>&1
       grep RESULT "$OUT/ab-$label-$m-$tp-$ep.log" | sed "s/^RESULT {/RESULT {\"tree\": \"$label\", /" \
         | tee -a "$OUT/ab.jsonl" || { status=1; tail -20 "$OUT/ab-$label-$m-$tp-$ep.log"; }
-      [ -n "${MG_PROFILE_EACH:-}" ] && { "${env[@]}" timeout 150 $T $CFG/$m $flags --num-seqs 256 --profile-steps 20 \
-        2>&1 | grep RESULT | sed "s/^RESULT {/RESULT {\"tree\": \"$label\", /" | tee -a "$OUT/ab.jsonl" || status=1; }
+      [ -n "${MG_PROFILE_EACH:-}" ] && { decode_profile "${env[@]}" $T $CFG/$m $flags \
+        | sed "s/^RESULT {/RESULT {\"tree\": \"$label\", /" | tee -a "$OUT/ab.jsonl" || status=1; }
     done
   done
   if [ -n "${MG_PROFILE_LAYOUT:-}" ]; then
     IFS=: read -r m tp ep <<<"$MG_PROFILE_LAYOUT"
-    timeout 150 $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep --num-seqs 256 --profile-steps 20 \
-      2>&1 | grep RESULT | tee -a "$OUT/ab.jsonl" || status=1
+    decode_profile $T $CFG/$m --tensor-parallel-size $tp --expert-parallel-size $ep | tee -a "$OUT/ab.jsonl" || status=1
   fi
 fi
 # The Qwen3-0.6B shape in /tmp/q06 (random weights) with a word-level tokenizer beside its config

@@ -31,7 +31,7 @@ DECODE_CASES = [
     (128, 4, 2, 16, F16, FP8, None, "default", 16),  # fp8 cache
     (256, 2, 1, 8, F32, None, 9, "whole", 8),  # head 256, window, tile smaller than a page
     (128, 16, 2, 16, F16, FP8, 33, "fine", 16),  # GQA 8 with fp8 and window
-    (64, 24, 8, 16, F16, None, None, "fine", 16),  # 24 heads: two head blocks combined per sequence, one part-masked
+    (64, 24, 8, 16, F16, None, None, "fine", 16),  # 24 heads (not a power of two), GQA 3, split-KV
 ]
 
 
