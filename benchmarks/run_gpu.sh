@@ -440,6 +440,9 @@ if has serve-sweep; then
   unpack_vllm || status=1
   q06_model
   SW="${SW_RATES-8,24,inf}"; SWP="${SW_PREFILL_RATES-2,inf}"; SWI="${SW_ITERATIONS:-1}"  # "": experiment skipped
+  cpu_times() {  # PID: CPU seconds so far of a server's processes (the API server and its children)
+    local p; for p in $1 $(pgrep -P "$1"); do echo "$(date -u +%T) $p $(ps -o times= -p "$p") $(ps -o args= -p "$p" | cut -c1-90)"; done
+  }
   sweep() {  # LABEL PORT: both experiments against one server
     [ -z "$SW" ] || python3 -m pagoda_daemon bench sweep --iterations "$SWI" --server "$1=http://127.0.0.1:$2" --model m --vocab-size 151936 \
       --input-len 562 --range-ratio 0.82 --output-len 128 --num-prompts 400 --workload-var request_rate \
@@ -448,11 +451,21 @@ if has serve-sweep; then
       --input-len 4096 --range-ratio 0.25 --output-len 256 --num-prompts 200 --workload-var request_rate \
       --values "$SWP" --experiment-name prefill-heavy --output-dir "$OUT/sweep" --resume --no-progress || status=1
   }
-  python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 8192 --port 18000 --served-model-name m \
-    --device cuda --dtype bfloat16 --seed 0 > "$OUT/pagoda-serve.log" 2>&1 &
-  SERVE_PID=$!
-  if wait_ready 18000 /ready; then echo "pagoda serve ready at $(date -u +%T)"; sweep pagoda 18000; else status=1; tail -20 "$OUT/pagoda-serve.log"; fi
-  kill -TERM $SERVE_PID; wait $SERVE_PID
+  # SW_BASE may name earlier trees (copies of daemon/ and kernels/, space-separated), each served
+  # after this one under its own label (the folder's name without its dot): a change against the
+  # tree it started from, beside vLLM, in one call
+  for tree in head ${SW_BASE:-}; do
+    root=$PWD; label=pagoda; [ "$tree" != head ] && { root=$PWD/$tree; label=${tree#.}; }
+    PYTHONPATH=$root/daemon:$root/kernels:$PYTHONPATH python3 -m pagoda_daemon serve $M --load-format dummy \
+      --max-model-len 8192 --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 \
+      > "$OUT/$label-serve.log" 2>&1 &
+    SERVE_PID=$!
+    if wait_ready 18000 /ready; then
+      echo "$label serve ready at $(date -u +%T)"
+      cpu_times $SERVE_PID > "$OUT/$label-cpu.txt"; sweep "$label" 18000; cpu_times $SERVE_PID >> "$OUT/$label-cpu.txt"
+    else status=1; tail -20 "$OUT/$label-serve.log"; fi
+    kill -TERM $SERVE_PID; wait $SERVE_PID
+  done
   if [ -f /tmp/vsite/vllm/__init__.py ]; then
     # the kit's settings (stage2.sh): no FlashInfer (not in the kit), offline
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
@@ -460,7 +473,10 @@ if has serve-sweep; then
       --model $M --load-format dummy --max-model-len 8192 --port 18001 --served-model-name m \
       --generation-config vllm --seed 0 > "$OUT/vllm-serve.log" 2>&1 &
     VLLM_PID=$!
-    if wait_ready 18001 /health; then echo "vllm serve ready at $(date -u +%T)"; sweep vllm 18001; else status=1; tail -20 "$OUT/vllm-serve.log"; fi
+    if wait_ready 18001 /health; then
+      echo "vllm serve ready at $(date -u +%T)"
+      cpu_times $VLLM_PID > "$OUT/vllm-cpu.txt"; sweep vllm 18001; cpu_times $VLLM_PID >> "$OUT/vllm-cpu.txt"
+    else status=1; tail -20 "$OUT/vllm-serve.log"; fi
     kill -TERM $VLLM_PID; wait $VLLM_PID
   fi
   tar czf "$OUT/sweep-points.tgz" -C "$OUT" sweep  # the points lie deeper than the device tool brings back

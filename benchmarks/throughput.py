@@ -378,10 +378,15 @@ def profile(args) -> dict:
     for _ in range(5):
         core.step()
     sync()
+    arrivals = prefill_arrivals(core, args)
+    engine_ttft_ms = [arrivals() for _ in range(args.profile_steps)] if arrivals else []
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(args.profile_steps):
-            core.step()
+            if arrivals:  # a prompt arrives, and the steps until its first token are profiled
+                arrivals()
+            else:
+                core.step()
         sync()
         wall = (time.perf_counter() - t) / args.profile_steps
     events = prof.events()
@@ -415,8 +420,44 @@ def profile(args) -> dict:
         "async_copies_per_step": {k: v / args.profile_steps for k, v in copies.items()},
         "cpu_ms_per_step_by_phase": {k: round(v, 3) for k, v in sorted(labels.items())},
         "gpu_ms_per_step_by_kernel": {k: round(v, 3) for k, v in kernels.most_common(int(os.environ.get("PROFILE_TOP_KERNELS", "10")))},
+        # where the host's time goes (self CPU time per op: Python-side launches show as their ops)
+        "cpu_self_ms_per_step_by_op": {a.key[:60]: round(a.self_cpu_time_total / 1e3 / args.profile_steps, 3)
+                                       for a in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[
+                                           :int(os.environ.get("PROFILE_TOP_OPS", "0"))]},
+        "cpu_calls_per_step_by_op": {a.key[:60]: round(a.count / args.profile_steps, 1)
+                                     for a in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[
+                                         :int(os.environ.get("PROFILE_TOP_OPS", "0"))]},
         "cuda_graphs": core.worker_info.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
+        **({"prefill_len": args.profile_prefill_len, "engine_ttft_ms": sorted(engine_ttft_ms),
+            "step_wall_ms_is_per": "arrival (every step until the new prompt's first token)"} if arrivals else {}),
     }
+
+
+def prefill_arrivals(core, args):
+    """With --profile-prefill-len: a function that adds one prompt of that many fresh tokens to
+    the running batch and steps the engine until its first token comes out, returning how long
+    that took (ms): the engine's TTFT at this load, without an HTTP server. None otherwise."""
+    if not args.profile_prefill_len:
+        return None
+    from pagoda_daemon.engine.request import Request
+    from pagoda_daemon.sampling_params import SamplingParams
+
+    vocab = core.model_config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    count = [0]
+
+    def arrive() -> float:
+        count[0] += 1
+        rid = f"arrival-{count[0]}"
+        prompt = torch.randint(0, vocab, (args.profile_prefill_len,), generator=g).tolist()
+        t = time.perf_counter()
+        core.add_request(Request(rid, prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1), None,
+                                 core.config.block_size))
+        while not any(o.request_id == rid for o in core.step()):
+            pass
+        return round((time.perf_counter() - t) * 1e3, 3)
+
+    return arrive
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup", action="store_true")
     ap.add_argument("--ready-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--profile-prefill-len", type=int, default=0,
+                    help="with --profile-steps: each profiled unit is a prompt of this length arriving at the "
+                         "running batch and the steps until its first token (engine TTFT reported)")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--label", default="", help="copied into the RESULT line")
     args = ap.parse_args(argv)

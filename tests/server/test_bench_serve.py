@@ -46,6 +46,11 @@ def test_one_point_streams_every_request_and_summarizes_latencies(server, tmp_pa
     assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["p50"] is not None
     assert result["goodput"] == pytest.approx(result["request_throughput"], rel=1e-3)  # a lenient SLO: all meet it
     assert result["config"]["request_rate"] == "inf" and "api_key" not in result["config"]
+    # the server's own view of the same point: its histograms counted exactly these requests
+    server = result["server_metrics"]
+    assert server["time_to_first_token"]["count"] == 6 and server["request_queue_time"]["count"] == 6
+    assert 0 < server["time_to_first_token"]["mean_ms"] <= ttft["mean"]
+    assert server["request_queue_time"]["mean_ms"] <= server["time_to_first_token"]["mean_ms"]
 
 
 def test_a_tight_slo_counts_no_goodput_and_refused_requests_are_failures(server, tmp_path):
@@ -156,3 +161,32 @@ def test_shared_prefix_requests_share_their_prefixes():
     requests = datasets.shared_prefix_requests(6, 2, 10, 5, 3, 512, seed=0)
     assert requests[0].prompt[:10] == requests[2].prompt[:10] != requests[1].prompt[:10]
     assert all(len(r.prompt) == 15 and min(r.prompt) >= datasets.FIRST_ORDINARY_TOKEN for r in requests)
+
+
+def test_server_histograms_are_differenced_and_their_quantiles_bounded():
+    from pagoda_daemon.bench import server_metrics
+
+    def exposition(counts: list[int], total: float) -> str:  # buckets 0.01, 0.1, 1, +Inf
+        cumulative = [sum(counts[: i + 1]) for i in range(4)]
+        lines = ["# TYPE vllm:time_to_first_token_seconds histogram"]
+        for bound, c in zip(("0.01", "0.1", "1.0", "+Inf"), cumulative):
+            for model in ("a", "b"):  # summed over labels
+                lines.append(f'vllm:time_to_first_token_seconds_bucket{{le="{bound}",model_name="{model}"}} {c / 2}')
+        lines += [f'vllm:time_to_first_token_seconds_count{{model_name="a"}} {cumulative[-1]}',
+                  f'vllm:time_to_first_token_seconds_sum{{model_name="a"}} {total}',
+                  "# TYPE vllm:other_seconds histogram", 'vllm:other_seconds_count 5', 'vllm:other_seconds_sum 1']
+        return "\n".join(lines) + "\n"
+
+    before = server_metrics.parse(exposition([2, 0, 0, 0], 0.01))
+    after = server_metrics.parse(exposition([2, 10, 10, 0], 5.51))
+    got = server_metrics.difference(before, after)
+    assert list(got) == ["time_to_first_token"]  # only the known histograms
+    ttft = got["time_to_first_token"]
+    assert ttft["count"] == 20 and ttft["mean_ms"] == pytest.approx(275.0)
+    assert ttft["p50_le_ms"] == pytest.approx(100.0)  # rank 10 of 20 lies in the bucket up to 0.1 s
+    assert ttft["p90_le_ms"] == pytest.approx(1000.0)
+    assert server_metrics.difference(None, after) is None
+    assert server_metrics.quantile_bound(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+    assert server_metrics.quantile_bound(0.99, [(0.1, 1.0), (float("inf"), 3.0)]) is None  # past the last bound
+    assert server_metrics.quantile_bound(0.3, [(0.1, 1.0), (float("inf"), 3.0)]) == 0.1
+    assert server_metrics.scrape("http://127.0.0.1:1") is None  # nothing listening: no entry, no error

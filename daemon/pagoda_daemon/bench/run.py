@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagoda_daemon.bench import server_metrics
 from pagoda_daemon.bench.datasets import BenchRequest
 
 ENDPOINTS = ("completions", "chat")
@@ -251,6 +252,11 @@ def summarize(config: PointConfig, results: Sequence[RequestResult], duration_s:
 
 
 def run_point(config: PointConfig, requests: Sequence[BenchRequest], *, progress: bool = False) -> dict:
-    """Send every request as the config says and return the summary (a JSON-able dict)."""
+    """Send every request as the config says and return the summary (a JSON-able dict), with
+    the server's own latency histograms over the point where it exports them (server_metrics.py)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    before = server_metrics.scrape(config.base_url, headers)
     results, duration = asyncio.run(_run(config, requests, progress))
-    return summarize(config, results, duration)
+    summary = summarize(config, results, duration)
+    summary["server_metrics"] = server_metrics.difference(before, server_metrics.scrape(config.base_url, headers))
+    return summary
