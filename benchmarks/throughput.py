@@ -408,6 +408,7 @@ def profile(args) -> dict:
             kernels[e.name[:60]] += (e.time_range.end - e.time_range.start) / 1e3 / args.profile_steps
         if e.name.startswith("pagoda."):
             labels[e.name] = labels.get(e.name, 0.0) + e.cpu_time_total / 1e3 / args.profile_steps
+    top_ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:int(os.environ.get("PROFILE_TOP_OPS", "0"))]
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(args.trace_dir, "decode-steps.trace.json"))
@@ -422,15 +423,15 @@ def profile(args) -> dict:
         "gpu_ms_per_step_by_kernel": {k: round(v, 3) for k, v in kernels.most_common(int(os.environ.get("PROFILE_TOP_KERNELS", "10")))},
         # where the host's time goes (self CPU time per op: Python-side launches show as their ops)
         "cpu_self_ms_per_step_by_op": {a.key[:60]: round(a.self_cpu_time_total / 1e3 / args.profile_steps, 3)
-                                       for a in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[
-                                           :int(os.environ.get("PROFILE_TOP_OPS", "0"))]},
-        "cpu_calls_per_step_by_op": {a.key[:60]: round(a.count / args.profile_steps, 1)
-                                     for a in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[
-                                         :int(os.environ.get("PROFILE_TOP_OPS", "0"))]},
+                                       for a in top_ops},
+        "cpu_calls_per_step_by_op": {a.key[:60]: round(a.count / args.profile_steps, 1) for a in top_ops},
         "cuda_graphs": core.worker_info.uses_cuda_graphs, "async_scheduling": core.async_scheduling,
         **({"prefill_len": args.profile_prefill_len, "engine_ttft_ms": sorted(engine_ttft_ms),
             "step_wall_ms_is_per": "arrival (every step until the new prompt's first token)"} if arrivals else {}),
     }
+
+
+MAX_STEPS_TO_FIRST_TOKEN = 10_000  # a prompt longer than the token budget takes several chunks, never this many
 
 
 def prefill_arrivals(core, args):
@@ -453,9 +454,10 @@ def prefill_arrivals(core, args):
         t = time.perf_counter()
         core.add_request(Request(rid, prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1), None,
                                  core.config.block_size))
-        while not any(o.request_id == rid for o in core.step()):
-            pass
-        return round((time.perf_counter() - t) * 1e3, 3)
+        for _ in range(MAX_STEPS_TO_FIRST_TOKEN):
+            if any(o.request_id == rid for o in core.step()):
+                return round((time.perf_counter() - t) * 1e3, 3)
+        raise RuntimeError(f"no first token for {rid} in {MAX_STEPS_TO_FIRST_TOKEN} steps")
 
     return arrive
 
@@ -488,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--label", default="", help="copied into the RESULT line")
     args = ap.parse_args(argv)
+    if args.profile_prefill_len < 0 or (args.profile_prefill_len and not args.profile_steps):
+        ap.error("--profile-prefill-len takes a length >= 1, with --profile-steps")
     if args.ready_only:
         ready_only(args)
         return 0
