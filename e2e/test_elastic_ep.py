@@ -104,8 +104,13 @@ def test_elastic_ep_grows_under_load_and_shrinks_when_idle(local_cluster):
             clients.close()
         assert clients.failures == [], clients.failures[:5]
         assert clients.done > 0
-        up = grown["elastic"]["decisions"][-1]
-        assert (up["from"], up["to"], up["metric"]) == (2, 3, "requestsRunning") and up["value"] > 2
+        # the decision that grew it; a later one may already be there (with no scale-down
+        # stabilization, a dip in the clients' load lets the operator decide 3 -> 2 before the
+        # status shows 3 serving: seen once on this 2-core machine, 2026-11-27)
+        decisions = grown["elastic"]["decisions"]
+        up = next((d for d in reversed(decisions) if (d["from"], d["to"]) == (2, 3)), None)
+        assert up is not None, decisions
+        assert up["metric"] == "requestsRunning" and up["value"] > 2, up
         assert grown["expertParallel"] == 3
 
         shrunk = _wait_size(local_cluster, ns, 2, timeout=300)
