@@ -451,6 +451,13 @@ if has serve-sweep; then
       --input-len 4096 --range-ratio 0.25 --output-len 256 --num-prompts 200 --workload-var request_rate \
       --values "$SWP" --experiment-name prefill-heavy --output-dir "$OUT/sweep" --resume --no-progress || status=1
   }
+  measure() {  # LABEL PORT READY_PATH PID: once the server answers, its sweep and CPU times; then stop it
+    if wait_ready "$2" "$3"; then
+      echo "$1 serve ready at $(date -u +%T)"
+      cpu_times "$4" > "$OUT/$1-cpu.txt"; sweep "$1" "$2"; cpu_times "$4" >> "$OUT/$1-cpu.txt"
+    else status=1; tail -20 "$OUT/$1-serve.log"; fi
+    kill -TERM "$4"; wait "$4"
+  }
   # SW_BASE may name earlier trees (copies of daemon/ and kernels/, space-separated), each served
   # after this one under its own label (the folder's name without its dot): a change against the
   # tree it started from, beside vLLM, in one call
@@ -459,12 +466,7 @@ if has serve-sweep; then
     PYTHONPATH=$root/daemon:$root/kernels:$PYTHONPATH python3 -m pagoda_daemon serve $M --load-format dummy \
       --max-model-len 8192 --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 \
       > "$OUT/$label-serve.log" 2>&1 &
-    SERVE_PID=$!
-    if wait_ready 18000 /ready; then
-      echo "$label serve ready at $(date -u +%T)"
-      cpu_times $SERVE_PID > "$OUT/$label-cpu.txt"; sweep "$label" 18000; cpu_times $SERVE_PID >> "$OUT/$label-cpu.txt"
-    else status=1; tail -20 "$OUT/$label-serve.log"; fi
-    kill -TERM $SERVE_PID; wait $SERVE_PID
+    measure "$label" 18000 /ready $!
   done
   if [ -f /tmp/vsite/vllm/__init__.py ]; then
     # the kit's settings (stage2.sh): no FlashInfer (not in the kit), offline
@@ -472,12 +474,7 @@ if has serve-sweep; then
       PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server \
       --model $M --load-format dummy --max-model-len 8192 --port 18001 --served-model-name m \
       --generation-config vllm --seed 0 > "$OUT/vllm-serve.log" 2>&1 &
-    VLLM_PID=$!
-    if wait_ready 18001 /health; then
-      echo "vllm serve ready at $(date -u +%T)"
-      cpu_times $VLLM_PID > "$OUT/vllm-cpu.txt"; sweep vllm 18001; cpu_times $VLLM_PID >> "$OUT/vllm-cpu.txt"
-    else status=1; tail -20 "$OUT/vllm-serve.log"; fi
-    kill -TERM $VLLM_PID; wait $VLLM_PID
+    measure vllm 18001 /health $!
   fi
   tar czf "$OUT/sweep-points.tgz" -C "$OUT" sweep  # the points lie deeper than the device tool brings back
 fi

@@ -70,6 +70,10 @@ def quantile_bound(q: float, buckets: list[tuple[float, float]]) -> float | None
     return None
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 3)
+
+
 def difference(before: Snapshot | None, after: Snapshot | None) -> dict[str, dict[str, float | None]] | None:
     """Per histogram over the point: how many observations, their mean, and for p50/p90/p99 the
     bucket bound each lies under (ms; as coarse as the server's buckets)."""
@@ -83,11 +87,7 @@ def difference(before: Snapshot | None, after: Snapshot | None) -> dict[str, dic
             continue
         earlier = dict(buckets0)
         delta = [(bound, cumulative - earlier.get(bound, 0.0)) for bound, cumulative in buckets]
-
-        def ms(v: float | None) -> float | None:
-            return None if v is None else round(1000 * v, 3)
-
         short = name.removeprefix("vllm:").removesuffix("_seconds")
-        out[short] = {"count": n, "mean_ms": ms((total - total0) / n),
-                      **{f"p{p}_le_ms": ms(quantile_bound(p / 100, delta)) for p in (50, 90, 99)}}
+        out[short] = {"count": n, "mean_ms": _ms((total - total0) / n),
+                      **{f"p{p}_le_ms": _ms(quantile_bound(p / 100, delta)) for p in (50, 90, 99)}}
     return out
