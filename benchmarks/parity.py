@@ -72,6 +72,8 @@ CONFIGS = {
     "async-chunked": (dict(async_scheduling=True, max_num_batched_tokens=16), 0),
     "async-preemption": (dict(async_scheduling=True, num_kv_blocks=20, max_model_len=256,
                               max_num_batched_tokens=64), 0),
+    # eager steps padded to the token grid (the CUDA default; forced here), mixed with decodes
+    "padded-eager": (dict(pad_eager_steps=True, async_scheduling=True, max_num_batched_tokens=40), 0),
 }
 LENGTHS = [1, 5, 17, 33, 48, 70, 95, 120, 9]
 

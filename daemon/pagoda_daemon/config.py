@@ -44,6 +44,9 @@ class EngineConfig:
     enforce_eager: bool = option(False, "no CUDA graphs: every step runs eagerly")
     async_scheduling: bool | None = option(
         None, "schedule and prepare step N+1 while step N runs on the GPU (default: on for GPUs)")
+    pad_eager_steps: bool | None = option(
+        None, "pad the token rows of steps that run without a CUDA graph to a grid of sizes warmed up at "
+        "start-up (worker/step_shapes.py; default: on for CUDA)", cli=False)
     max_cudagraph_batch_size: int = option(512, "largest decode batch captured as a CUDA graph; bigger "
                                            "decode batches run eagerly", minimum=1)
     load_format: str = option("auto", "auto: the checkpoint's safetensors; dummy: random weights from "

@@ -59,6 +59,12 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @property
+    def num_tokens(self) -> int:
+        """The step's own token rows; an eager step padded to a warmed-up size runs more
+        (worker/step_shapes.py), which attention leaves out."""
+        return self.query_start_loc_cpu[-1]
+
+    @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
@@ -98,6 +104,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,  # written and returned when given, else allocated like q
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

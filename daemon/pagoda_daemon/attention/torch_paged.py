@@ -33,10 +33,10 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device: tor
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         if kv_cache is not None and meta.has_kv_cache:
             write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         gqa = self.num_heads != self.num_kv_heads
         starts = meta.query_start_loc_cpu
         for i, kv_len in enumerate(meta.seq_lens_cpu):

@@ -62,7 +62,13 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3's q/k norm first
-        o = self.attn.forward(q, k, v, kv_cache, meta)
+        n = meta.num_tokens
+        if n == q.shape[0]:
+            o = self.attn.forward(q, k, v, kv_cache, meta)
+        else:  # an eager step padded to a warmed-up size (worker/step_shapes.py): the pad rows stay zero
+            o = torch.empty_like(q)
+            o[n:].zero_()
+            self.attn.forward(q[:n], k[:n], v[:n], kv_cache, meta, out=o[:n])
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

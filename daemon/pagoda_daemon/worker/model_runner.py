@@ -21,6 +21,7 @@ import torch
 from pagoda_daemon.attention.backend import AttentionMetadata, KVCacheSpec
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.telemetry.profiling import phase
+from pagoda_daemon.worker import step_shapes
 from pagoda_daemon.worker.cuda_graphs import CudaGraphRunner
 from pagoda_daemon.worker.sampler import Sampler, SamplingBatch
 from pagoda_daemon.worker.staging_buffers import StagingBuffers, StepInputs
@@ -183,6 +184,12 @@ class ModelRunner:
                                             self.max_num_tokens)
         self._prompt_rows = PromptLogprobRows()  # the eager step being prepared
         self._pending: PendingSample | None = None  # a step waiting for its grammar masks
+        # Eager steps padded to a grid of token counts warmed up at start-up (step_shapes.py):
+        # on by default on CUDA, where cuBLAS stalls the host on every new shape.
+        pad = engine_config.pad_eager_steps
+        self.pads_eager_steps = device.type == "cuda" if pad is None else pad
+        self.token_sizes = step_shapes.token_sizes(self.max_num_tokens) if self.pads_eager_steps else []
+        self.lm_head_sizes = step_shapes.lm_head_sizes(self.max_num_seqs) if self.pads_eager_steps else []
 
     # ---- KV cache --------------------------------------------------------------------
 
@@ -209,6 +216,11 @@ class ModelRunner:
         )
         hidden = self.model(ids, positions, [None] * self.num_layers, meta)
         self.model.compute_logits(hidden[-min(num_seqs, self.max_num_seqs):])
+
+    def warm_eager_shapes(self) -> None:
+        """Every GEMM at every padded size an eager step may run at (with padding on)."""
+        if self.pads_eager_steps:
+            step_shapes.warm_gemms(self.model, self.token_sizes, self.lm_head_sizes)
 
     def capture_cuda_graphs(self, graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         """Capture decode graphs over the allocated KV cache (call once, after allocate_kv_cache);
@@ -302,17 +314,26 @@ class ModelRunner:
             slot_np[t:pad_to] = -1
             lens_np[num_seqs:pad_to] = 1
             t = n_rows = pad_to
-        input_ids = b.input_ids.to_device(t)
+        # An eager step with padding on runs padded_t token rows (token 0 at position 0 past
+        # the step's own); the cache slots and the attention metadata cover the real ones only.
+        padded_t = step_shapes.padded(self.token_sizes, t) if pad_to is None and self.token_sizes else t
+        ids_np[t:padded_t] = 0
+        pos_np[t:padded_t] = 0
+        input_ids = b.input_ids.to_device(padded_t)
         if pending_dst:
             dst = b.pending_dst.fill(pending_dst)
             input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, b.pending_src.fill(pending_src)))
-        positions = b.positions.to_device(t)
+        positions = b.positions.to_device(padded_t)
         slot_mapping = b.slot_mapping.to_device(t)
         seq_lens = b.seq_lens.to_device(n_rows)
         block_tables = b.block_tables.to_device(n_rows)
-        logits_indices = b.logits_indices.to_device(num_logits)
         if pad_to is not None:  # the graph reads its inputs from the buffers in place
-            return StepInputs(logits_indices, sample_rows)
+            return StepInputs(b.logits_indices.to_device(num_logits), sample_rows)
+        # the LM head's rows padded too (with row 0): the logits past num_logits are dropped
+        lm_rows = step_shapes.padded(self.lm_head_sizes, num_logits) if self.lm_head_sizes and num_logits else num_logits
+        li_np[num_logits:lm_rows] = 0
+        lm_head_indices = b.logits_indices.to_device(lm_rows)
+        logits_indices = lm_head_indices[:num_logits]
         self._prompt_rows = prompt_rows
 
         seq_lens_cpu = lens_np[:num_seqs].tolist()
@@ -329,7 +350,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens_cpu) if num_seqs else 0,
             is_prefill_only=bool((starts == 0).all()),
         )
-        return StepInputs(logits_indices, sample_rows, input_ids, positions, meta)
+        return StepInputs(logits_indices, sample_rows, input_ids, positions, meta, lm_head_indices)
 
     def _sampling_batch(self, sched: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         reqs = [sched.scheduled[i].request for i in rows]
@@ -400,7 +421,7 @@ class ModelRunner:
                 logits = all_logits[: len(rows)] if every_row else all_logits[inputs.logits_indices]
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-                logits = self.model.compute_logits(hidden[inputs.logits_indices]) if rows else None
+                logits = self.model.compute_logits(hidden[inputs.lm_head_indices])[: len(rows)] if rows else None
         prompt_logprobs = self._prompt_logprobs(hidden, self._prompt_rows) if graph_size is None else {}
         if not rows:  # nothing sampled, but its inputs' buffers are free only once it has run
             return LaunchedStep([], [], {}, self._step_done(), prompt_logprobs)

@@ -58,6 +58,8 @@ class StepInputs:
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     meta: AttentionMetadata | None = None
+    # eager steps: the rows the LM head runs on, logits_indices padded (step_shapes.py)
+    lm_head_indices: torch.Tensor | None = None
 
 
 class StagingBuffers:
