@@ -97,3 +97,26 @@ def test_auto_backend_is_triton_on_cuda(tiny_models):
     layer = llm.engine.core.executor.worker.runner.model.model.layers[0]
     assert layer.self_attn.attn.name == "triton"
     assert layer.input_layernorm._kernel is not None  # the model runs on the fused kernels too
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_piecewise_graphs_give_the_eager_tokens_in_float32(tiny_models, arch):
+    """Steps that carry prompts replay the pieces between attentions (worker/piecewise_graphs.py):
+    chunks of 48 tokens and mixed steps, same tokens as without graphs, every chunk covered."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = _prompts(500, [3, 17, 40, 1, 65, 9, 30, 120], seed=len(arch) + 1)
+    _, eager = _generate(tiny_models[arch], prompts, "float32", enforce_eager=True, max_num_batched_tokens=48)
+    llm, graphed = _generate(tiny_models[arch], prompts, "float32", max_num_batched_tokens=48)
+    runner = llm.engine.core.executor.worker.runner
+    piecewise = runner.piecewise
+    assert piecewise is not None and piecewise.sizes[-1] == 48 and piecewise.covered == set(piecewise.sizes)
+    assert graphed == eager
+    sizes: list[int] = []
+    run = piecewise.run
+    piecewise.run = lambda size, *a: sizes.append(size) or run(size, *a)
+    again = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True)
+                                   for i in range(len(prompts))])
+    assert [o.outputs[0].token_ids for o in again] == eager  # the prompts now from the prefix cache
+    assert sizes, "no step ran piece by piece"
+    kv = llm.engine.core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks

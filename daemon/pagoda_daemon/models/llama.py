@@ -56,19 +56,33 @@ class Attention(nn.Module):
         self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
 
     def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(positions, hidden)
+        return self.output(self.attend(q, k, v, kv_cache, meta))
+
+    def project(self, positions, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D]: views of one projection, q and k rotated in place."""
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3's q/k norm first
+        return q, k, v
+
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's attention into ``out`` (else a new tensor like q). Rows past the step's own
+        (a step padded to a warmed-up size, worker/step_shapes.py) are left out: zero in a new
+        ``out``, untouched in a given one."""
         n = meta.num_tokens
         if n == q.shape[0]:
-            o = self.attn.forward(q, k, v, kv_cache, meta)
-        else:  # an eager step padded to a warmed-up size (worker/step_shapes.py): the pad rows stay zero
-            o = torch.empty_like(q)
-            o[n:].zero_()
-            self.attn.forward(q[:n], k[:n], v[:n], kv_cache, meta, out=o[:n])
+            return self.attn.forward(q, k, v, kv_cache, meta, out)
+        if out is None:
+            out = torch.empty_like(q)
+            out[n:].zero_()
+        self.attn.forward(q[:n], k[:n], v[:n], kv_cache, meta, out=out[:n])
+        return out
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -103,13 +117,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
+        q, k, v, residual = self.before_attention(positions, hidden, residual)
+        return self.after_attention(self.self_attn.attend(q, k, v, kv_cache, meta), residual)
+
+    # The layer in two halves around its attention, which needs the step's sequences: piecewise
+    # CUDA graphs (worker/piecewise_graphs.py) capture everything but the attention.
+    def before_attention(self, positions, hidden, residual):
+        """(q, k, v, residual): the norm (adding the residual stream) and the projections."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return (*self.self_attn.project(positions, hidden), residual)
+
+    def after_attention(self, o, residual):
+        """(hidden, residual) from the attention's output: its projection, the norm, the MLP."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
         return self.mlp(hidden), residual
 
 

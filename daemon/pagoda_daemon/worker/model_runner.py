@@ -23,6 +23,7 @@ from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutpu
 from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker import step_shapes
 from pagoda_daemon.worker.cuda_graphs import CudaGraphRunner
+from pagoda_daemon.worker.piecewise_graphs import PiecewiseGraphRunner
 from pagoda_daemon.worker.sampler import Sampler, SamplingBatch
 from pagoda_daemon.worker.staging_buffers import StagingBuffers, StepInputs
 
@@ -190,6 +191,8 @@ class ModelRunner:
         self.pads_eager_steps = device.type == "cuda" if pad is None else pad
         self.token_sizes = step_shapes.token_sizes(self.max_num_tokens) if self.pads_eager_steps else []
         self.lm_head_sizes = step_shapes.lm_head_sizes(self.max_num_seqs) if self.pads_eager_steps else []
+        self.piecewise: PiecewiseGraphRunner | None = None
+        self.max_piecewise_tokens = engine_config.max_piecewise_graph_tokens
 
     # ---- KV cache --------------------------------------------------------------------
 
@@ -230,12 +233,28 @@ class ModelRunner:
                                  self.device, graph_capture)
         graphs.capture(self.kv_caches)
         self.cuda_graphs = graphs
+        self.piecewise = self.piecewise_runner(graph_capture)
+        if self.piecewise is not None:
+            self.piecewise.capture()
+
+    def piecewise_runner(self, graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext
+                         ) -> PiecewiseGraphRunner | None:
+        """The runner for steps that carry prompts, over the token grid up to
+        max_piecewise_graph_tokens; None where it does not apply (padding off, several ranks)."""
+        sizes = [s for s in self.token_sizes if s <= self.max_piecewise_tokens]
+        tp = getattr(self.model, "tp", None)
+        if not sizes or (tp is not None and tp.size > 1) or not hasattr(self.model, "model"):
+            return None
+        return PiecewiseGraphRunner(self.model, self.buffers, sizes, self.device, graph_capture)
 
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs; later decode steps run eagerly."""
         if self.cuda_graphs is not None:
             self.cuda_graphs.release()
             self.cuda_graphs = None
+        if self.piecewise is not None:
+            self.piecewise.release()
+            self.piecewise = None
 
     def graph_size(self, sched: SchedulerOutput) -> int | None:
         """The captured batch size this step replays, or None when it runs eagerly."""
@@ -420,7 +439,11 @@ class ModelRunner:
                 every_row = len(rows) == len(sched.scheduled)  # then logits_indices is 0, 1, 2, ...
                 logits = all_logits[: len(rows)] if every_row else all_logits[inputs.logits_indices]
             else:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                size = inputs.input_ids.shape[0]
+                if self.piecewise is not None and self.piecewise.covers(size):  # graphs of all but attention
+                    hidden = self.piecewise.run(size, inputs.meta, self.kv_caches)
+                else:
+                    hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 logits = self.model.compute_logits(hidden[inputs.lm_head_indices])[: len(rows)] if rows else None
         prompt_logprobs = self._prompt_logprobs(hidden, self._prompt_rows) if graph_size is None else {}
         if not rows:  # nothing sampled, but its inputs' buffers are free only once it has run
