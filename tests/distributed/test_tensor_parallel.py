@@ -193,7 +193,9 @@ def test_eplb_moves_experts_while_serving_and_the_output_stays_right(tiny_models
 
 @pytest.mark.parametrize(("arch", "tensor", "expert", "extra"), [
     ("llama", 2, 1, None), ("qwen3_moe", 2, 1, None), ("qwen3_moe", 1, 2, None), ("qwen3_moe", 1, 2, EPLB),
-    ("qwen3_moe", 1, 2, {"pad_eager_steps": True}),  # padded steps' rows through the expert-parallel MoE
+    # steps padded to the token grid and run piece by piece (the GPU's piecewise graphs, here
+    # without graphs): the row-parallel sums and the expert-parallel MoE inside the pieces
+    ("llama", 2, 1, {"pad_eager_steps": True}), ("qwen3_moe", 1, 2, {"pad_eager_steps": True}),
 ])
 def test_ranks_started_by_the_executor_match_transformers(tiny_models, tmp_path, arch, tensor, expert, extra):
     """`LLM(tensor_parallel_size=..., expert_parallel_size=...)` with no launcher: rank 1 in a

@@ -17,10 +17,11 @@ def _generate(path: str, seed: int, piecewise: bool, sizes_seen: list[int] | Non
     llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=40,
               async_scheduling=True, pad_eager_steps=True, max_piecewise_graph_tokens=32)
     runner = llm.engine.core.executor.worker.runner
-    if piecewise:
-        runner.piecewise = runner.piecewise_runner()
-        assert runner.piecewise is not None and runner.piecewise.sizes[-1] == 32
-        runner.piecewise.run_eagerly()
+    if not piecewise:
+        runner.piecewise = None  # one pass per step, padded as the pieces are
+    else:
+        assert runner.piecewise is not None and runner.piecewise.sizes[-1] == 32  # set up at start
+        assert runner.piecewise.covered == set(runner.piecewise.sizes)
         if sizes_seen is not None:
             run = runner.piecewise.run
             runner.piecewise.run = lambda size, *a: sizes_seen.append(size) or run(size, *a)

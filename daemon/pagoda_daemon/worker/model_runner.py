@@ -220,10 +220,17 @@ class ModelRunner:
         hidden = self.model(ids, positions, [None] * self.num_layers, meta)
         self.model.compute_logits(hidden[-min(num_seqs, self.max_num_seqs):])
 
-    def warm_eager_shapes(self) -> None:
-        """Every GEMM at every padded size an eager step may run at (with padding on)."""
-        if self.pads_eager_steps:
-            step_shapes.warm_gemms(self.model, self.token_sizes, self.lm_head_sizes)
+    def prepare_eager_steps(self) -> None:
+        """With padding on: every GEMM at every padded size an eager step may run at; and on a
+        CPU, steps that carry prompts run piece by piece as a GPU's piecewise graphs would
+        (without graphs: the CPU's tests prove the pieces, tensor and expert parallel included)."""
+        if not self.pads_eager_steps:
+            return
+        step_shapes.warm_gemms(self.model, self.token_sizes, self.lm_head_sizes)
+        if self.device.type == "cpu":
+            self.piecewise = self.piecewise_runner()
+            if self.piecewise is not None:
+                self.piecewise.run_eagerly()
 
     def capture_cuda_graphs(self, graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         """Capture decode graphs over the allocated KV cache (call once, after allocate_kv_cache);
@@ -240,10 +247,9 @@ class ModelRunner:
     def piecewise_runner(self, graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext
                          ) -> PiecewiseGraphRunner | None:
         """The runner for steps that carry prompts, over the token grid up to
-        max_piecewise_graph_tokens; None where it does not apply (padding off, several ranks)."""
+        max_piecewise_graph_tokens; None where it does not apply (padding off, no pieces asked)."""
         sizes = [s for s in self.token_sizes if s <= self.max_piecewise_tokens]
-        tp = getattr(self.model, "tp", None)
-        if not sizes or (tp is not None and tp.size > 1) or not hasattr(self.model, "model"):
+        if not sizes or not hasattr(self.model, "model"):
             return None
         return PiecewiseGraphRunner(self.model, self.buffers, sizes, self.device, graph_capture)
 

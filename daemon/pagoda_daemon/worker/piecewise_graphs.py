@@ -15,8 +15,10 @@ static buffers (q, k, v, the attention output, the residual stream, the final hi
 the same storage for every size, so that a piece's intermediates die with it and every size's
 graphs share one memory pool.
 
-One rank only for now: the pieces of a tensor- or expert-parallel model hold collectives (the
-row-parallel sums), whose captured order against the eager steps' is not yet worked out.
+Under tensor or expert parallelism the pieces hold the ranks' sums (the row-parallel projections,
+the MoE layers); every rank captures and replays the same pieces in the same order, and each
+piece's capture is wrapped in the group's ``graph_capture`` as a decode graph's is (the peer
+all-reduce's slots start each graph at slot 0 and leave it free).
 """
 
 from __future__ import annotations

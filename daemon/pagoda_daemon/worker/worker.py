@@ -209,7 +209,7 @@ class Worker:
 
         assert self.runner.kv_cache is not None
         self.offload = build_worker(self.config, self.tp.rank, self.runner.kv_cache, self.kv_block_bytes())
-        self.runner.warm_eager_shapes()
+        self.runner.prepare_eager_steps()
         if capture:
             self.capture_cuda_graphs()
 
