@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|
+#                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               all-reduce] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
@@ -244,6 +244,25 @@ e2e() { $T "$@" 2>&1 | grep RESULT | tee -a "$OUT/e2e.jsonl"; [ "${PIPESTATUS[0]
 # include the time they wait for the other ranks); the arguments are the throughput command
 # (with any env prefix) and its flags; its RESULT lines on stdout.
 decode_profile() { timeout 150 "$@" --num-seqs 256 --profile-steps 20 2>&1 | grep RESULT; }
+if has prefill-ab; then
+  # Issue #20: steps that carry prompts. GPU tests of the graphs and parity first, then for this
+  # tree and each of PA_BASE (earlier copies of daemon/ and kernels/): the engine's TTFT for a
+  # 562-token prompt joining 4 and 16 decoding requests (host time per phase and op), and the
+  # nano-vllm workload's throughput (one round after warm-up), all on this machine.
+  step "prompt-carrying steps: GPU tests, then engine TTFT and throughput, this tree and ${PA_BASE:-(no base)}"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_parity.py 2>&1 \
+    | tail -4 | tee "$OUT/prefill-ab-pytest.txt"; grep -q -E "failed|error" "$OUT/prefill-ab-pytest.txt" && status=1
+  for tree in head ${PA_BASE:-}; do
+    root=$PWD; [ "$tree" != head ] && root=$PWD/$tree
+    label=${tree#.}; env=(env PYTHONPATH=$root/daemon:$root/kernels:$PYTHONPATH PROFILE_TOP_KERNELS=6 PROFILE_TOP_OPS=8)
+    for n in 4 16; do
+      "${env[@]}" timeout 120 $T $CFG/qwen3-0.6b --num-seqs $n --max-input-len 600 --max-output-len 3000 \
+        --profile-steps 20 --profile-prefill-len 562 --max-model-len 8192 --label "$label" 2>&1 | grep RESULT \
+        | tee -a "$OUT/prefill-ab.jsonl" || status=1
+    done
+    "${env[@]}" timeout 150 $T $CFG/qwen3-0.6b --label "$label" 2>&1 | grep RESULT | tee -a "$OUT/prefill-ab.jsonl" || status=1
+  done
+fi
 if has e2e || has e2e-throughput || has vllm; then
   step "Pagoda end to end: Qwen3-0.6B shape, nano-vllm workload (CUDA graphs + async scheduling), ${E2E_ROUNDS:-2} rounds"
   e2e $CFG/qwen3-0.6b --rounds "${E2E_ROUNDS:-2}"
