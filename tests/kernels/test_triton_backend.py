@@ -40,9 +40,12 @@ def _step_lens(gen, kind: str, page: int):
 @pytest.mark.parametrize(("dtype", "heads", "kv_heads", "head_dim", "window"),
                          [(torch.float32, 4, 2, 64, None), (torch.float16, 8, 2, 80, None),
                           (torch.float16, 4, 1, 128, 24)])
-@pytest.mark.parametrize("kind", ["mixed", "interleaved", "decode", "prefill"])
-def test_triton_backend_matches_torch_backend(gen, dtype, heads, kv_heads, head_dim, window, kind):
+@pytest.mark.parametrize("kind", ["mixed", "mixed-split", "interleaved", "decode", "prefill"])
+def test_triton_backend_matches_torch_backend(gen, dtype, heads, kv_heads, head_dim, window, kind, monkeypatch):
     page = 16
+    if kind == "mixed-split":  # the leading decodes on their own kernel (as from 32k context tokens on)
+        monkeypatch.setattr(TritonPagedAttention, "split_decodes_from_context", 0)
+        kind = "mixed"
     q_lens, ctx = _step_lens(gen, kind, page)
     b = PagedBatch(gen, q_lens, ctx, heads, kv_heads, head_dim, page, dtype)
     k = randn(gen, b.num_tokens, kv_heads, head_dim, dtype=dtype)
@@ -63,8 +66,10 @@ def test_a_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(gen, monkey
     b = PagedBatch(gen, [1, 1, 1, 9, 1], [40, page, 3, 7, 20], heads, kv_heads, head_dim, page, torch.float32)
     k, v = randn(gen, b.num_tokens, kv_heads, head_dim), randn(gen, b.num_tokens, kv_heads, head_dim)
     meta = _meta(b)
-    assert meta.num_leading_decodes == 3
+    context = (40 + 1) + (page + 1) + (3 + 1)  # each decode's cached tokens and its new one
+    assert meta.num_leading_decodes == 3 and meta.leading_decode_context == context
     backend = TritonPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
+    backend.split_decodes_from_context = context  # their context reaches the threshold
     calls: list[tuple[str, int]] = []
     decode, extend = backend._decode, backend._extend
     monkeypatch.setattr(backend, "_decode", lambda q, *a, **kw: calls.append(("decode", q.shape[0])) or decode(q, *a, **kw))
@@ -77,6 +82,13 @@ def test_a_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(gen, monkey
     ref = TorchPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5).forward(b.q, k, v, b.kv_cache.clone(), meta)
     assert_close(out, ref, TOL[torch.float32])
     assert torch.equal(out, out2)
+    # one context token short of the threshold: the whole step on the extend kernel, same output
+    calls.clear()
+    backend.split_decodes_from_context += 1
+    meta = _meta(b)
+    out3 = backend.forward(b.q, k, v, b.kv_cache.clone(), meta)
+    assert calls == [("extend", 13)]
+    assert_close(out3, ref, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("decodes", [1, 2, 3, 4, 5])
@@ -91,6 +103,7 @@ def test_the_rest_of_a_mixed_step_reaches_the_extend_kernel_aligned(gen, monkeyp
                    torch.float32)
     k, v = randn(gen, b.num_tokens, kv_heads, head_dim), randn(gen, b.num_tokens, kv_heads, head_dim)
     backend = TritonPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
+    backend.split_decodes_from_context = 0  # the split, whatever the context
     seen: list[torch.Tensor] = []
     extend = backend._extend
 

@@ -80,6 +80,12 @@ class AttentionMetadata:
         return n
 
 
+    @functools.cached_property
+    def leading_decode_context(self) -> int:
+        """Context tokens of the leading decodes (the KV cache they read, per layer)."""
+        return sum(self.seq_lens_cpu[: self.num_leading_decodes])
+
+
 class AttentionBackend(ABC):
     """One instance per model; layers call forward() with their own cache slice."""
 

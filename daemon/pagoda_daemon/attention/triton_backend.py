@@ -12,6 +12,11 @@ device sync):
   prefill/extend kernel (which would take one-token rows too, but walks each one's whole
   context per query head with a mostly empty query tile: on the H100, 2026-11-26, a
   prefill-heavy run spent 5.3 s of 14.2 s of GPU time in it, most of it on decode rows).
+  Only when those decodes read little context does the whole step go to the extend kernel:
+  the split costs two more launches a layer (decode chunks and their combine), and an eager
+  step is paced by the host (a 562-token prompt joining 4 decodes on an H100, 2026-11-27:
+  25.8 ms of host time in the forward passes until its first token, 46 µs of Python per
+  Triton launch; docs/benchmarks/2026-11-27-serving-ttft-h100.md).
 
 fp8 caches: set `k_scale` / `v_scale` (floats or 1-element tensors) on the instance;
 they default to 1.0. The decode kernel's work plan (how each context is cut into chunks)
@@ -29,6 +34,12 @@ from pagoda_daemon.attention.backend import AttentionBackend, AttentionMetadata
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
     uses_kernels = True
+    # A mixed step gives its leading decodes their own kernel from this much context on (their
+    # context tokens summed). Below it the extend kernel's extra reads for them (about 2x the
+    # decode kernel's per token, the 2026-11-26 profile above) cost less than the two launches
+    # a layer the split adds: 32k tokens of 4 KiB a layer (Qwen3-0.6B, Llama-3-8B at 8 KV
+    # heads) are 128 MiB, ~45 us at 3 TB/s, against ~100 us of host time for the launches.
+    split_decodes_from_context = 32_768
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None) -> None:
@@ -62,7 +73,7 @@ class TritonPagedAttention(AttentionBackend):
         if meta.is_decode_only:
             return self._decode_rows(q, kv_cache, meta.block_tables, meta.seq_lens, meta, out)
         decodes = meta.num_leading_decodes
-        if decodes == 0:
+        if decodes == 0 or meta.leading_decode_context < self.split_decodes_from_context:
             return self._extend(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
                                 self.sliding_window, self.k_scale, self.v_scale,
                                 max_query_len=meta.max_query_len, out=out)
