@@ -250,7 +250,7 @@ if has prefill-ab; then
   # 562-token prompt joining 4 and 16 decoding requests (host time per phase and op), and the
   # nano-vllm workload's throughput (one round after warm-up), all on this machine.
   step "prompt-carrying steps: GPU tests, then engine TTFT and throughput, this tree and ${PA_BASE:-(no base)}"
-  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_parity.py 2>&1 \
+  timeout "${PA_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_parity.py 2>&1 \
     | tail -4 | tee "$OUT/prefill-ab-pytest.txt"; grep -q -E "failed|error" "$OUT/prefill-ab-pytest.txt" && status=1
   for tree in head ${PA_BASE:-}; do
     root=$PWD; [ "$tree" != head ] && root=$PWD/$tree
