@@ -150,10 +150,14 @@ def test_triton_backend_fp8_cache(gen):
     assert_close(out, ref, TOL[torch.float16])
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["one-pass", "pieces"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_engine_greedy_tokens_identical_with_triton_backend(tiny_models, monkeypatch, arch):
+def test_engine_greedy_tokens_identical_with_triton_backend(tiny_models, monkeypatch, arch, pieces):
     """The whole engine (chunked prefill, prefix caching) in float32: the Triton backend
-    gives the torch backend's greedy tokens, which are transformers' (tests/engine)."""
+    gives the torch backend's greedy tokens, which are transformers' (tests/engine). With
+    ``pieces`` the Triton engine pads its steps to the token grid and runs those that carry
+    prompts piece by piece, as the GPU's piecewise graphs do (worker/piecewise_graphs.py): the
+    kernels' RoPE in place, attention into the pieces' static buffers."""
     import pagoda_daemon.attention as attention
     from benchmarks.parity import random_prompts
     from pagoda_daemon import LLM, SamplingParams
@@ -164,7 +168,10 @@ def test_engine_greedy_tokens_identical_with_triton_backend(tiny_models, monkeyp
         chosen = (lambda n, d: TritonPagedAttention) if name == "triton" else torch_backend
         monkeypatch.setattr(attention, "get_attention_backend", chosen)
         llm = LLM(tiny_models[arch], dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256,
-                  max_num_batched_tokens=32, enable_prefix_caching=True, numa_policy="none")
+                  max_num_batched_tokens=32, enable_prefix_caching=True, numa_policy="none",
+                  pad_eager_steps=pieces and name == "triton")
+        runner = llm.engine.core.executor.worker.runner
+        assert (runner.piecewise is not None) == (pieces and name == "triton")
         prompts = random_prompts(llm.engine.model_config.vocab_size, [5, 40, 17, 23], seed=1, shared_prefix=4)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         tokens[name] = [o.outputs[0].token_ids for o in outs]
