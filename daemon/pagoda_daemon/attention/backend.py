@@ -49,6 +49,9 @@ class AttentionMetadata:
     is_prefill_only: bool = False
     # False only in the memory-profiling pass, which runs without a cache
     has_kv_cache: bool = True
+    # True when the step's K/V are in the cache already (written inside the piecewise graphs,
+    # worker/piecewise_graphs.py): the backend then only attends
+    kv_written: bool = False
     # What a backend computes once per step and every layer reuses (the Triton decode work
     # plan). Filled inside the forward pass, so a CUDA graph captures that work too: a graph
     # must be captured with fresh metadata, never with one a warm-up pass has filled.
@@ -101,6 +104,10 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """This step's K/V into their cache slots; rows whose slot is -1 (padding) write nothing."""
 
     @abstractmethod
     def forward(

@@ -33,8 +33,14 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device: tor
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
+    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        keep = slot_mapping >= 0  # padding rows (-1) write nothing (a host sync: this backend is never captured)
+        if not bool(keep.all()):
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        if kv_cache is not None and meta.has_kv_cache:
+        if kv_cache is not None and meta.has_kv_cache and not meta.kv_written:
             write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q) if out is None else out
         gqa = self.num_heads != self.num_kv_heads

@@ -56,14 +56,17 @@ class TritonPagedAttention(AttentionBackend):
         self.k_scale: float | torch.Tensor = 1.0
         self.v_scale: float | torch.Tensor = 1.0
 
+    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        if kv_cache.element_size() == 1 and not isinstance(self.k_scale, torch.Tensor):
+            # fp8 cache: keep the scales on the device once, not a new tensor every call
+            self.k_scale = torch.tensor([float(self.k_scale)], dtype=torch.float32, device=k.device)
+            self.v_scale = torch.tensor([float(self.v_scale)], dtype=torch.float32, device=k.device)
+        self._write(k, v, kv_cache, slot_mapping, self.k_scale, self.v_scale)  # the kernel skips slot -1
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         has_cache = kv_cache is not None and meta.has_kv_cache
-        if has_cache and kv_cache.element_size() == 1 and not isinstance(self.k_scale, torch.Tensor):
-            # fp8 cache: keep the scales on the device once, not a new tensor every call
-            self.k_scale = torch.tensor([float(self.k_scale)], dtype=torch.float32, device=q.device)
-            self.v_scale = torch.tensor([float(self.v_scale)], dtype=torch.float32, device=q.device)
-        if has_cache:
-            self._write(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if has_cache and not meta.kv_written:
+            self.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q) if out is None else out
         if meta.num_seqs == 0:
             return out

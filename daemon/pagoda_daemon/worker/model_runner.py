@@ -242,7 +242,7 @@ class ModelRunner:
         self.cuda_graphs = graphs
         self.piecewise = self.piecewise_runner(graph_capture)
         if self.piecewise is not None:
-            self.piecewise.capture()
+            self.piecewise.capture(self.kv_caches)
 
     def piecewise_runner(self, graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext
                          ) -> PiecewiseGraphRunner | None:
@@ -344,12 +344,13 @@ class ModelRunner:
         padded_t = step_shapes.padded(self.token_sizes, t) if pad_to is None and self.token_sizes else t
         ids_np[t:padded_t] = 0
         pos_np[t:padded_t] = 0
+        slot_np[t:padded_t] = -1  # where the piecewise graphs write the pad rows' K/V: nowhere
         input_ids = b.input_ids.to_device(padded_t)
         if pending_dst:
             dst = b.pending_dst.fill(pending_dst)
             input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, b.pending_src.fill(pending_src)))
         positions = b.positions.to_device(padded_t)
-        slot_mapping = b.slot_mapping.to_device(t)
+        slot_mapping = b.slot_mapping.to_device(padded_t)[:t]
         seq_lens = b.seq_lens.to_device(n_rows)
         block_tables = b.block_tables.to_device(n_rows)
         if pad_to is not None:  # the graph reads its inputs from the buffers in place

@@ -57,6 +57,7 @@ class PiecewiseGraphRunner:
         self.o = static(t, attn.num_heads, attn.head_dim)
         self.residual = static(t, hidden)
         self.hidden = static(t, hidden)
+        self.kv_caches: list = []  # the layers' caches: the pieces write each step's K/V into them
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.covered: set[int] = set()  # the sizes steps run piece by piece: captured ones (or all, run_eagerly)
         self.capture_seconds = 0.0
@@ -84,7 +85,11 @@ class PiecewiseGraphRunner:
             hidden, _ = self.body.norm(hidden, residual)
             self.hidden[:size].copy_(hidden)
             return
-        q, k, v, residual = self.layers[index].before_attention(positions, hidden, residual)
+        layer = self.layers[index]
+        q, k, v, residual = layer.before_attention(positions, hidden, residual)
+        # the step's K/V into the cache here, inside the graph (pad rows have slot -1): one eager
+        # launch a layer fewer between the pieces (the attention is told: meta.kv_written)
+        layer.self_attn.attn.write_kv(k, v, self.kv_caches[index], b.slot_mapping.device[:size])
         self.q[:size].copy_(q)
         self.k[:size].copy_(k)
         self.v[:size].copy_(v)
@@ -95,6 +100,8 @@ class PiecewiseGraphRunner:
         that size (or the pieces run eagerly, without them), attention between; the final hidden
         states [size, hidden]."""
         graphs = self.graphs.get(size)
+        self.kv_caches = kv_caches
+        meta.kv_written = True
         n = meta.num_tokens
         if n < size:
             self.o[n:size].zero_()  # the pad rows' attention output: nothing, as in an eager step
@@ -112,10 +119,15 @@ class PiecewiseGraphRunner:
             graphs[index].replay()
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, kv_caches: list) -> None:
         """Every piece at every size, largest size first, into one memory pool (the pieces'
-        intermediates die at each piece's end, so sizes reuse it)."""
+        intermediates die at each piece's end, so sizes reuse it). The pieces write K/V into
+        ``kv_caches``, which must stay where they are while the graphs live."""
         start = time.perf_counter()
+        self.kv_caches = kv_caches
+        slots = self.buffers.slot_mapping
+        slots.np[: self.max_tokens] = -1  # the capture's own passes write nothing into the cache
+        slots.to_device(self.max_tokens)
         pool = None
         for size in reversed(self.sizes):
             for index in range(len(self.layers) + 1):  # compiles kernels and picks cuBLAS's outside the capture
