@@ -250,8 +250,10 @@ if has prefill-ab; then
   # 562-token prompt joining 4 and 16 decoding requests (host time per phase and op), and the
   # nano-vllm workload's throughput (one round after warm-up), all on this machine.
   step "prompt-carrying steps: GPU tests, then engine TTFT and throughput, this tree and ${PA_BASE:-(no base)}"
-  timeout "${PA_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_parity.py 2>&1 \
-    | tail -4 | tee "$OUT/prefill-ab-pytest.txt"; grep -q -E "failed|error" "$OUT/prefill-ab-pytest.txt" && status=1
+  if [ "${PA_TEST_TIMEOUT:-300}" != 0 ]; then  # 0: the tests passed in an earlier call on this machine
+    timeout "${PA_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_parity.py 2>&1 \
+      | tail -4 | tee "$OUT/prefill-ab-pytest.txt"; grep -q -E "failed|error" "$OUT/prefill-ab-pytest.txt" && status=1
+  fi
   for tree in head ${PA_BASE:-}; do
     root=$PWD; [ "$tree" != head ] && root=$PWD/$tree
     label=${tree#.}; env=(env PYTHONPATH=$root/daemon:$root/kernels:$PYTHONPATH PROFILE_TOP_KERNELS=6 PROFILE_TOP_OPS=8)
@@ -456,7 +458,7 @@ if has serve-sweep; then
   # shape, random weights, a word-level tokenizer beside the config (vLLM wants one there). Needs the
   # vLLM kit as for `vllm` (a `vllm-stash` call first) with .vllm_b/vwhl (what `vllm serve` adds).
   step "serving sweeps: pagoda serve, then vllm serve, same requests"
-  unpack_vllm || status=1
+  [ -n "${SW_NO_VLLM:-}" ] || unpack_vllm || status=1
   q06_model
   SW="${SW_RATES-8,24,inf}"; SWP="${SW_PREFILL_RATES-2,inf}"; SWI="${SW_ITERATIONS:-1}"  # "": experiment skipped
   cpu_times() {  # PID: CPU seconds so far of a server's processes (the API server and its children)
@@ -479,15 +481,16 @@ if has serve-sweep; then
   }
   # SW_BASE may name earlier trees (copies of daemon/ and kernels/, space-separated), each served
   # after this one under its own label (the folder's name without its dot): a change against the
-  # tree it started from, beside vLLM, in one call
+  # tree it started from, beside vLLM, in one call. SW_PAGODA_ARGS: more flags for every pagoda
+  # serve; SW_NO_VLLM=1: Pagoda's trees alone.
   for tree in head ${SW_BASE:-}; do
     root=$PWD; label=pagoda; [ "$tree" != head ] && { root=$PWD/$tree; label=${tree#.}; }
     PYTHONPATH=$root/daemon:$root/kernels:$PYTHONPATH python3 -m pagoda_daemon serve $M --load-format dummy \
-      --max-model-len 8192 --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 \
+      --max-model-len 8192 --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 ${SW_PAGODA_ARGS:-} \
       > "$OUT/$label-serve.log" 2>&1 &
     measure "$label" 18000 /ready $!
   done
-  if [ -f /tmp/vsite/vllm/__init__.py ]; then
+  if [ -f /tmp/vsite/vllm/__init__.py ] && [ -z "${SW_NO_VLLM:-}" ]; then
     # the kit's settings (stage2.sh): no FlashInfer (not in the kit), offline
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
       PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server \

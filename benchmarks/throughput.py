@@ -80,7 +80,10 @@ def start_core(args, **options):
 def build_core(args):
     return start_core(args, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                       async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-                      expert_parallel_size=args.expert_parallel_size, kv_offload_cpu_gib=args.kv_offload_cpu_gib)
+                      expert_parallel_size=args.expert_parallel_size, kv_offload_cpu_gib=args.kv_offload_cpu_gib,
+                      # Only when asked, so that trees from before the option (run_gpu.sh's A/B bases) still run.
+                      **({} if args.max_piecewise_graph_tokens is None
+                         else {"max_piecewise_graph_tokens": args.max_piecewise_graph_tokens}))
 
 
 def token_workload(num_seqs: int, min_input: int, max_input: int, min_output: int, max_output: int,
@@ -469,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks 1..N-1 start in processes of their own")
     ap.add_argument("--expert-parallel-size", type=int, default=1, help="MoE experts spread over this many ranks")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--max-piecewise-graph-tokens", type=int, default=None, help="the engine's default unless given")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--rounds", type=int, default=1, help="run the workload this many times on one engine")
     ap.add_argument("--fresh-prompts-per-round", action="store_true",
