@@ -69,3 +69,19 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's
     # shape); with DELTA outputs only on the first output
     prompt_logprobs: list[Logprobs | None] | None = None
+
+    def absorb(self, newer: RequestOutput) -> None:
+        """Fold the next DELTA output of the same request into this one: text, tokens and
+        logprobs appended, the finish, cache and timing fields taken from the newer."""
+        assert newer.request_id == self.request_id and len(newer.outputs) == len(self.outputs)
+        for mine, theirs in zip(self.outputs, newer.outputs, strict=True):
+            mine.text += theirs.text
+            mine.token_ids = [*mine.token_ids, *theirs.token_ids]
+            if theirs.logprobs is not None:
+                mine.logprobs = [*(mine.logprobs or []), *theirs.logprobs]
+            mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
+        self.finished = newer.finished
+        self.num_cached_tokens = newer.num_cached_tokens
+        self.metrics = newer.metrics
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = newer.prompt_logprobs

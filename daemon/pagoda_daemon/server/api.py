@@ -366,7 +366,16 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
 
 
 async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave the outputs of several generations as they arrive."""
+    """Interleave the outputs of several generations as they arrive (one generation, the
+    common case, is read directly: no task and queue hop per output)."""
+    if len(streams) == 1:
+        index, gen = streams[0]
+        try:
+            async for out in gen:
+                yield index, out
+        finally:
+            await gen.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index, gen):
@@ -448,15 +457,16 @@ async def _collect(raw: Request, streams, builder: CompletionBuilder, span) -> J
 
 
 async def _stream(streams, builder: CompletionBuilder, include_usage: bool, span, state) -> AsyncIterator[str]:
-    """Stream DELTA outputs: each carries only the text, tokens and logprobs new since the last."""
+    """Stream DELTA outputs: each carries only the text, tokens and logprobs new since the last
+    (all of them since the previous one when this handler fell behind: output_collector.py),
+    its chunks in one write."""
     reasons = []
     try:
         async for index, out in _merge(streams):
-            if index not in builder.choices:
-                for chunk in builder.first_chunks(index, out):
-                    yield _sse(chunk)
-            for chunk in builder.deltas(index, out):
-                yield _sse(chunk)
+            chunks = builder.first_chunks(index, out) if index not in builder.choices else []
+            chunks += builder.deltas(index, out)
+            if chunks:
+                yield "".join(_sse(chunk) for chunk in chunks)
             c = out.outputs[0]
             if c.finish_reason is not None:
                 reasons.append(c.finish_reason)

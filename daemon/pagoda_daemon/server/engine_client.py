@@ -1,7 +1,8 @@
 """The API server's handle on the EngineCore process.
 
 Tokenisation, validation and detokenisation happen here; the core sees token ids. One
-task reads the core's output socket and routes each request's outputs to its queue; a
+task reads the core's output socket and routes each request's outputs to its collector
+(server/output_collector.py: outputs a slow reader has not taken yet are merged); a
 watchdog notices within a fraction of a second when the core process dies and fails
 every in-flight request with a clear error instead of letting it hang.
 """
@@ -47,6 +48,7 @@ from pagoda_daemon.sampling_params import SamplingParams
 from pagoda_daemon.server import wire
 from pagoda_daemon.server.core_process import run_engine_core
 from pagoda_daemon.server.errors import APIError
+from pagoda_daemon.server.output_collector import OutputCollector
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class ServerShuttingDownError(EngineDeadError):
 class _Tracked:
     """What the client keeps per in-flight request (for routing and metrics)."""
 
-    queue: asyncio.Queue
+    collector: OutputCollector
     prompt_tokens: int
     generated: int = 0
     max_tokens: int | None = None
@@ -247,7 +249,7 @@ class EngineClient:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
-        tracked = _Tracked(asyncio.Queue(), len(request.prompt_ids), max_tokens=request.params.max_tokens)
+        tracked = _Tracked(OutputCollector(output_kind), len(request.prompt_ids), max_tokens=request.params.max_tokens)
         self.requests[rid] = tracked
         try:
             self.output_processor.add_request(rid, request.prompt_text, request.prompt_ids, request.params,
@@ -263,10 +265,11 @@ class EngineClient:
         finished = False
         try:
             while True:
-                item = await tracked.queue.get()
-                if isinstance(item, Exception):
+                try:
+                    item = await tracked.collector.get()
+                except Exception:
                     finished = True
-                    raise item
+                    raise
                 finished = item.finished
                 yield item
                 if finished:
@@ -326,7 +329,7 @@ class EngineClient:
                 self.requests.pop(out.request_id, None)
                 if self.metrics is not None:
                     self._record_finished(out, tracked, now)
-            tracked.queue.put_nowait(out)
+            tracked.collector.put(out)
 
     def _record_finished(self, out: RequestOutput, tracked: _Tracked, now: float) -> None:
         timing = out.metrics
@@ -418,7 +421,7 @@ class EngineClient:
 
     def _fail_in_flight(self, error: EngineDeadError) -> None:
         for tracked in self.requests.values():
-            tracked.queue.put_nowait(error)
+            tracked.collector.put(error)
 
 
 def _as_dict(struct: msgspec.Struct) -> dict:
