@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda_daemon.engine.detokenizer import IncrementalDetokenizer
+from pagoda_daemon.engine.detokenizer import IncrementalDetokenizer, backend_decoder
 from pagoda_daemon.models.tiny import build_tokenizer
 
 
@@ -66,3 +66,36 @@ def test_no_stop_match_streams_everything(tok):
     text = "Continuous batching lets new requests join"
     deltas, final, hit = stream(tok, text, ["zzz"])
     assert hit is None and final == text == "".join(deltas)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_backend_shortcut_decodes_as_transformers_does(tok, skip_special_tokens):
+    """Random ids, special tokens among them, streamed through the Rust backend directly and
+    through transformers' decode: the same text at every step."""
+    import random
+
+    assert backend_decoder(tok) is not None  # the test tokenizer is a fast one
+    rng = random.Random()
+    vocab = len(tok)
+    ids = [rng.randrange(vocab) for _ in range(200)] + list(tok.all_special_ids) * 3
+    rng.shuffle(ids)
+    prompt = [rng.randrange(vocab) for _ in range(10)]
+    fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens, [], False)
+    slow = IncrementalDetokenizer(tok, prompt, skip_special_tokens, [], False)
+    slow.backend = None
+    for t in ids:
+        fast.update([t], check_stop=False)
+        slow.update([t], check_stop=False)
+        assert fast.text == slow.text
+    assert fast.text and any(t in tok.all_special_ids for t in ids)
+
+
+def test_a_tokenizer_that_overrides_decode_keeps_its_own(tok):
+    class Custom(type(tok)):
+        def decode(self, *args, **kwargs):  # e.g. a model's own post-processing
+            return super().decode(*args, **kwargs)
+
+    custom = Custom.__new__(Custom)
+    custom.__dict__.update(tok.__dict__)
+    assert backend_decoder(custom) is None
+    assert backend_decoder(object()) is None

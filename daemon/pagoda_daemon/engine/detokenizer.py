@@ -10,6 +10,26 @@ from __future__ import annotations
 # Prompt tokens decoded with the first output tokens, so word boundaries come out right.
 _PROMPT_CONTEXT = 6
 
+# transformers' classes whose decode, with tokenization-space cleanup off, is their Rust
+# backend's decode (TokenizersBackend in transformers 5, PreTrainedTokenizerFast before it).
+_FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def backend_decoder(tokenizer):
+    """The `tokenizers.Tokenizer` to decode with directly, or None to go through `tokenizer.decode`.
+
+    transformers' decode wraps the Rust call in argument conversion (`to_py_obj`) and kwargs
+    handling: a decode took 13.2 µs, 1.2 µs of it in the Rust call, in a CPU profile of the API
+    process streaming 200 requests (2026-11-27; two decodes per generated token). Taken only
+    where the tokenizer's class leaves transformers' fast decode as it is."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    for base in cls.__mro__:
+        if base.__name__ in _FAST_TOKENIZER_CLASSES and base.__module__.startswith("transformers."):
+            plain = cls._decode is base._decode and cls.decode is base.decode
+            return backend if plain and hasattr(backend, "decode") else None
+    return None
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
@@ -18,6 +38,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         # honoured by slow (Python) tokenizers; fast ones never put spaces there
         self.decode_options = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        self.backend = backend_decoder(tokenizer)
         context = prompt_token_ids[-_PROMPT_CONTEXT:]
         self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
@@ -30,6 +51,8 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already handed out as deltas
 
     def _decode(self, start: int, end: int) -> str:
+        if self.backend is not None:
+            return self.backend.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             self.token_ids[start:end],
             skip_special_tokens=self.skip_special_tokens,
