@@ -5,8 +5,9 @@ When the handler falls behind (one API process streaming to hundreds of clients 
 engine makes 11,000 tokens/s), the outputs waiting for it are folded into one, as vLLM's
 RequestOutputCollector does: the handler then sends one chunk carrying several tokens instead
 of one chunk per token, so its cost follows what it can send rather than the engine's token
-rate. With a queue per request instead, the H100 serving sweep at saturation saw tokens reach
-clients ~1.7 s after the engine made them (docs/benchmarks/2026-11-27-piecewise-graphs-h100.md).
+rate. With a queue per request instead, the H100 serving sweep at saturation saw a client TTFT
+~1.7 s above the server's own, and tokens reaching clients in bursts
+(docs/benchmarks/2026-11-27-piecewise-graphs-h100.md).
 """
 
 from __future__ import annotations
