@@ -25,6 +25,7 @@ json.dump(config, open(f"{sys.argv[1]}/config.json", "w"))
 save_word_level_tokenizer(2048, sys.argv[1])
 PY
 trees=("$@"); [ ${#trees[@]} -eq 0 ] && trees=(.)
+api_cpu() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }  # PID: the API process's CPU seconds (user + system)
 for round in $(seq 1 "$ROUNDS"); do
   for tree in "${trees[@]}"; do  # interleaved, so that the machine's drift falls on every tree alike
     label=$(basename "$(cd "$tree" && pwd)"); port=$((18500 + RANDOM % 1000))
@@ -32,12 +33,11 @@ for round in $(seq 1 "$ROUNDS"); do
       --dtype float32 --max-model-len 512 --port $port --served-model-name m --seed 0 > "$OUT/serve-$label.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 120); do curl -sf "localhost:$port/ready" >/dev/null && break; sleep 1; done
-    api_cpu() { awk '{print ($14 + $15) / 100}' "/proc/$pid/stat"; }  # the API process's CPU seconds (user + system)
-    before=$(api_cpu)
+    before=$(api_cpu $pid)
     PYTHONPATH=$PWD/daemon:$PWD/kernels:$PWD $PY -m pagoda_daemon bench serve --base-url "http://127.0.0.1:$port" \
       --model m --vocab-size 2048 --num-prompts "$PROMPTS" --input-len 32 --output-len 256 --range-ratio 0.5 \
       --no-progress --result-file "$OUT/stream-$label-$round.json" > /dev/null
-    spent=$(awk -v a="$(api_cpu)" -v b="$before" 'BEGIN { print a - b }')
+    spent=$(awk -v a="$(api_cpu $pid)" -v b="$before" 'BEGIN { print a - b }')
     kill -TERM $pid; wait $pid || true
     $PY - "$OUT/stream-$label-$round.json" "$label" "$spent" <<'PY'
 import json, sys

@@ -49,7 +49,7 @@ class EngineConfig:
         "start-up (worker/step_shapes.py; default: on for CUDA)", cli=False)
     max_piecewise_graph_tokens: int = option(
         2048, "steps that carry prompts, up to this many tokens, replay CUDA graphs of everything but attention "
-        "(one rank; 0: they run eagerly)", minimum=0, maximum=1 << 20)
+        "(0: they run eagerly)", minimum=0, maximum=1 << 20)
     max_cudagraph_batch_size: int = option(512, "largest decode batch captured as a CUDA graph; bigger "
                                            "decode batches run eagerly", minimum=1)
     load_format: str = option("auto", "auto: the checkpoint's safetensors; dummy: random weights from "

@@ -82,7 +82,6 @@ class AttentionMetadata:
             n += 1
         return n
 
-
     @functools.cached_property
     def leading_decode_context(self) -> int:
         """Context tokens of the leading decodes (the KV cache they read, per layer)."""

@@ -7,6 +7,8 @@ few characters that could still start a stop string are held back.
 
 from __future__ import annotations
 
+from typing import Any
+
 # Prompt tokens decoded with the first output tokens, so word boundaries come out right.
 _PROMPT_CONTEXT = 6
 
@@ -15,7 +17,7 @@ _PROMPT_CONTEXT = 6
 _FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def backend_decoder(tokenizer):
+def backend_decoder(tokenizer: Any) -> Any:
     """The `tokenizers.Tokenizer` to decode with directly, or None to go through `tokenizer.decode`.
 
     transformers' decode wraps the Rust call in argument conversion (`to_py_obj`) and kwargs
@@ -23,7 +25,7 @@ def backend_decoder(tokenizer):
     process streaming 200 requests (2026-11-27; two decodes per generated token). Taken only
     where the tokenizer's class leaves transformers' fast decode as it is."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    cls = type(tokenizer)
+    cls: Any = type(tokenizer)
     for base in cls.__mro__:
         if base.__name__ in _FAST_TOKENIZER_CLASSES and base.__module__.startswith("transformers."):
             plain = cls._decode is base._decode and cls.decode is base.decode

@@ -34,7 +34,7 @@ SMALL_STEP_TOKENS = 256
 
 
 def token_sizes(max_tokens: int) -> list[int]:
-    """The token counts eager steps are padded to, up to and including ``max_tokens`` (58 for
+    """The token counts eager steps are padded to, up to and including ``max_tokens`` (60 for
     8,192: about 1 s of GEMMs to warm on an H100 at Llama-3-8B's shapes)."""
     sizes = [s for s in capture_sizes(min(max_tokens, SMALL_STEP_TOKENS)) if s < max_tokens]
     size = SMALL_STEP_TOKENS
