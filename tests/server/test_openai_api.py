@@ -164,6 +164,10 @@ BAD_REQUESTS = [
     ("oversized prompt", {"model": MODEL_NAME, "prompt": "word " * 2000}, "prompt"),
     ("empty prompt", {"model": MODEL_NAME, "prompt": ""}, "prompt"),
     ("token id out of range", {"model": MODEL_NAME, "prompt": [1, 2, 10**7]}, "prompt"),
+    # past api.py's bounds for work on the event loop: checked in a worker thread, and a body over
+    # INLINE_BODY_BYTES parsed there too
+    ("token id out of range in a long prompt", {"model": MODEL_NAME, "prompt": [1] * 9000 + [10**7]}, "prompt"),
+    ("token id out of range in a large body", {"model": MODEL_NAME, "prompt": [10**5] * 12000 + [-1]}, "prompt"),
     ("unsupported parameter", {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
     ("suffix", {"model": MODEL_NAME, "prompt": "hi", "suffix": "end"}, "suffix"),
     ("guided_json that cannot compile", {"model": MODEL_NAME, "prompt": "hi", "guided_json": {"type": "nonsense"}},
