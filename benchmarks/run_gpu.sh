@@ -457,6 +457,8 @@ if has serve-sweep; then
   # of 101-1,022 tokens (23-232 out), then a prefill-heavy set (3,072-5,120 in, 192-320 out). Qwen3-0.6B
   # shape, random weights, a word-level tokenizer beside the config (vLLM wants one there). Needs the
   # vLLM kit as for `vllm` (a `vllm-stash` call first) with .vllm_b/vwhl (what `vllm serve` adds).
+  # First (unless SW_OFFLINE is empty) each experiment's rate-inf point through the offline LLM
+  # (`pagoda bench throughput`, same requests): $OUT/offline-<experiment>.json.
   step "serving sweeps: pagoda serve, then vllm serve, same requests"
   [ -n "${SW_NO_VLLM:-}" ] || unpack_vllm || status=1
   q06_model
@@ -472,6 +474,18 @@ if has serve-sweep; then
       --input-len 4096 --range-ratio 0.25 --output-len 256 --num-prompts 200 --workload-var request_rate \
       --values "$SWP" --experiment-name prefill-heavy --output-dir "$OUT/sweep" --resume --no-progress || status=1
   }
+  offline() {  # NAME SWEEP_VALUES DATASET_FLAGS...: the sweep's point at rate inf through the offline LLM
+    local name=$1 values=$2 i=0 v; shift 2
+    for v in ${values//,/ }; do [ "$v" = inf ] && break; i=$((i + 1)); done
+    [ "$v" = inf ] || return 0  # the sweep's seed of a point is its value's index (bench/sweep.py)
+    python3 -m pagoda_daemon bench throughput $M --load-format dummy --max-model-len 8192 --device cuda --dtype bfloat16 \
+      --seed $i --vocab-size 151936 "$@" --result-file "$OUT/offline-$name.json" > "$OUT/offline-$name.log" 2>&1 || status=1
+    grep -h output_throughput "$OUT/offline-$name.json" | sed "s/^/offline $name:/"
+  }
+  if [ -n "${SW_OFFLINE-1}" ]; then  # issue #20: offline within 10% of online at saturation
+    [ -z "$SW" ] || offline rates "$SW" --input-len 562 --range-ratio 0.82 --output-len 128 --num-prompts 400
+    [ -z "$SWP" ] || offline prefill-heavy "$SWP" --input-len 4096 --range-ratio 0.25 --output-len 256 --num-prompts 200
+  fi
   measure() {  # LABEL PORT READY_PATH PID: once the server answers, its sweep and CPU times; then stop it
     if wait_ready "$2" "$3"; then
       echo "$1 serve ready at $(date -u +%T)"

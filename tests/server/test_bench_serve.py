@@ -190,3 +190,22 @@ def test_server_histograms_are_differenced_and_their_quantiles_bounded():
     assert server_metrics.quantile_bound(0.99, [(0.1, 1.0), (float("inf"), 3.0)]) is None  # past the last bound
     assert server_metrics.quantile_bound(0.3, [(0.1, 1.0), (float("inf"), 3.0)]) == 0.1
     assert server_metrics.scrape("http://127.0.0.1:1") is None  # nothing listening: no entry, no error
+
+
+def test_throughput_runs_the_same_requests_through_the_offline_llm(tiny_models, tmp_path):
+    out = tmp_path / "offline.json"
+    rc = main(["throughput", tiny_models["llama"], "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
+               "--num-prompts", "5", "--input-len", "30", "--output-len", "6", "--range-ratio", "0.5",
+               "--vocab-size", VOCAB, "--result-file", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    asked = datasets.random_requests(5, 30, 6, 512, range_ratio=0.5, seed=0)  # what bench serve sends
+    assert result["num_requests"] == 5
+    assert result["prompt_tokens"] == sum(len(r.prompt) for r in asked)
+    assert result["output_tokens"] == sum(r.output_len for r in asked)  # ignore_eos: every asked token
+    assert result["output_throughput"] == pytest.approx(result["output_tokens"] / result["duration_s"])
+
+
+def test_throughput_refuses_conversations(tiny_models, capsys):
+    rc = main(["throughput", tiny_models["llama"], "--device", "cpu", "--dataset", "multi-turn", "--vocab-size", VOCAB])
+    assert rc == 2 and "bench serve" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`pagoda bench serve` (one point) and `pagoda bench sweep` (a workload variable swept over
 one or several servers, resumable, plotted): a serving benchmark for any OpenAI-compatible
-endpoint — Pagoda, vLLM, SGLang — so that two servers are measured by the same client."""
+endpoint — Pagoda, vLLM, SGLang — so that two servers are measured by the same client.
+`pagoda bench throughput` runs the same requests through the offline LLM."""
 
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--endpoint", choices=ENDPOINTS, default="completions")
     p.add_argument("--api-key", default=None, help="sent as a bearer token")
+    _add_dataset_args(p)
+    p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf: all at once)")
+    p.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None)
+    p.add_argument("--goodput", type=_slo, action="append", default=[], metavar="NAME:MS",
+                   help="an SLO for goodput (ttft, tpot, e2el in ms); repeatable")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=_rate, default=600.0, help="seconds per request")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """What the requests are (bench serve, sweep and throughput alike)."""
     p.add_argument("--dataset", choices=datasets.DATASETS, default="random")
     p.add_argument("--dataset-path", help="the JSONL file for --dataset jsonl")
     p.add_argument("--vocab-size", type=_positive_int, default=None,
@@ -70,14 +84,6 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                         "shared context of --prefix-len tokens, turns of --input-len, answers replayed)")
     p.add_argument("--turn-delay", type=_delay, default=0.0,
                    help="multi-turn: seconds a user pauses between an answer and the next turn")
-    p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf: all at once)")
-    p.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
-    p.add_argument("--max-concurrency", type=_positive_int, default=None)
-    p.add_argument("--goodput", type=_slo, action="append", default=[], metavar="NAME:MS",
-                   help="an SLO for goodput (ttft, tpot, e2el in ms); repeatable")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=_rate, default=600.0, help="seconds per request")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     sweep.add_argument("--resume", action="store_true", help="skip the points an earlier run finished")
     _add_workload_args(sweep)
+    offline = sub.add_parser("throughput", help="the same requests through the offline LLM (no server)")
+    offline.add_argument("model_dir", help="the model: a directory, hf://org/name or s3://bucket/prefix")
+    offline.add_argument("--result-file", type=Path, help="write the summary JSON here (also printed)")
+    _add_dataset_args(offline)
+    from pagoda_daemon.cli import add_engine_args
+
+    add_engine_args(offline)  # its --seed seeds the requests too, as bench serve's --seed does
     return parser
 
 
@@ -134,6 +147,8 @@ def _config(args: argparse.Namespace, base_url: str) -> PointConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "throughput":
+            return _throughput(args)
         if args.command == "serve":
             result = run_point(_config(args, args.base_url), make_requests(args, {}, args.seed),
                                progress=not args.no_progress)
@@ -161,6 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError) as e:
         print(f"pagoda bench: {e}", file=sys.stderr)
         return 2
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    from pagoda_daemon.bench.offline import run_offline
+    from pagoda_daemon.cli import engine_kwargs
+
+    args.endpoint = "completions"  # what make_requests asks of a multi-turn dataset (refused offline)
+    result = run_offline(args.model_dir, make_requests(args, {}, args.seed), engine_kwargs(args))
+    text = json.dumps(result, indent=1)
+    if args.result_file:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(text)
+    print(text)
+    return 0
 
 
 if __name__ == "__main__":
