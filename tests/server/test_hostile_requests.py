@@ -176,7 +176,11 @@ def test_integer_fields_refuse_floats_bools_and_strings(server):
 # ---- 6. a batch that can never fit is a 400, not a 503 -------------------------------------------
 
 def test_a_batch_larger_than_the_server_holds_gets_400(server):
-    for fields in ({"prompt": ["hi"] * 5000}, {"prompt": [[5, 6]] * 40, "n": 128}):
+    from pagoda_daemon.config import EngineConfig
+    from pagoda_daemon.server.api import ServerSettings
+
+    held = EngineConfig.max_num_seqs + ServerSettings.max_waiting_requests  # the fixture's server: defaults
+    for fields in ({"prompt": ["hi"] * (held + 1)}, {"prompt": [[5, 6]] * (held // 128 + 1), "n": 128}):
         resp = httpx.post(server.url + COMPLETIONS, json=completion(**fields), timeout=60)
         error = assert_openai_error(resp, 400)
         assert "retry-after" not in resp.headers and error["code"] == "too_many_generations"
