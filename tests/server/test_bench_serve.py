@@ -46,6 +46,7 @@ def test_one_point_streams_every_request_and_summarizes_latencies(server, tmp_pa
     assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["p50"] is not None
     assert result["goodput"] == pytest.approx(result["request_throughput"], rel=1e-3)  # a lenient SLO: all meet it
     assert result["config"]["request_rate"] == "inf" and "api_key" not in result["config"]
+    assert result["client_cpu_s"] > 0
     # the server's own view of the same point: its histograms counted exactly these requests
     server = result["server_metrics"]
     assert server["time_to_first_token"]["count"] == 6 and server["request_queue_time"]["count"] == 6

@@ -84,12 +84,13 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict, result: RequestResult,
+async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dict, result: RequestResult,
                   t0: float) -> str:
-    """POST one streamed request; fill `result` from its chunks and return the generated text."""
+    """POST one streamed request (a JSON body); fill `result` from its chunks and return the generated text."""
     text = []
     last = t0
-    async with client.stream("POST", url, json=body, headers=headers) as response:
+    async with client.stream("POST", url, content=body, headers={**headers, "Content-Type": "application/json"}) \
+            as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")[:300]
             raise RuntimeError(f"HTTP {response.status_code}: {detail}")
@@ -124,11 +125,24 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
     return "".join(text)
 
 
+def _common_fields(config: PointConfig, request: BenchRequest) -> dict:
+    return {"model": config.model, "max_tokens": request.output_len, "temperature": config.temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": config.ignore_eos}
+
+
+def encoded_body(config: PointConfig, request: BenchRequest) -> bytes | None:
+    """A single-turn completion's body, encoded before the clock starts: the client's JSON
+    encoding is not the server's latency, and at an infinite rate it would delay every later
+    request's send. None where the body depends on earlier answers (conversations, chat)."""
+    if config.endpoint != "completions" or request.turns:
+        return None
+    return json.dumps({**_common_fields(config, request), "prompt": request.prompt}).encode()
+
+
 async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRequest,
-                start_s: float) -> list[RequestResult]:
+                start_s: float, encoded: bytes | None = None) -> list[RequestResult]:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    common = {"model": config.model, "max_tokens": request.output_len, "temperature": config.temperature,
-              "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": config.ignore_eos}
+    common = _common_fields(config, request)
     results = []
     messages: list[dict] = []
     turns = request.turns or (None,)
@@ -139,11 +153,11 @@ async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRe
         t0 = time.perf_counter()
         try:
             if config.endpoint == "completions":  # a turn of a token-id conversation is its whole prompt
-                body = {**common, "prompt": request.prompt if turn is None else turn}
+                body = encoded or json.dumps({**common, "prompt": request.prompt if turn is None else turn}).encode()
                 await _stream(client, config.base_url + "/v1/completions", body, headers, result, t0)
             else:
                 messages.append({"role": "user", "content": turn if turn is not None else _as_text(request.prompt)})
-                body = {**common, "messages": list(messages)}
+                body = json.dumps({**common, "messages": list(messages)}).encode()
                 reply = await _stream(client, config.base_url + "/v1/chat/completions", body, headers, result, t0)
                 messages.append({"role": "assistant", "content": reply})
             result.ok = result.ttft_s is not None
@@ -169,21 +183,22 @@ async def _run(config: PointConfig, requests: Sequence[BenchRequest], progress: 
     limit = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
     bar = _progress_bar(len(requests)) if progress else None
     limits = httpx.Limits(max_connections=config.max_concurrency or len(requests) or 1, max_keepalive_connections=64)
+    bodies = [encoded_body(config, r) for r in requests]
     async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
         began = time.perf_counter()
 
-        async def one(request: BenchRequest) -> list[RequestResult]:
+        async def one(request: BenchRequest, encoded: bytes | None) -> list[RequestResult]:
             async with limit:
-                out = await _send(client, config, request, time.perf_counter() - began)
+                out = await _send(client, config, request, time.perf_counter() - began, encoded)
             if bar is not None:
                 bar.update(1)
             return out
 
         tasks = []
-        for request, gap in zip(requests, gaps):
+        for request, body, gap in zip(requests, bodies, gaps):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(request)))
+            tasks.append(asyncio.create_task(one(request, body)))
         done = await asyncio.gather(*tasks)
         duration = time.perf_counter() - began
     if bar is not None:
@@ -256,7 +271,10 @@ def run_point(config: PointConfig, requests: Sequence[BenchRequest], *, progress
     the server's own latency histograms over the point where it exports them (server_metrics.py)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
     before = server_metrics.scrape(config.base_url, headers)
+    cpu = time.process_time()
     results, duration = asyncio.run(_run(config, requests, progress))
     summary = summarize(config, results, duration)
+    # near duration_s, the client was the bottleneck and its latencies include its own queueing
+    summary["client_cpu_s"] = round(time.process_time() - cpu, 3)
     summary["server_metrics"] = server_metrics.difference(before, server_metrics.scrape(config.base_url, headers))
     return summary
