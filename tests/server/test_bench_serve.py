@@ -52,6 +52,9 @@ def test_one_point_streams_every_request_and_summarizes_latencies(server, tmp_pa
     assert server["time_to_first_token"]["count"] == 6 and server["request_queue_time"]["count"] == 6
     assert 0 < server["time_to_first_token"]["mean_ms"] <= ttft["mean"]
     assert server["request_queue_time"]["mean_ms"] <= server["time_to_first_token"]["mean_ms"]
+    # the time before the server's arrival stamp (body, parse, checks) is counted too
+    assert server["request_admission"]["count"] == 6
+    assert 0 < server["request_admission"]["mean_ms"] + server["time_to_first_token"]["mean_ms"] <= ttft["mean"]
 
 
 def test_a_tight_slo_counts_no_goodput_and_refused_requests_are_failures(server, tmp_path):

@@ -205,6 +205,17 @@ def test_observe_finished(metrics):
     assert delta(before, after, "vllm:prompt_tokens_total") == 0
 
 
+def test_observe_admission(metrics):
+    before = scrape(metrics)
+    metrics.observe_admission(0.003)
+    metrics.observe_admission(1.2)
+    after = scrape(metrics)
+    assert delta(before, after, "pagoda:request_admission_seconds_count") == 2
+    assert delta(before, after, "pagoda:request_admission_seconds_sum") == pytest.approx(1.203)
+    assert delta(before, after, "pagoda:request_admission_seconds_bucket", le="0.005") == 1
+    assert delta(before, after, "pagoda:request_admission_seconds_bucket", le="2.5") == 2
+
+
 def test_observe_inter_token(metrics):
     before = scrape(metrics)
     metrics.observe_inter_token(0.02)

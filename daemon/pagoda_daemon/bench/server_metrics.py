@@ -5,8 +5,9 @@ The client's TTFT is the whole way (sending, the HTTP server, the engine, stream
 server's histograms split it. Pagoda and vLLM both export these under vLLM's names:
 ``time_to_first_token`` runs from the request's arrival in the API server to its first token
 there, ``request_queue_time`` from arrival to the first schedule, ``request_prefill_time`` from
-then to the first token. A server without ``/metrics`` (or without a histogram) simply has no
-entry.
+then to the first token. Pagoda adds ``request_admission``: from the request's headers read to
+its submission to the engine (body, parsing, tokenizing), the time before that arrival stamp. A
+server without ``/metrics`` (or without a histogram) simply has no entry.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import httpx
 
 HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
               "vllm:request_prefill_time_seconds", "vllm:inter_token_latency_seconds",
-              "vllm:e2e_request_latency_seconds")
+              "vllm:e2e_request_latency_seconds", "pagoda:request_admission_seconds")
 
 # name -> (sum, count, [(upper bound, cumulative count), ...] in increasing bound order)
 Snapshot = dict[str, tuple[float, float, list[tuple[float, float]]]]
@@ -87,7 +88,7 @@ def difference(before: Snapshot | None, after: Snapshot | None) -> dict[str, dic
             continue
         earlier = dict(buckets0)
         delta = [(bound, cumulative - earlier.get(bound, 0.0)) for bound, cumulative in buckets]
-        short = name.removeprefix("vllm:").removesuffix("_seconds")
+        short = name.split(":", 1)[1].removesuffix("_seconds")
         out[short] = {"count": n, "mean_ms": _ms((total - total0) / n),
                       **{f"p{p}_le_ms": _ms(quantile_bound(p / 100, delta)) for p in (50, 90, 99)}}
     return out

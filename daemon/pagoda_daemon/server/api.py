@@ -360,6 +360,9 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     streams = [(index, client.submit(p, kind)) for index, p in prepared]
     if client.metrics is not None:
         client.metrics.observe_request_params(params.n, req.max_tokens)
+        arrived = raw.scope.get("state", {}).get("arrived")  # set by the RequestGuard
+        if arrived is not None:
+            client.metrics.observe_admission(arrival - arrived)
     span = None
     if tracer is not None:
         span = tracer.start_request_span(dict(raw.headers), base_id, {

@@ -127,7 +127,9 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         request_id = request_id_of(scope["headers"])
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["arrived"] = time.monotonic()  # the handlers' admission time starts here
         send = _observed(send, scope, request_id)
         refusal = header_refusal(scope, self.limits, self.keys, self.draining())
         if refusal is not None:
@@ -145,7 +147,7 @@ class RequestGuard:
 def _observed(send: Send, scope: Scope, request_id: str) -> Send:
     """`send` that adds X-Request-Id to the response and logs the access line after its last byte."""
     header = (REQUEST_ID_HEADER, request_id.encode("ascii"))
-    arrived = time.monotonic()
+    arrived = scope["state"]["arrived"]
     status = [0]
 
     async def sending(message: Message) -> None:
