@@ -56,7 +56,8 @@ def sync() -> None:
 
 def build_core(args, tokenizer):
     from pagoda_daemon.config import EngineConfig
-    from pagoda_daemon.engine.engine_core import EngineCore, freeze_startup_heap
+    from pagoda_daemon.engine.engine_core import EngineCore
+    from pagoda_daemon.heap import freeze_startup_heap
 
     config = EngineConfig(
         model=args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,

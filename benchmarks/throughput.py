@@ -64,7 +64,8 @@ def start_core(args, **options):
     """An engine core on random weights from :func:`add_engine_args`' arguments and `options`,
     warmed up, its start-up heap frozen as the server's engine core does."""
     from pagoda_daemon.config import EngineConfig
-    from pagoda_daemon.engine.engine_core import EngineCore, freeze_startup_heap
+    from pagoda_daemon.engine.engine_core import EngineCore
+    from pagoda_daemon.heap import freeze_startup_heap
 
     config = EngineConfig(
         model=args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,

@@ -7,7 +7,6 @@ so this loop can later run in its own process behind a socket unchanged.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -38,16 +37,6 @@ if TYPE_CHECKING:
     from pagoda_daemon.worker.model_runner import LaunchedStep
 
 log = logging.getLogger(__name__)
-
-
-def freeze_startup_heap() -> None:
-    """Collect once, then move every object alive now (modules, the model, configs: they live
-    as long as the process) out of the garbage collector's reach. Full collections then scan
-    only what serving allocates: on an H100, one full collection over the un-frozen heap
-    stalled a serving step for 200 ms (docs/benchmarks/2026-11-21-run-variance-and-vllm-pairs-h100.md).
-    vLLM's engine core does the same after start-up."""
-    gc.collect()
-    gc.freeze()
 
 
 def default_executor(config: EngineConfig, model_config, max_model_len: int,

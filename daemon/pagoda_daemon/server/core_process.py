@@ -104,7 +104,8 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
     core = None
     try:
         try:
-            from pagoda_daemon.engine.engine_core import EngineCore, freeze_startup_heap
+            from pagoda_daemon.engine.engine_core import EngineCore
+            from pagoda_daemon.heap import freeze_startup_heap
 
             started = time.monotonic()
 

@@ -305,6 +305,9 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
             await serving
             return 1
         if waiter.done():
+            from pagoda_daemon.heap import freeze_startup_heap
+
+            freeze_startup_heap()  # the app, the tokenizer, the modules: as long-lived as the process
             log.info("serving %s on http://%s:%d", served_name, options["host"], options["port"])
         return await _serve_until_stopped(server, serving, client, options["drain_timeout"])
     finally:
