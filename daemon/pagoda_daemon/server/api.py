@@ -29,7 +29,7 @@ from pagoda_daemon.server.chat_template import render_chat
 from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError, PreparedRequest
 from pagoda_daemon.server.errors import APIError, bad_request, unavailable
 from pagoda_daemon.server.http_guard import RequestGuard
-from pagoda_daemon.server.limits import RequestLimits
+from pagoda_daemon.server.limits import DEFAULT_MAX_WAITING_REQUESTS, RequestLimits
 from pagoda_daemon.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,7 +57,7 @@ INLINE_PROMPT_TOKENS = 8192
 @dataclass
 class ServerSettings:
     served_model_name: str
-    max_waiting_requests: int = 4096  # beyond running + this many queued, new requests get 503
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # beyond running + this many queued: 503
     default_max_tokens: int = 16
     tool_call_parser: str | None = None  # None: the one the model's chat template shows
     reasoning_parser: str | None = None  # None: thinking stays in the content, as in vLLM

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
+DEFAULT_MAX_WAITING_REQUESTS = 4096  # queued beyond the running batch before new requests get 503
 
 
 @dataclass(frozen=True)

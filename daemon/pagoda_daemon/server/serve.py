@@ -29,7 +29,12 @@ from pagoda_daemon.server.auth import (
     APIKeys,
     split_list,
 )
-from pagoda_daemon.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits, RequestLimits
+from pagoda_daemon.server.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    ConnectionLimits,
+    RequestLimits,
+)
 from pagoda_daemon.server.reasoning import REASONING_PARSERS
 from pagoda_daemon.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -51,7 +56,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the model directory's name)")
-    p.add_argument("--max-waiting-requests", type=int, default=4096,
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="queued requests beyond the running batch before new ones get 503")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
