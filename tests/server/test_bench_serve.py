@@ -213,3 +213,21 @@ def test_throughput_runs_the_same_requests_through_the_offline_llm(tiny_models, 
 def test_throughput_refuses_conversations(tiny_models, capsys):
     rc = main(["throughput", tiny_models["llama"], "--device", "cpu", "--dataset", "multi-turn", "--vocab-size", VOCAB])
     assert rc == 2 and "bench serve" in capsys.readouterr().err
+
+
+def test_prompts_decoded_to_text_go_through_the_servers_tokenizer(server, tiny_models, tmp_path):
+    out = tmp_path / "text.json"
+    rc = main(["serve", "--base-url", server.url, "--num-prompts", "4", "--input-len", "20", "--output-len", "3",
+               "--decode-prompts-with", tiny_models["llama"], "--result-file", str(out), *_common()])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["prompt_tokens"] > 0  # counted by the server from the text it tokenized
+    texts = datasets.as_text(datasets.random_requests(4, 20, 3, 512, seed=0), lambda ids: " ".join(map(str, ids)))
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 20 for r in texts)
+
+
+def test_a_tokenizer_that_cannot_load_exits_2(tmp_path, capsys):
+    rc = main(["serve", "--base-url", "http://127.0.0.1:1", "--decode-prompts-with", str(tmp_path / "none"),
+               *_common()])
+    assert rc == 2 and "--decode-prompts-with" in capsys.readouterr().err

@@ -6,9 +6,11 @@ endpoint — Pagoda, vLLM, SGLang — so that two servers are measured by the sa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pagoda_daemon.bench import datasets
@@ -84,6 +86,9 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
                         "shared context of --prefix-len tokens, turns of --input-len, answers replayed)")
     p.add_argument("--turn-delay", type=_delay, default=0.0,
                    help="multi-turn: seconds a user pauses between an answer and the next turn")
+    p.add_argument("--decode-prompts-with", metavar="TOKENIZER_DIR", default=None,
+                   help="random and shared-prefix prompts sent as text: their token ids decoded by this tokenizer "
+                        "(the server's tokenizer is then measured too)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +119,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_requests(args: argparse.Namespace, overrides: dict, seed: int) -> list[datasets.BenchRequest]:
-    a = {**vars(args), **overrides}
+    requests = _requests({**vars(args), **overrides}, seed)
+    if args.decode_prompts_with:
+        requests = datasets.as_text(requests, _decoder(args.decode_prompts_with))
+    return requests
+
+
+@functools.cache
+def _decoder(tokenizer_dir: str) -> Callable[[list[int]], str]:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--decode-prompts-with {tokenizer_dir!r}: {e}") from e
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, clean_up_tokenization_spaces=False))
+
+    return decode
+
+
+def _requests(a: dict, seed: int) -> list[datasets.BenchRequest]:
     if a["dataset"] in ("random", "shared-prefix") and a["vocab_size"] is None:
         raise ValueError(f"--dataset {a['dataset']} needs --vocab-size (the model's vocabulary size)")
     if a["dataset"] == "random":

@@ -4,9 +4,10 @@ benchmarked with the same flags get the same requests in the same order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,13 @@ def conversation_requests(num: int, turns: int, shared_len: int, turn_len: int, 
             history += _ids(rng, answer_len, vocab_size)
         out.append(BenchRequest(None, output_len, tuple(prompts)))
     return out
+
+
+def as_text(requests: Sequence[BenchRequest], decode: Callable[[list[int]], str]) -> list[BenchRequest]:
+    """Token-id prompts sent as text instead (vLLM's random dataset sends text), so that the
+    server's tokenizer is part of what is measured. The server tokenizes the text again, which
+    may change a prompt's length by a few tokens where the tokenizer merges across ids."""
+    return [dataclasses.replace(r, prompt=decode(r.prompt)) if isinstance(r.prompt, list) else r for r in requests]
 
 
 def describe(requests: Sequence[BenchRequest]) -> dict:
