@@ -458,7 +458,8 @@ if has serve-sweep; then
   # shape, random weights, a word-level tokenizer beside the config (vLLM wants one there). Needs the
   # vLLM kit as for `vllm` (a `vllm-stash` call first) with .vllm_b/vwhl (what `vllm serve` adds).
   # First (unless SW_OFFLINE is empty) each experiment's rate-inf point through the offline LLM
-  # (`pagoda bench throughput`, same requests): $OUT/offline-<experiment>.json.
+  # (`pagoda bench throughput`, same requests): $OUT/offline-<experiment>.json. SW_TEXT=1: the
+  # prompts go as text (the ids decoded by the word-level tokenizer), through the servers' tokenizers.
   step "serving sweeps: pagoda serve, then vllm serve, same requests"
   [ -n "${SW_NO_VLLM:-}" ] || unpack_vllm || status=1
   q06_model
@@ -469,17 +470,20 @@ if has serve-sweep; then
   sweep() {  # LABEL PORT: both experiments against one server
     [ -z "$SW" ] || python3 -m pagoda_daemon bench sweep --iterations "$SWI" --server "$1=http://127.0.0.1:$2" --model m --vocab-size 151936 \
       --input-len 562 --range-ratio 0.82 --output-len 128 --num-prompts 400 --workload-var request_rate \
-      --values "$SW" --experiment-name rates --output-dir "$OUT/sweep" --resume --no-progress || status=1
+      --values "$SW" --experiment-name rates --output-dir "$OUT/sweep" --resume --no-progress ${SW_TEXT:+--decode-prompts-with $M} \
+      || status=1
     [ -z "$SWP" ] || python3 -m pagoda_daemon bench sweep --iterations "$SWI" --server "$1=http://127.0.0.1:$2" --model m --vocab-size 151936 \
       --input-len 4096 --range-ratio 0.25 --output-len 256 --num-prompts 200 --workload-var request_rate \
-      --values "$SWP" --experiment-name prefill-heavy --output-dir "$OUT/sweep" --resume --no-progress || status=1
+      --values "$SWP" --experiment-name prefill-heavy --output-dir "$OUT/sweep" --resume --no-progress \
+      ${SW_TEXT:+--decode-prompts-with $M} || status=1
   }
   offline() {  # NAME SWEEP_VALUES DATASET_FLAGS...: the sweep's point at rate inf through the offline LLM
     local name=$1 values=$2 i=0 v; shift 2
     for v in ${values//,/ }; do [ "$v" = inf ] && break; i=$((i + 1)); done
     [ "$v" = inf ] || return 0  # the sweep's seed of a point is its value's index (bench/sweep.py)
     python3 -m pagoda_daemon bench throughput $M --load-format dummy --max-model-len 8192 --device cuda --dtype bfloat16 \
-      --seed $i --vocab-size 151936 "$@" --result-file "$OUT/offline-$name.json" > "$OUT/offline-$name.log" 2>&1 || status=1
+      --seed $i --vocab-size 151936 ${SW_TEXT:+--decode-prompts-with $M} "$@" --result-file "$OUT/offline-$name.json" \
+      > "$OUT/offline-$name.log" 2>&1 || status=1
     grep -h output_throughput "$OUT/offline-$name.json" | sed "s/^/offline $name:/"
   }
   if [ -n "${SW_OFFLINE-1}" ]; then  # issue #20: offline within 10% of online at saturation

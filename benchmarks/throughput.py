@@ -185,12 +185,15 @@ def throughput(args) -> dict:
 def save_word_level_tokenizer(vocab_size: int, path: str) -> None:
     """A tokenizer that decodes every id of the model's vocabulary (one word per id): what the
     offline `LLM` needs beside random weights, which come with no tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1").save_pretrained(path)
+    # single_word: as a plain special token, "w1" would be cut out of "w150" ("w1" + unknown), and
+    # decoded prompts would not tokenize back to their ids
+    eos = AddedToken("w1", single_word=True, special=True)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(path)
 
 
 def offline(args) -> dict:

@@ -19,3 +19,15 @@ def test_arrivals_at_a_running_batch_report_the_engines_ttft(tiny_models, capsys
     ttft = result["engine_ttft_ms"]
     assert len(ttft) == 4 and ttft == sorted(ttft) and ttft[0] > 0
     assert result["cpu_ms_per_step_by_phase"]["pagoda.forward"] > 0
+
+
+def test_the_word_level_tokenizer_gives_back_the_ids_of_decoded_prompts(tmp_path):
+    import random
+
+    from transformers import AutoTokenizer
+
+    throughput.save_word_level_tokenizer(2048, str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = [random.randrange(2, 2048) for _ in range(500)]  # "w1" is EOS: "w150" must stay one word
+    text = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    assert tokenizer.encode(text, add_special_tokens=False) == ids
