@@ -174,15 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "throughput":
-            return _throughput(args)
+            from pagoda_daemon.bench.offline import run_offline
+            from pagoda_daemon.cli import engine_kwargs
+
+            # the endpoint only shapes multi-turn requests, which run_offline refuses
+            requests = make_requests(args, {"endpoint": "completions"}, args.seed)
+            _report(run_offline(args.model_dir, requests, engine_kwargs(args)), args.result_file)
+            return 0
         if args.command == "serve":
             result = run_point(_config(args, args.base_url), make_requests(args, {}, args.seed),
                                progress=not args.no_progress)
-            text = json.dumps(result, indent=1)
-            if args.result_file:
-                args.result_file.parent.mkdir(parents=True, exist_ok=True)
-                args.result_file.write_text(text)
-            print(text)
+            _report(result, args.result_file)
             return 0 if result["completed"] else 1
         servers = []
         for entry in args.server:
@@ -204,18 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _throughput(args: argparse.Namespace) -> int:
-    from pagoda_daemon.bench.offline import run_offline
-    from pagoda_daemon.cli import engine_kwargs
-
-    args.endpoint = "completions"  # what make_requests asks of a multi-turn dataset (refused offline)
-    result = run_offline(args.model_dir, make_requests(args, {}, args.seed), engine_kwargs(args))
+def _report(result: dict, path: Path | None) -> None:
+    """Print the summary JSON, and write it to `path` when one was given."""
     text = json.dumps(result, indent=1)
-    if args.result_file:
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(text)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":
