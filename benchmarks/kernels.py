@@ -139,6 +139,28 @@ def prefill_case(device, timer, tokens, heads, kv_heads, head_dim=128, page=16, 
             "causal": True, "tiles": tiles or "default", "seconds": t, "flops": flops, "TFLOP_per_s": flops / t / 1e12}
 
 
+def fa3_prefill_case(device, timer, tokens, heads, kv_heads, head_dim, mm) -> dict:
+    """vLLM's FlashAttention 3 on the prefill sweep's paged case (the kit's vLLM on PYTHONPATH):
+    the rate to reach. An error when it does not import or run is a result too."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        gen = torch.Generator().manual_seed(0)
+        cache, tables = _paged_cache(1, tokens, kv_heads, head_dim, 16, torch.bfloat16, device, gen)
+        q = torch.randn((tokens, heads, head_dim), dtype=torch.bfloat16, device=device)
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        used = torch.tensor([tokens], dtype=torch.int32, device=device)
+        out = torch.empty_like(q)
+        t = timer(lambda: flash_attn_varlen_func(q, cache[0], cache[1], max_seqlen_q=tokens, cu_seqlens_q=cu,
+                                                 max_seqlen_k=tokens, seqused_k=used, softmax_scale=head_dim**-0.5,
+                                                 causal=True, block_table=tables, out=out, fa_version=3))
+        flops = 4 * tokens * tokens / 2 * head_dim * heads
+        return {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "paged": True,
+                "seconds": t, "TFLOP_per_s": flops / t / 1e12, "fraction_of_matmul": flops / t / 1e12 / mm["TFLOP_per_s"]}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768, dtype=torch.bfloat16) -> dict:
     from pagoda_kernels.fused_moe import fused_moe, route_topk
 
@@ -286,9 +308,12 @@ def run(only: set[str], smoke: bool) -> dict:
     if "prefill-sweep" in only:  # tile sizes of the 16 / 8-head case (the harder one), paged and contiguous
         mm = report.get("matmul") or matmul_rate(device, timer, 64 if smoke else 8192, dtype)
         report["matmul"] = mm
+        # block_m: rows of a tile (tokens times the 2 query heads of a KV head)
         sweep = [dict(block_m=16, block_n=16, num_warps=4, num_stages=1)] if smoke else [
             dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-            for bm, bn, w, st in ((128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3))]
+            for bm, bn, w, st in ((64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3),
+                                  (128, 128, 8, 2), (128, 32, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2),
+                                  (128, 64, 8, 4))]
         rows = []
         for paged in (True, False):
             for tiles in sweep:
@@ -300,6 +325,8 @@ def run(only: set[str], smoke: bool) -> dict:
                     r = {"tiles": tiles, "paged": paged, "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 rows.append(r)
         report["prefill_sweep"] = rows
+        if not smoke:
+            report["prefill_fa3"] = fa3_prefill_case(device, timer, 4096, 16, 8, 128, mm)
     if "moe" in only:
         if smoke:
             rows = [moe_case(device, timer, 4, experts=8, top_k=2, hidden=64, inter=32, dtype=dtype)]

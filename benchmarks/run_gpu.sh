@@ -7,6 +7,7 @@
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
+#                                               prefill-profile|kernels-prefill|
 #                                               all-reduce] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
@@ -264,6 +265,38 @@ if has prefill-ab; then
     done
     "${env[@]}" timeout 150 $T $CFG/qwen3-0.6b --label "$label" 2>&1 | grep RESULT | tee -a "$OUT/prefill-ab.jsonl" || status=1
   done
+fi
+if has kernels-prefill; then
+  # Issue #20: the prefill kernel's GPU tests, then its tile sweep (16 / 8 heads, 4,096 tokens,
+  # paged and contiguous) beside vLLM's FlashAttention 3 on the paged case when the vLLM kit is
+  # here (unpacked, or a `vllm-stash` call first and .vllm_b carried).
+  step "prefill attention: GPU tests, tile sweep, FA3 beside it"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "prefill or varlen or backend" \
+    2>&1 | tail -5 | tee "$OUT/kernels-pytest.txt" || status=1
+  vpath=""; [ -f /tmp/vsite/vllm/__init__.py ] || [ -f .vllm_b/core.part.01 ] && unpack_vllm >/dev/null && vpath=/tmp/vsite
+  PYTHONPATH=$PYTHONPATH${vpath:+:$vpath} python3 -m benchmarks.kernels --only prefill,prefill-sweep \
+    --out "$OUT/kernels-prefill.json" | tail -60 || status=1
+fi
+if has prefill-profile; then
+  # Issue #20: the prefill-heavy workload (200 prompts of 3,072-5,120 tokens, 192-320 out, all at
+  # once; Qwen3-0.6B shape) offline, Pagoda then vLLM 0.26.0 at the serve default of 8,192 tokens
+  # a step: Pagoda's per-step log ($OUT/pagoda-steps.jsonl) and GPU time per kernel over the whole
+  # run, vLLM's throughput and its kernel table over every step (profiler_out_0.txt). Needs the
+  # vLLM kit as for `vllm` (a `vllm-stash` call first); PP_NO_VLLM=1: Pagoda alone.
+  step "prefill-heavy offline: Pagoda step log and kernels, then vLLM's"
+  PH=(--num-seqs 200 --min-input-len 3072 --max-input-len 5120 --min-output-len 192 --max-output-len 320
+      --max-model-len 8192 --max-num-batched-tokens 8192)
+  timeout 200 $T $CFG/qwen3-0.6b "${PH[@]}" --max-num-seqs 1024 --step-log "$OUT/pagoda-steps.jsonl" --label steps \
+    ${PP_PAGODA_ARGS:-} 2>&1 | grep RESULT | tee -a "$OUT/prefill-profile.jsonl" || status=1
+  timeout 200 $T $CFG/qwen3-0.6b "${PH[@]}" --max-num-seqs 1024 --profile-run --label kernels ${PP_PAGODA_ARGS:-} 2>&1 \
+    | grep RESULT | tee -a "$OUT/prefill-profile.jsonl" || status=1
+  if [ -z "${PP_NO_VLLM:-}" ] && unpack_vllm; then
+    V=(env PYTHONPATH=/tmp/vsite:$PYTHONPATH python3 -m benchmarks.vllm_throughput $CFG/qwen3-0.6b "${PH[@]}")
+    timeout 240 "${V[@]}" 2>&1 | grep RESULT | tee -a "$OUT/prefill-profile.jsonl" || status=1
+    timeout 300 "${V[@]}" --profile-dir /tmp/vprof --profile-delay 0 --profile-steps 5000 2>&1 | grep RESULT \
+      | tee -a "$OUT/prefill-profile.jsonl" || status=1
+    cp /tmp/vprof/*.txt "$OUT/" 2>/dev/null; ls -la /tmp/vprof
+  fi
 fi
 if has e2e || has e2e-throughput || has vllm; then
   step "Pagoda end to end: Qwen3-0.6B shape, nano-vllm workload (CUDA graphs + async scheduling), ${E2E_ROUNDS:-2} rounds"

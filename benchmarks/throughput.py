@@ -118,23 +118,49 @@ def sm_clock_mhz() -> int | None:
         return None
 
 
-def run_requests(core, prompts, params, tag: str, clocks: dict | None = None) -> tuple[int, list[float]]:
+def run_requests(core, prompts, params, tag: str, clocks: dict | None = None,
+                 step_log: list | None = None) -> tuple[int, list[float]]:
     """Add all requests, step until done; returns generated tokens and per-step wall times.
-    With `clocks`, records the SM clock before some steps (a GPU idle before the run starts slow)."""
+    With `clocks`, records the SM clock before some steps (a GPU idle before the run starts slow).
+    With `step_log`, appends what each step scheduled (see :func:`step_record`)."""
     from pagoda_daemon.engine.request import Request
 
     for i, (p, sp) in enumerate(zip(prompts, params)):
         core.add_request(Request(f"{tag}-{i}", p, sp, None, core.config.block_size))
     generated = 0
     step_times = []
-    while core.has_unfinished_requests():
-        if clocks is not None and len(step_times) in CLOCK_SAMPLE_STEPS:
-            clocks[len(step_times)] = sm_clock_mhz()
-        t = time.perf_counter()
-        for out in core.step():
-            generated += len(out.new_token_ids)
-        step_times.append(time.perf_counter() - t)
+    schedule = core.scheduler.schedule
+    start = time.perf_counter()
+    if step_log is not None:
+        def logged_schedule():
+            sched = schedule()
+            step_log.append(step_record(core, sched, time.perf_counter() - start))
+            return sched
+        core.scheduler.schedule = logged_schedule
+    try:
+        while core.has_unfinished_requests():
+            if clocks is not None and len(step_times) in CLOCK_SAMPLE_STEPS:
+                clocks[len(step_times)] = sm_clock_mhz()
+            t = time.perf_counter()
+            for out in core.step():
+                generated += len(out.new_token_ids)
+            step_times.append(time.perf_counter() - t)
+    finally:
+        core.scheduler.schedule = schedule
     return generated, step_times
+
+
+def step_record(core, sched, t: float) -> dict:
+    """One scheduled step: when (s since the run's start; with async scheduling, a step is
+    scheduled once the one before the previous has finished, so the gaps are GPU step times in
+    steady state), its prompt rows (a prompt's chunk, or a recompute after preemption) and their
+    tokens, its decode rows, and the queues and cache after."""
+    prefill = [s.num_new_tokens for s in sched.scheduled
+               if s.start < s.request.num_prompt_tokens or s.num_new_tokens > 1]  # > 1: a recompute
+    return {"t": round(t, 5), "tokens": sched.num_scheduled_tokens, "prefill_rows": len(prefill),
+            "prefill_tokens": sum(prefill), "decode_rows": len(sched.scheduled) - len(prefill),
+            "preempted": len(sched.preempted_request_ids), "running": len(core.scheduler.running),
+            "waiting": len(core.scheduler.waiting), "kv_usage": round(core.kv_cache.usage(), 4)}
 
 
 def throughput(args) -> dict:
@@ -157,11 +183,15 @@ def throughput(args) -> dict:
                 host_stalls() as stalls:
             clocks: dict = {}
             t = time.perf_counter()
+            step_log: list | None = [] if args.step_log and r == 0 else None
             generated, steps = run_requests(core, round_prompts, params, f"tput{r}",
-                                            clocks if torch.cuda.is_available() else None)
+                                            clocks if torch.cuda.is_available() else None, step_log)
             sync()
             elapsed = time.perf_counter() - t
         core.kv_cache.reset_prefix_cache()  # every round prefills from scratch
+        if step_log is not None:
+            with open(args.step_log, "w") as f:
+                f.writelines(json.dumps(rec) + "\n" for rec in step_log)
         offload = core.connector.take_stats() if core.connector is not None else None
         rounds.append({"time_s": round(elapsed, 3), "output_tok_per_s": round(generated / elapsed, 1),
                        **({"kv_offload_saved_bytes": offload.saved_bytes, "kv_offload_hits": offload.hits}
@@ -483,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="round r's prompt ids shifted by r (same lengths): nothing cached serves a later round")
     ap.add_argument("--kv-offload-cpu-gib", type=float, default=0.0, help="KV offload to this much host memory")
     ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over each round")
+    ap.add_argument("--step-log", default=None, metavar="FILE",
+                    help="what each step of the first round scheduled, one JSON line a step")
     ap.add_argument("--offline-llm", action="store_true", help="the workload through the offline LLM, per round")
     ap.add_argument("--skip-llm-warm-up", action="store_true", help="with --offline-llm: build it without warm-up")
     ap.add_argument("--latency", action="store_true")
