@@ -71,3 +71,12 @@ def dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def dot_acc(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b, accumulated by the matrix unit (no separate add over the accumulator)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)

@@ -4,11 +4,13 @@ Sequence i brings q_len new tokens (query_start_loc) that are the last q_len of 
 seq_lens[i] positions, so a chunked prefill or a prefix-cache hit attends to the cached
 prefix and causally to itself. Decode rows (q_len 1) mixed into the batch are fine too.
 
-The grid is (sequence, query head, query tile of BLOCK_M), the last query tiles (most
-causal work) launched first; programs past a sequence's q_len return at once. Each
-program walks KV tiles of BLOCK_N: first the tiles every row of its query tile sees in
-full (no mask), then the diagonal tiles under the causal mask (with a sliding window
-every tile is masked). Head dims are padded to a power of two and masked.
+The grid is (sequence, KV head, query tile), the last query tiles (most causal work)
+launched first; programs past a sequence's q_len return at once. A query tile is BLOCK_M
+rows: BLOCK_M // GROUP tokens times the GROUP query heads that share the KV head (GQA heads
+packed into the rows of the tensor-core tile, as decode does), so each K/V tile is loaded
+once for all of them. Each program walks KV tiles of BLOCK_N: first the tiles every row of
+its query tile sees in full (no mask), then the diagonal tiles under the causal mask (with
+a sliding window every tile is masked). Head dims are padded to a power of two and masked.
 
 `varlen_attention` is the same kernel over the step's fresh K/V laid end to end (no
 cache): what a prefill-only step or the memory-profiling pass needs.
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_kernels._device import cast_to, dot
+from pagoda_kernels._device import cast_to, dot, dot_acc
 from pagoda_kernels._paged import load_paged_tile
 from pagoda_kernels._utils import is_fp8, next_pow2, scale_tensor
 
@@ -31,17 +33,22 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _load_kv(k_ptr, v_ptr, table, pos, valid, head_off, offs_d, d_mask, k_scale, v_scale, q_start,
              stride_kt, stride_vt, stride_cb, stride_cs,
-             PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DTYPE):
+             PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DTYPE, MASKED: tl.constexpr):
+    """MASKED False: every row valid and the head dim a power of two, so plain loads."""
     if PAGED:
         k = load_paged_tile(k_ptr, table, pos, valid, head_off, offs_d, d_mask, k_scale,
-                            stride_cb, stride_cs, PAGE_SIZE, IS_FP8, DTYPE)
+                            stride_cb, stride_cs, PAGE_SIZE, IS_FP8, DTYPE, MASKED)
         v = load_paged_tile(v_ptr, table, pos, valid, head_off, offs_d, d_mask, v_scale,
-                            stride_cb, stride_cs, PAGE_SIZE, IS_FP8, DTYPE)
+                            stride_cb, stride_cs, PAGE_SIZE, IS_FP8, DTYPE, MASKED)
     else:
         rows = (q_start + pos).to(tl.int64)
-        mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + head_off + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(v_ptr + rows[:, None] * stride_vt + head_off + offs_d[None, :], mask=mask, other=0.0)
+        if MASKED:
+            mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + rows[:, None] * stride_kt + head_off + offs_d[None, :], mask=mask, other=0.0)
+            v = tl.load(v_ptr + rows[:, None] * stride_vt + head_off + offs_d[None, :], mask=mask, other=0.0)
+        else:
+            k = tl.load(k_ptr + rows[:, None] * stride_kt + head_off + offs_d[None, :])
+            v = tl.load(v_ptr + rows[:, None] * stride_vt + head_off + offs_d[None, :])
     return k.to(DTYPE), v.to(DTYPE)  # dot operands: see load_paged_tile
 
 
@@ -50,24 +57,30 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len,
                   k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask, k_scale, v_scale, q_start,
                   scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
                   MASKED: tl.constexpr, SLIDING_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IEEE: tl.constexpr):
+                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IEEE: tl.constexpr,
+                  PLAIN_LOADS: tl.constexpr):
+    """MASKED False: tiles every row sees in full (each score finite); PLAIN_LOADS: and the
+    head dim a power of two, so K/V load without masks."""
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < seq_len
         k, v = _load_kv(k_ptr, v_ptr, table, pos, valid, head_off, offs_d, d_mask, k_scale, v_scale, q_start,
-                        stride_kt, stride_vt, stride_cb, stride_cs, PAGED, PAGE_SIZE, IS_FP8, q.dtype)
-        s = dot(q, tl.trans(k), IEEE) * scale_log2
+                        stride_kt, stride_vt, stride_cb, stride_cs, PAGED, PAGE_SIZE, IS_FP8, q.dtype,
+                        not PLAIN_LOADS)
+        s = dot(q, tl.trans(k), IEEE)  # unscaled: the scale folds into the exponent's FMA
         if MASKED:
             keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             if SLIDING_WINDOW > 0:
                 keep = keep & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+        m_safe = m_new
+        if MASKED:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * scale_log2 - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)  # a dot operand: native conversion
+        acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)  # a dot operand: native conversion
         m_i = m_new
     return acc, l_i, m_i
 
@@ -79,33 +92,37 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
     stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, PAGED: tl.constexpr, IS_FP8: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     # Blocks start in launch order, the last grid axis slowest: the query tiles with the most
     # causal work go first, so the short ones fill in the end of the kernel (with few heads
     # the other order leaves the SMs idle behind a last wave of long tiles).
     m_tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if m_tile * BLOCK_M >= q_len:
+    if m_tile * TILE_TOKENS >= q_len:
         return
     if PAGED:
         seq_len = tl.load(seq_lens_ptr + seq)
     else:
         seq_len = q_len
     ctx = seq_len - q_len
-    kv_head = head // GROUP
 
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # row r: token r // GROUP of the tile, query head r % GROUP of the KV head (rows past
+    # TILE_TOKENS * GROUP, when GROUP is not a power of two, are padding)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m_tile * TILE_TOKENS + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < q_len
+    m_mask = (offs_m < q_len) & (rows < TILE_TOKENS * GROUP)
     d_mask = offs_d < HEAD_DIM
     q_pos = ctx + offs_m
-    q = tl.load(q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     k_scale = 1.0
     v_scale = 1.0
@@ -118,48 +135,53 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    first_q = ctx + m_tile * BLOCK_M
-    hi = tl.minimum(seq_len, first_q + BLOCK_M)  # past the tile's last query: invisible
+    first_q = ctx + m_tile * TILE_TOKENS
+    hi = tl.minimum(seq_len, first_q + TILE_TOKENS)  # past the tile's last query: invisible
     if SLIDING_WINDOW > 0:
         lo = tl.maximum(first_q - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            True, SLIDING_WINDOW, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE)
+            True, SLIDING_WINDOW, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False)
     else:
         full = first_q // BLOCK_N * BLOCK_N  # tiles below every row's diagonal
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, 0, full, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE)
+            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, HEAD_DIM == BLOCK_D)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, full, hi, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE)
+            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              cast_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 def _blocks(head_dim: int, dtype: torch.dtype, block_m: int | None, block_n: int | None,
-            num_stages: int | None, paged: bool) -> tuple[int, int, int]:
-    """Tile sizes and pipeline stages that compile without register spills on sm_90.
+            num_warps: int | None, num_stages: int | None, paged: bool) -> tuple[int, int, int, int]:
+    """Tile rows (tokens x the query heads of a KV head), tile columns, warps and pipeline stages
+    that compile without register spills on sm_90.
 
-    16-bit paged: 64 x 64 tiles, 3 stages (an H100 sweep of eight configurations: 0.466 of
-    the matmul rate against 0.427 for 128 x 64 x 2; docs/benchmarks/2026-11-21-e2e-h100.md).
-    16-bit contiguous: 128 x 64, 3 stages (an H200 sweep, 16 / 8 heads: 0.43 of the matmul
-    rate against 0.35 with 2 stages; docs/benchmarks/2026-11-21-kernels-h200.md).
+    16-bit paged: 128 x 64 tiles, 4 warps, 3 stages (an H100 sweep, 4,096 tokens, 16 and 32 query
+    heads over 8 KV heads: 354 and 367 TFLOP/s against 320 and 330 for 64 x 64 with 4 warps, 334
+    and 349 for 256 x 64 with 8; docs/benchmarks/2026-11-27-prefill-heavy-profile-h100.md).
+    16-bit contiguous: 64 x 64, 4 warps, 3 stages (H100 sweeps of the 16-head case in two calls:
+    384 and 361 TFLOP/s against 356 and 340 for 128 x 64 with 8 warps; 249 with 4).
     """
-    stages = 2
+    stages, warps = 2, None
     if dtype == torch.float32:  # IEEE float32 dots run on FMAs; some spilling remains (a correctness path)
         m, n = (32, 16) if head_dim <= 128 else (64, 32)
     elif head_dim > 128:
         m, n = 64, 32
     elif paged:
-        m, n, stages = 64, 64, 3
+        m, n, stages, warps = 128, 64, 3, 4
     else:
-        m, n, stages = 128, 64, 3
-    return block_m or m, block_n or n, num_stages or stages
+        m, n, stages = 64, 64, 3
+    block_m = block_m or m
+    if num_warps is None:  # a [BLOCK_M, head dim] float32 accumulator needs 8 warps from 128 x 128 on
+        num_warps = warps or (8 if block_m * next_pow2(head_dim) >= 128 * 128 else 4)
+    return block_m, block_n or n, num_warps, num_stages or stages
 
 
 def _launch(q, k, v, block_tables, query_start_loc, seq_lens, scale, sliding_window, k_scale, v_scale,
@@ -171,12 +193,14 @@ def _launch(q, k, v, block_tables, query_start_loc, seq_lens, scale, sliding_win
     num_seqs = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_n, num_stages = _blocks(head_dim, q.dtype, block_m, block_n, num_stages, paged)
-    if num_warps is None:  # a [BLOCK_M, head dim] float32 accumulator needs 8 warps from 128 x 128 on
-        num_warps = 8 if block_m * next_pow2(head_dim) >= 128 * 128 else 4
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps, num_stages = _blocks(head_dim, q.dtype, block_m, block_n, num_warps, num_stages,
+                                                      paged)
+    block_m = max(block_m, next_pow2(group))  # at least one token's heads a tile
+    tile_tokens = block_m // group
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, tile_tokens))
     _prefill_kernel[grid](
         q, k, v, block_tables, query_start_loc, seq_lens,
         *((scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)) if fp8 else (query_start_loc,) * 2),
@@ -187,8 +211,8 @@ def _launch(q, k, v, block_tables, query_start_loc, seq_lens, scale, sliding_win
         # runs the variant the warm-up compiled (Triton specialises integers: 1, % 16, other)
         block_tables.stride(0) if paged else 0,
         out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        BLOCK_M=block_m, TILE_TOKENS=tile_tokens, BLOCK_N=block_n, PAGE_SIZE=page,
         SLIDING_WINDOW=sliding_window or 0, PAGED=paged, IS_FP8=fp8, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -114,6 +114,8 @@ PREFILL_CASES = [
     (96, 6, 3, 16, F16, None, 12, 32, 16),  # window shorter than a query tile
     (128, 4, 4, 16, F16, FP8, None, 16, 16),  # fp8 cache
     (256, 2, 1, 8, F32, None, 40, 16, 8),  # head 256, window, tile smaller than a page
+    (64, 6, 2, 16, F16, None, 9, 16, 16),  # 3 query heads a KV head: a tile of 5 tokens and a padding row
+    (64, 32, 1, 16, F32, None, None, 16, 16),  # 32 query heads a KV head: the tile grows to one token's heads
 ]
 
 
@@ -136,7 +138,7 @@ def test_prefill_with_cached_prefix_matches_twin(gen, head_dim, heads, kv_heads,
 
 
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "dtype", "window"),
-                         [(64, 4, 2, F16, None), (80, 2, 1, F32, 7), (128, 4, 4, F16, None)])
+                         [(64, 4, 2, F16, None), (80, 2, 1, F32, 7), (128, 4, 4, F16, None), (64, 10, 2, F16, 5)])
 def test_varlen_on_fresh_kv_matches_twin(gen, head_dim, heads, kv_heads, dtype, window):
     q_lens = [1, *randint(gen, 2, 45, 2)]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
