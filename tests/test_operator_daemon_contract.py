@@ -192,7 +192,7 @@ def test_every_option_a_layout_refusal_names_is_an_inferenceservice_field(tiny_m
     name no daemon option the user did not write."""
     from types import SimpleNamespace
 
-    from pagoda_daemon.distributed.parallel_state import check_layout
+    from pagoda_daemon.distributed.layout import check_layout
     from pagoda_daemon.models.loader import load_config
 
     moe = load_config(tiny_models["qwen3_moe"])

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagoda_daemon.distributed.eplb import initial_placement, move_plan, rank_loads, rebalance, replica_table
-from pagoda_daemon.distributed.parallel_state import check_layout
+from pagoda_daemon.distributed.layout import check_layout
 from pagoda_daemon.models.loader import load_config
 
 

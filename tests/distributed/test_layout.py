@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from pagoda_daemon.distributed.parallel_state import TensorParallel, check_layout
+from pagoda_daemon.distributed.layout import check_layout
+from pagoda_daemon.distributed.parallel_state import TensorParallel
 from pagoda_daemon.models.loader import load_config
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.distributed.parallel_state import check_layout
+from pagoda_daemon.distributed.layout import check_layout
 from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.messages import (

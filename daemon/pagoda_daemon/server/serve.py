@@ -230,7 +230,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     try:
         config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]),
                               **values_from_args(options, EngineConfig))
-        from pagoda_daemon.distributed.parallel_state import check_layout
+        from pagoda_daemon.distributed.layout import check_layout
         from pagoda_daemon.models.loader import load_config
 
         model_config = load_config(config.model)  # a bad path or architecture fails here, before any process

@@ -19,12 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from pagoda_daemon.distributed.parallel_state import (
-    any_over_ranks,
-    min_over_ranks,
-    num_experts_of,
-    tensor_parallel_group,
-)
+from pagoda_daemon.distributed.layout import num_experts_of
+from pagoda_daemon.distributed.parallel_state import any_over_ranks, min_over_ranks, tensor_parallel_group
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.kv_offload.connector import OffloadWorker
 from pagoda_daemon.models import loader
