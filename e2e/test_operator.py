@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.models.hub_server import HubServer
+
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT / "crds"
 NODE = "pagoda-op-gpu-1"
@@ -122,9 +124,23 @@ def gpu_node(cluster):
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, gpu_node):
+def config_hub(tmp_path_factory):
+    """A Hub-compatible server on loopback with one model's config.json (32 attention heads over 8
+    KV heads): the endpoint the operator may read configs from (--model-config-endpoint)."""
+    folder = tmp_path_factory.mktemp("dense")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336}))
+    server = HubServer().start()
+    server.add_repo("org/dense", folder)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, gpu_node, config_hub):
     ns = cluster.create_namespace("pagoda-operator")
-    op = Operator(cluster, ns).start()
+    op = Operator(cluster, ns, extra_args=(f"--model-config-endpoint={config_hub.url}",)).start()
     cluster.wait_for(lambda: "leading as" in op.log() or not op.alive(), timeout=60, what="operator leads")
     assert op.alive(), op.log()[-3000:]
     yield op
@@ -433,6 +449,26 @@ def test_invalid_combination_is_degraded_and_children_untouched(cluster, ns, ope
         "get", "events", "-n", ns, "--field-selector", "involvedObject.name=combo"
     ).stdout
     assert "InvalidSpec" in events
+
+
+def test_a_layout_the_models_config_rules_out_is_refused_before_any_pod(cluster, ns, operator, config_hub):
+    """TP = 3 for a model of 32 attention heads: Degraded/InvalidSpec naming the field, from the
+    model's config.json read by the operator, and no Deployment (no pod to crash-loop)."""
+    model = {"name": "m", "uri": "hf://org/dense", "endpoint": config_hub.url}
+    cluster.apply(isvc("heads", model=model, resources={"gpusPerReplica": 3}, parallelism={"tensor": 3}), ns)
+
+    def degraded():
+        c = cond(get(cluster, "pisvc", "heads", ns), "Degraded")
+        return c if c.get("reason") == "InvalidSpec" else None
+
+    c = cluster.wait_for(degraded, timeout=30, what="Degraded/InvalidSpec")
+    assert "attention heads (32)" in c["message"] and "spec.parallelism.tensor" in c["message"], c
+    assert get(cluster, "deployment", "heads", ns) is None
+    cluster.kubectl("patch", "pisvc", "heads", "-n", ns, "--type=merge",
+                    "-p", '{"spec":{"parallelism":{"tensor":4},"resources":{"gpusPerReplica":4}}}')
+    cluster.wait_for(lambda: get(cluster, "deployment", "heads", ns), timeout=30, what="the Deployment")
+    gets = [p for m, p, _ in config_hub.requests if m == "GET" and p.endswith("/config.json")]
+    assert gets == ["/org/dense/resolve/main/config.json"]  # read once for both generations
 
 
 def test_a_quota_that_forbids_services_is_degraded_and_clears_when_lifted(cluster, ns, operator):

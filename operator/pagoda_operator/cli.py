@@ -23,12 +23,22 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pagoda_operator import builders, elastic, telemetry
+from pagoda_operator import builders, elastic, model_config, telemetry
 from pagoda_operator.admission import Policy, image_repository, path_within, system_path
 
 if TYPE_CHECKING:
     from pagoda_operator.kube import Kube
     from pagoda_operator.webhook import AdmissionWebhook
+
+
+def endpoint_url(value: str) -> str:
+    """An http(s) URL with a host and no user information (or ``none``), for argparse."""
+    from pagoda_operator.spec import endpoint_error
+
+    why = None if value == "none" else endpoint_error(value)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return value.rstrip("/")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,6 +74,12 @@ def parser() -> argparse.ArgumentParser:
         help="seconds between autoscaler steps and resyncs of each InferenceService",
     )
     p.add_argument("--scrape-timeout", type=bounded(float, 0.1, 600), default=2.0, help="seconds to wait for a pod's /metrics")
+    p.add_argument(
+        "--model-config-endpoint", action="append", default=None, metavar="URL", type=endpoint_url,
+        help="a Hugging Face Hub-compatible endpoint whose hf:// models' config.json the operator may read "
+        f"(anonymously, no Secret) to refuse at apply time a parallel layout the model cannot take; repeat "
+        f"for more; default {model_config.DEFAULT_ENDPOINT}; 'none': read none (docs/security.md)",
+    )
     p.add_argument(
         "--metrics-port", type=int, default=8080, help="operator /metrics (and /healthz); 0 disables"
     )
@@ -328,8 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("pagoda_operator").warning(
             "%s is not set: elastic InferenceServices serve at their start size, unresized",
             elastic.OPERATOR_SECRET_ENV)
+    endpoints = tuple(e for e in (args.model_config_endpoint or [model_config.DEFAULT_ENDPOINT]) if e != "none")
     ctx = Context(kube=CachedKube(kube), settings=settings, scrape_timeout=args.scrape_timeout,
-                  operator_secret=operator_secret, tracer=tracer)
+                  operator_secret=operator_secret, tracer=tracer,
+                  model_configs=model_config.ModelConfigs(endpoints, args.scrape_timeout) if endpoints else None)
     registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)
     logging.getLogger("pagoda_operator").info(
         "operator running: %s, interval %.1fs, daemon image %s",

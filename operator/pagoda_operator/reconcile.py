@@ -31,8 +31,10 @@ from pagoda_daemon.capabilities import supported
 from pagoda_operator import autoscaler, builders, disaggregation, placement, pod_groups
 from pagoda_operator import elastic as elastic_mod
 from pagoda_operator import metrics_scrape as scrape_mod
+from pagoda_operator import model_config as model_config_mod
 from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
+from pagoda_operator.model_config import ModelConfigs
 from pagoda_operator.spec import InvalidSpec, ServiceSpec, Supports, desired_replicas, parse
 from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL, autoscaled
 
@@ -143,6 +145,9 @@ class Context:
     # when each InferenceService's latest pass finished (ctx.clock()), whatever triggered it: the
     # periodic pass leaves alone what a watch event had reconciled since its previous round
     passed_at: dict[tuple[str, str], float] = field(default_factory=dict)
+    # the models' config.json, for refusing at apply time a layout the model cannot take
+    # (model_config.py); None: left to the daemon's start
+    model_configs: ModelConfigs | None = None
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self.locks_guard:
@@ -216,6 +221,7 @@ class Observed:
     # elastic EP: each ready pod's /elastic_ep (None: not read this pass) and the admin key it takes
     elastic_states: dict[str, dict[str, Any]] | None = None
     admin_key: str | None = None
+    model_config: dict[str, Any] | None = None  # the model's config.json, where this operator reads it
 
     @property
     def leaders(self) -> dict[str, Any] | None:
@@ -304,8 +310,9 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
             pod_events = list(kube.pod_warnings(namespace))
         except ApiError as e:
             log.debug("cannot read Events in %s: %s", namespace, e)
+    model_config = ctx.model_configs.get(spec) if spec is not None and ctx.model_configs is not None else None
     return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events,
-                    stateful_sets, group_service, starting, elastic_states, admin_key)
+                    stateful_sets, group_service, starting, elastic_states, admin_key, model_config)
 
 
 def decide(observed: Observed, settings: builders.Settings, now: float) -> Decision:
@@ -317,7 +324,8 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
     if observed.spec_error is not None:
         blocker = status_mod.Problem("InvalidSpec", observed.spec_error)
     if spec is not None:
-        msg = placement.capacity_error(spec, observed.topologies)
+        layout = model_config_mod.layout_error(spec, observed.model_config) if observed.model_config else None
+        msg = layout or placement.capacity_error(spec, observed.topologies)
         if msg:
             blocker = status_mod.Problem("InvalidSpec", msg)
         elif (

@@ -537,7 +537,7 @@ def model_source_errors(model: Any) -> list[str]:
             )
     endpoint = model.get("endpoint")
     if endpoint is not None:
-        why = _endpoint_error(endpoint)
+        why = endpoint_error(endpoint)
         if why:
             errors.append(f"spec.model.endpoint: {why}")
     region = model.get("region")
@@ -568,7 +568,8 @@ def quantity_bytes(quantity: Any) -> int | None:
     return math.ceil(float(text[: len(text) - len(unit)]) * _QUANTITY_UNITS[unit])
 
 
-def _endpoint_error(endpoint: Any) -> str | None:
+def endpoint_error(endpoint: Any) -> str | None:
+    """Why ``endpoint`` is not an http(s) URL with a host and no user information; None when it is."""
     if not isinstance(endpoint, str):
         return f"an endpoint is a string, not {type(endpoint).__name__}"
     if not endpoint or len(endpoint) > MAX_ENDPOINT:
@@ -651,7 +652,7 @@ CRD_FIELD_OF_OPTION = {
 
 
 # The fields of the options a daemon's refusal of its configuration may name beyond the gated ones
-# (distributed/parallel_state.check_layout: layouts only the model's config.json can rule out).
+# (distributed/layout.check_layout: layouts only the model's config.json can rule out).
 CRD_FIELD_OF_LAYOUT_OPTION = {
     "enable_eplb": "spec.parallelism.eplb",
     "num_redundant_experts": "spec.parallelism.eplb.redundantExperts",

@@ -52,3 +52,12 @@ def test_an_otlp_protocol_the_operator_does_not_speak_is_refused_at_start(monkey
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift")
     assert main([]) == 2
     assert "pagoda operator: tracing: OTEL_EXPORTER_OTLP_PROTOCOL 'thrift'" in capsys.readouterr().err
+
+
+def test_model_config_endpoints_are_urls_or_none(capsys):
+    assert parser().parse_args([]).model_config_endpoint is None  # the default Hub (cli.main)
+    args = parser().parse_args(["--model-config-endpoint=https://hub.example/", "--model-config-endpoint=none"])
+    assert args.model_config_endpoint == ["https://hub.example", "none"]
+    for bad in ("ftp://hub.example", "https://user:pw@hub.example", "hub.example", ""):
+        assert main([f"--model-config-endpoint={bad}"]) == 2
+        assert "--model-config-endpoint" in capsys.readouterr().err

@@ -354,6 +354,7 @@ def test_helm_template_defaults(helm):
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["pagoda"] and c["args"][0] == "operator"
     assert "--lease-namespace=pagoda-system" in c["args"]
+    assert "--model-config-endpoint=https://huggingface.co" in c["args"]  # the public Hub, anonymously
     assert "--daemon-image=ghcr.io/pagoda-serving/pagoda:0.1.0" in c["args"]
     ds = next(d for d in docs if d["kind"] == "DaemonSet")
     agent = ds["spec"]["template"]["spec"]["containers"][0]
@@ -417,6 +418,9 @@ def test_helm_template_options(helm):
     assert dep["spec"]["replicas"] == 2
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    off = render(helm, "operator.modelConfigEndpoints=null")
+    args = next(d for d in off if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--model-config-endpoint")] == ["--model-config-endpoint=none"]
 
 
 def test_the_node_model_cache_reaches_operator_and_agent_and_goes_when_off(helm):
