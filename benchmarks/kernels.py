@@ -114,6 +114,11 @@ def decode_case(device, timer, batch, ctx, heads, kv_heads, head_dim=128, page=1
             "max_chunk_tiles": int(plan.chunk_tiles.max()), "seconds": t, "bytes": moved, "GB_per_s": moved / t / 1e9}
 
 
+def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
+    """Causal attention over `tokens`: QK^T and PV (2 x 2 FLOPs a multiply-add), half the square."""
+    return 4 * tokens * tokens / 2 * head_dim * heads
+
+
 def prefill_case(device, timer, tokens, heads, kv_heads, head_dim=128, page=16, dtype=torch.bfloat16,
                  paged=True, tiles: dict | None = None) -> dict:
     """tiles: block_m / block_n / num_warps / num_stages overrides (the sweep)."""
@@ -134,7 +139,7 @@ def prefill_case(device, timer, tokens, heads, kv_heads, head_dim=128, page=16, 
         fn = lambda: varlen_attention(q, k, v, qsl, head_dim**-0.5, max_query_len=tokens, out=out,  # noqa: E731
                                       **(tiles or {}))
     t = timer(fn)
-    flops = 4 * tokens * tokens / 2 * head_dim * heads
+    flops = causal_flops(tokens, heads, head_dim)
     return {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "paged": paged,
             "causal": True, "tiles": tiles or "default", "seconds": t, "flops": flops, "TFLOP_per_s": flops / t / 1e12}
 
@@ -154,7 +159,7 @@ def fa3_prefill_case(device, timer, tokens, heads, kv_heads, head_dim, mm) -> di
         t = timer(lambda: flash_attn_varlen_func(q, cache[0], cache[1], max_seqlen_q=tokens, cu_seqlens_q=cu,
                                                  max_seqlen_k=tokens, seqused_k=used, softmax_scale=head_dim**-0.5,
                                                  causal=True, block_table=tables, out=out, fa_version=3))
-        flops = 4 * tokens * tokens / 2 * head_dim * heads
+        flops = causal_flops(tokens, heads, head_dim)
         return {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "paged": True,
                 "seconds": t, "TFLOP_per_s": flops / t / 1e12, "fraction_of_matmul": flops / t / 1e12 / mm["TFLOP_per_s"]}
     except Exception as e:

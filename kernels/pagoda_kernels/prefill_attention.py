@@ -158,10 +158,10 @@ def _prefill_kernel(
              cast_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def _blocks(head_dim: int, dtype: torch.dtype, block_m: int | None, block_n: int | None,
+def _blocks(head_dim: int, group: int, dtype: torch.dtype, block_m: int | None, block_n: int | None,
             num_warps: int | None, num_stages: int | None, paged: bool) -> tuple[int, int, int, int]:
-    """Tile rows (tokens x the query heads of a KV head), tile columns, warps and pipeline stages
-    that compile without register spills on sm_90.
+    """Tile rows (tokens x the `group` query heads of a KV head; at least one token's), tile
+    columns, warps and pipeline stages that compile without register spills on sm_90.
 
     16-bit paged: 128 x 64 tiles, 4 warps, 3 stages (an H100 sweep, 4,096 tokens, 16 and 32 query
     heads over 8 KV heads: 354 and 367 TFLOP/s against 320 and 330 for 64 x 64 with 4 warps, 334
@@ -178,7 +178,7 @@ def _blocks(head_dim: int, dtype: torch.dtype, block_m: int | None, block_n: int
         m, n, stages, warps = 128, 64, 3, 4
     else:
         m, n, stages = 64, 64, 3
-    block_m = block_m or m
+    block_m = max(block_m or m, next_pow2(group))
     if num_warps is None:  # a [BLOCK_M, head dim] float32 accumulator needs 8 warps from 128 x 128 on
         num_warps = warps or (8 if block_m * next_pow2(head_dim) >= 128 * 128 else 4)
     return block_m, block_n or n, num_warps, num_stages or stages
@@ -194,9 +194,8 @@ def _launch(q, k, v, block_tables, query_start_loc, seq_lens, scale, sliding_win
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = _blocks(head_dim, q.dtype, block_m, block_n, num_warps, num_stages,
-                                                      paged)
-    block_m = max(block_m, next_pow2(group))  # at least one token's heads a tile
+    block_m, block_n, num_warps, num_stages = _blocks(head_dim, group, q.dtype, block_m, block_n, num_warps,
+                                                      num_stages, paged)
     tile_tokens = block_m // group
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())

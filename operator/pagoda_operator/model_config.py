@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote
 
+from pagoda_daemon import model_uri
 from pagoda_daemon.distributed.layout import check_layout
 from pagoda_operator.spec import ServiceSpec, daemon_config, in_crd_terms
 
@@ -62,8 +63,8 @@ def layout_error(spec: ServiceSpec, config: Mapping[str, Any]) -> str | None:
 
 
 def config_url(endpoint: str, repo: str, revision: str | None) -> str:
-    """Where a Hub-compatible endpoint serves a repository's config.json at a revision."""
-    return f"{endpoint.rstrip('/')}/{quote(repo, safe='/')}/resolve/{quote(revision or 'main', safe='')}/config.json"
+    """Where a Hub-compatible endpoint (no trailing slash) serves a repository's config.json at a revision."""
+    return f"{endpoint}/{quote(repo, safe='/')}/resolve/{quote(revision or 'main', safe='')}/config.json"
 
 
 def http_get(url: str, timeout: float) -> bytes:
@@ -98,8 +99,6 @@ class ModelConfigs:
         endpoint = (m.endpoint or DEFAULT_ENDPOINT).rstrip("/")
         if endpoint not in self.endpoints:
             return None
-        from pagoda_daemon import model_uri
-
         try:
             uri = model_uri.parse(m.uri)
         except model_uri.InvalidModelUri:
