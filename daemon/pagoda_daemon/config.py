@@ -107,7 +107,12 @@ class EngineConfig:
     kv_offload_disk_source: str | None = option(
         None, "prefill/decode disaggregation: another engine's kv_offload_disk_path (a prefill instance); "
         "blocks this engine's tiers lack are taken from there, hard-linked into its own disk tier "
-        "(same filesystem)")
+        "(same filesystem); or tcp://HOST:PORT, another host's kv_transfer_port, from which they are fetched "
+        "(the shared key in PAGODA_KV_TRANSFER_KEY)")
+    kv_transfer_port: int = option(
+        0, "prefill/decode disaggregation between hosts: serve this engine's disk-tier KV blocks on this TCP port "
+        "of every interface to decode instances whose kv_offload_disk_source names it (0: off; the shared key in "
+        "PAGODA_KV_TRANSFER_KEY)", minimum=0, maximum=65535)
 
     @property
     def elastic_ep(self) -> bool:

@@ -59,3 +59,43 @@ def test_offload_at_tensor_parallel_2_gives_the_same_tokens(tiny_models, tmp_pat
     assert on["free"] and off["free"]
     for rank in (0, 1):
         assert len(list((tmp_path / "kv" / f"rank{rank}").glob("*.kvblock"))) == on["disk_files"] > 0
+
+
+def _transfer_main(_: int, path: str, out_dir: str) -> None:
+    """A prefill engine at TP = 2 fills its disk tier; its files are then served on a transfer
+    port (kv_offload/transfer.py) to a decode engine at TP = 2, which fetches both ranks' files of
+    every block. (Two engines of several ranks cannot live in one process at once: one
+    torch.distributed world each. The prefill engine has stopped; a BlockServer serves its tier.)"""
+    import os
+
+    from pagoda_daemon import LLM
+    from pagoda_daemon.kv_offload import transfer
+
+    torch.set_num_threads(1)
+    os.environ[transfer.KEY_ENV] = "tp-transfer-key-0123456789"
+    prompts = workload(num_prefixes=3, repeats=1)
+    disk = {"kv_offload_disk_gib": 64 * 2 * 4096 / 2**30}
+    results = {}
+    for name, extra in (("off", {}), ("prefill", {"kv_offload_disk_path": str(Path(out_dir, "prefill")), **disk})):
+        llm = LLM(path, tensor_parallel_size=2, **ENGINE, **extra)
+        results[name] = run(llm, prompts)
+        llm.engine.core.shutdown()
+    server = transfer.BlockServer(str(Path(out_dir, "prefill")), 0, transfer.transfer_key(), host="127.0.0.1")
+    decode = LLM(path, tensor_parallel_size=2, **ENGINE, kv_offload_disk_path=str(Path(out_dir, "decode")),
+                 kv_offload_disk_source=f"tcp://127.0.0.1:{server.port}", **disk)
+    results["decode"] = run(decode, prompts)
+    stats = decode.get_stats().kv_offload
+    results["stats"] = {"hits": stats.hits, "fetched": stats.fetched_bytes, "failed_loads": stats.failed_loads}
+    decode.engine.core.shutdown()
+    server.close()
+    Path(out_dir, "result.json").write_text(json.dumps(results))
+
+
+def test_blocks_fetched_from_another_host_at_tensor_parallel_2_give_the_same_tokens(tiny_models, tmp_path):
+    mp.start_processes(_transfer_main, args=(tiny_models["llama"], str(tmp_path)), nprocs=1, start_method="spawn")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["decode"] == result["prefill"] == result["off"]
+    # every prompt's 6 full blocks, both ranks' halves (4,096 bytes each)
+    assert result["stats"] == {"hits": 3 * 6 * 16, "fetched": 3 * 6 * 2 * 4096, "failed_loads": 0}
+    for rank in (0, 1):
+        assert len(list((tmp_path / "decode" / f"rank{rank}").glob("*.kvblock"))) == 3 * 6

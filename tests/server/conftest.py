@@ -31,9 +31,9 @@ class ServerProcess:
         self.tmp_dir = log_dir / f"tmp-{self.port}"  # the server's TMPDIR: its IPC folder is found here
         self.tmp_dir.mkdir()
         name = ["--served-model-name", served_name] if served_name else []
-        cmd = [sys.executable, "-m", "pagoda_daemon", "--log-level", "INFO", "serve", model,
-               "--host", "127.0.0.1", "--port", str(self.port), *name,
-               "--device", "cpu", "--numa-policy", "none", "--kv-cache-memory-bytes", str(64 << 20), *extra]
+        self.cmd = cmd = [sys.executable, "-m", "pagoda_daemon", "--log-level", "INFO", "serve", model,
+                          "--host", "127.0.0.1", "--port", str(self.port), *name,
+                          "--device", "cpu", "--numa-policy", "none", "--kv-cache-memory-bytes", str(64 << 20), *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(self.tmp_dir),
                **(env or {})}
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)

@@ -26,12 +26,24 @@ def metric(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-@pytest.fixture
-def pd(start_server, tmp_path):
+TRANSFER_KEY = {"PAGODA_KV_TRANSFER_KEY": "pd-test-key-0123456789"}
+
+
+@pytest.fixture(params=["directory", "tcp"])
+def pd(start_server, tmp_path, request):
+    """The decode instance takes the prefill instance's blocks from its directory (one host), or
+    fetches them from its transfer port (between hosts; here both on loopback)."""
     disk = ("--kv-offload-disk-gib", "0.01")
-    prefill = start_server("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk)
+    if request.param == "directory":
+        prefill = start_server("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk)
+        source = str(tmp_path / "prefill-kv")
+    else:
+        transfer_port = free_port()
+        prefill = start_server("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk,
+                               "--kv-transfer-port", str(transfer_port), env=TRANSFER_KEY)
+        source = f"tcp://127.0.0.1:{transfer_port}"
     decode = start_server("--kv-offload-disk-path", str(tmp_path / "decode-kv"), *disk,
-                          "--kv-offload-disk-source", str(tmp_path / "prefill-kv"))
+                          "--kv-offload-disk-source", source, env=TRANSFER_KEY)
     port = free_port()
     log = open(tmp_path / "proxy.log", "w")  # noqa: SIM115 (closed below)
     proxy = subprocess.Popen([sys.executable, "-m", "pagoda_daemon", "pd-proxy", "--prefill", prefill.url,
@@ -54,6 +66,10 @@ def pd(start_server, tmp_path):
         log.close()
 
 
+def decode_fetches(decode) -> bool:
+    return "tcp://" in " ".join(decode.cmd)
+
+
 def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
     import openai
 
@@ -66,6 +82,8 @@ def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
     assert got == want
     # the decode instance took every prompt's 6 full blocks from the prefill instance's disk tier
     assert metric(decode.url, "vllm:external_prefix_cache_hits_total") >= len(PROMPTS) * 6 * 16
+    fetched = metric(decode.url, "pagoda:kv_transfer_fetched_bytes_total")
+    assert fetched > 0 if decode_fetches(decode) else fetched == 0
     assert metric(prefill.url, "vllm:generation_tokens_total") == len(PROMPTS)  # one token each
     # streamed through the proxy: the same text in pieces
     stream = both.completions.create(prompt=PROMPTS[0], stream=True, **ask)

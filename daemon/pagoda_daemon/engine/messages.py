@@ -129,7 +129,8 @@ class KVOffloadStats(msgspec.Struct, array_like=True, gc=False):
     """KV offload (kv_offload/) since the previous stats: tokens looked up in the offload tiers
     and tokens found there (vLLM's external prefix cache counters), bytes copied back to the GPU
     and saved, per tier (``cpu``, ``disk``; summed over the ranks), the seconds rank 0 spent
-    copying, and the blocks whose load failed (their requests were recomputed)."""
+    copying, the blocks whose load failed (their requests were recomputed), and the bytes fetched
+    from another instance (kv_offload/transfer.py)."""
 
     queries: int = 0
     hits: int = 0
@@ -137,6 +138,7 @@ class KVOffloadStats(msgspec.Struct, array_like=True, gc=False):
     saved_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     transfer_seconds: float = 0.0
     failed_loads: int = 0
+    fetched_bytes: int = 0  # KV fetched from another instance (prefill/decode between hosts), over the ranks
 
     def add(self, later: KVOffloadStats | None) -> KVOffloadStats:
         if later is None:
@@ -146,7 +148,8 @@ class KVOffloadStats(msgspec.Struct, array_like=True, gc=False):
             for tier, n in theirs.items():
                 mine[tier] = mine.get(tier, 0) + n
         return KVOffloadStats(self.queries + later.queries, self.hits + later.hits, loaded, saved,
-                              self.transfer_seconds + later.transfer_seconds, self.failed_loads + later.failed_loads)
+                              self.transfer_seconds + later.transfer_seconds, self.failed_loads + later.failed_loads,
+                              self.fetched_bytes + later.fetched_bytes)
 
 
 # An elastic resize's phases (executor/resize.py), as the admin endpoint and the metrics name them.

@@ -152,14 +152,15 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, in order, unless this step had to preempt. One whose grammar is
-        # still compiling keeps its place and lets those behind it go first.
-        compiling: deque[Request] = deque()
+        # still compiling, or whose prompt's KV is still arriving from another instance, keeps
+        # its place and lets those behind it go first.
+        held_back: deque[Request] = deque()
         while self.waiting and budget > 0 and not out.preempted_request_ids:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
             if req.grammar is not None and not req.grammar.ready():
-                compiling.append(self.waiting.popleft())
+                held_back.append(self.waiting.popleft())
                 continue
             if req.grammar is not None and req.grammar.error is not None:
                 self._fail(req, f"structured output could not be compiled: {req.grammar.error}")
@@ -169,6 +170,10 @@ class Scheduler:
             # forward pass and counted as computed, like prefix-cache hits (the last token never is)
             offload_hashes = self._offload_candidates(req, len(computed_blocks))
             num_loaded_blocks = self.connector.lookup(offload_hashes) if offload_hashes and self.connector else 0
+            if (self.connector is not None and num_loaded_blocks < len(offload_hashes)
+                    and self.connector.arriving(offload_hashes[num_loaded_blocks:])):
+                held_back.append(self.waiting.popleft())
+                continue
             num_loaded = num_loaded_blocks * self.kv_cache.block_size
             num_new = req.num_tokens - num_cached - num_loaded
             if num_new > budget and not self.enable_chunked_prefill:
@@ -195,7 +200,7 @@ class Scheduler:
             all_ids = self.kv_cache.block_ids(req.request_id)
             out.scheduled.append(self._advance(req, num_new, all_ids, True))
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(held_back))
         if self.connector is not None:
             self._plan_saves(out)
 

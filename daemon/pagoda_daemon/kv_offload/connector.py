@@ -53,6 +53,12 @@ class OffloadConnector(ABC):
     def lookup(self, block_hashes: list[BlockHash]) -> int:
         """How many of these blocks, from the first, a tier holds (no side effect)."""
 
+    def arriving(self, block_hashes: list[BlockHash]) -> bool:
+        """Whether these blocks (a request's, after those ``lookup`` found) are on their way from
+        another instance: the request then waits, keeping its place, while the batch runs on, and
+        is looked up again next step. Tiers that fetch nothing say no."""
+        return False
+
     @abstractmethod
     def plan_loads(self, block_hashes: list[BlockHash], gpu_block_ids: list[int]) -> list[KVTransfer]:
         """The copies that bring ``block_hashes`` (a ``lookup`` hit) into these GPU blocks,
@@ -93,6 +99,9 @@ class OffloadConnector(ABC):
     @abstractmethod
     def check(self) -> None:
         """Raise if the accounting is inconsistent (tests)."""
+
+    def close(self) -> None:  # noqa: B027 (most connectors run nothing beside the engine)
+        """Stop what the connector runs beside the engine (a transfer server, fetches)."""
 
 
 class OffloadWorker(ABC):

@@ -209,27 +209,29 @@ class DiskIndex:
         self.checked.add(block_hash)
         return True
 
-    def adopt(self, block_hash: BlockHash) -> bool:
-        """Take a block another engine wrote to the source directory (a prefill instance), if it
+    def adopt(self, block_hash: BlockHash, source: str | None = None) -> bool:
+        """Take a block another engine wrote to the source directory (a prefill instance; or
+        ``source``, where a fetch from another host left it), if it
         has it on every rank and their headers name this engine and this block (the payloads are
         checked when they are loaded; one that fails is recomputed): hard links into this tier's
         directories, so the other engine may evict its own files meanwhile. The block becomes this
         tier's most recent;
         the tier may exceed its size until ``shrink`` (after the step's lookups, whose loads
         must find what they found)."""
-        if self.source is None or block_hash in self.files:
+        source = source or self.source
+        if source is None or block_hash in self.files:
             return False
         name = file_name(block_hash)
         linked: list[Path] = []
         try:
-            found = os.stat(rank_dir(self.source, 0) / name)
+            found = os.stat(rank_dir(source, 0) / name)
             source_file = (found.st_ino, found.st_mtime_ns)
             if self._refused.get(block_hash) == source_file:
                 return False  # this very file failed a load: recomputed instead, until it is written anew
             for r, ident in enumerate(self.identities):
                 target = rank_dir(self.root, r) / name
                 target.unlink(missing_ok=True)  # a file this index does not know: stale
-                os.link(rank_dir(self.source, r) / name, target)
+                os.link(rank_dir(source, r) / name, target)
                 linked.append(target)
                 check_header(target, ident, block_hash)  # the payload is checked when it is loaded
         except (OSError, ValueError):  # not there (yet, or any more) on some rank, or not for this engine

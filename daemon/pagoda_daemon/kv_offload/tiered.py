@@ -12,11 +12,15 @@ saves go to it directly. The tiers are not exclusive: a block may be in both.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -28,12 +32,19 @@ from pagoda_daemon.engine.scheduler_output import KVTransfer
 from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, capacity_blocks
 from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, STAGE_BLOCKS, CpuIndex, CpuStore, gather
 from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
+from pagoda_daemon.kv_offload.transfer import BlockServer, RemoteBlocks, check_url, is_remote, transfer_key
 
 log = logging.getLogger(__name__)
 
 DISK_IO_THREADS = 8
 SAVE_COPY_BLOCKS = 64  # blocks a disk save stages on the device at a time (64 Llama-3-8B blocks: 128 MiB)
 CPU, DISK = "cpu", "disk"  # the tiers' names in the stats (the metrics' `medium` label upper-cases them)
+# Prefill/decode between hosts (transfer.py): fetches from the prefill instance at once, each in a
+# thread; requests beyond them wait for a thread. Their files land in a folder of their own under
+# INCOMING, then are adopted into the disk tier by the scheduler's thread.
+FETCH_THREADS = 4
+INCOMING = ".incoming"
+MAX_ANSWERED = 4096  # fetches remembered as done, so that a request they were for does not ask again
 
 
 def enabled(config: EngineConfig) -> bool:
@@ -53,6 +64,10 @@ def check_options(config: EngineConfig) -> None:
     message beats an engine that half works."""
     path, disk_gib = config.kv_offload_disk_path, config.kv_offload_disk_gib
     _check_source(config)
+    if config.kv_transfer_port:
+        if path is None:
+            raise ValueError("kv_transfer_port needs kv_offload_disk_path (the disk tier's blocks are what it serves)")
+        transfer_key()
     if disk_gib > 0 and path is None:
         raise ValueError("kv_offload_disk_gib needs kv_offload_disk_path (the directory for the blocks)")
     if path is None:
@@ -75,12 +90,17 @@ def check_options(config: EngineConfig) -> None:
 
 
 def _check_source(config: EngineConfig) -> None:
-    """A transfer source is another engine's disk tier on this engine's filesystem."""
+    """A transfer source is another engine's disk tier on this engine's filesystem, or another
+    host's transfer port."""
     source, path = config.kv_offload_disk_source, config.kv_offload_disk_path
     if source is None:
         return
     if path is None:
         raise ValueError("kv_offload_disk_source needs kv_offload_disk_path (the blocks are linked into it)")
+    if is_remote(source):
+        check_url(source)
+        transfer_key()
+        return
     if not os.path.isdir(source):
         raise ValueError(f"kv_offload_disk_source {source!r} is not a directory")
     if os.path.realpath(source) == os.path.realpath(path):
@@ -115,9 +135,23 @@ class TieredConnector(OffloadConnector):
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         self.bytes_per_block = block_bytes * config.world_size  # over every rank
         self.cpu = CpuIndex(cpu_blocks) if cpu_blocks else None
+        source = config.kv_offload_disk_source
         self.disk = (DiskIndex(config.kv_offload_disk_path, disk_blocks, _identities(config, dtype, block_bytes),
-                               source=config.kv_offload_disk_source)
+                               source=None if is_remote(source) else source)
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
+        self.server = (BlockServer(config.kv_offload_disk_path, config.kv_transfer_port, transfer_key())
+                       if config.kv_transfer_port and config.kv_offload_disk_path is not None else None)
+        self.remote: RemoteBlocks | None = None
+        if is_remote(source) and self.disk is not None:
+            assert source is not None
+            self.remote = RemoteBlocks(source, transfer_key(), config.world_size, block_bytes)
+            self._incoming = Path(self.disk.root, INCOMING)
+            shutil.rmtree(self._incoming, ignore_errors=True)  # what a run that crashed was still fetching
+            self._fetch_threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="pagoda-kv-fetch")
+        # fetches under way, by the last hash each asks for (it names the whole chain before it)
+        self._fetches: dict[BlockHash, tuple[Path, Future[list[BlockHash]]]] = {}
+        self._answered: OrderedDict[BlockHash, None] = OrderedDict()
+        self._fetch_numbers = itertools.count()
         self._saves: list[KVTransfer] = []
         self._promotions: list[tuple[BlockHash, int]] = []
         if self.disk is not None:
@@ -151,12 +185,49 @@ class TieredConnector(OffloadConnector):
         return None
 
     def lookup(self, block_hashes: list[BlockHash]) -> int:
+        self._collect()
         n = 0
         for block_hash in block_hashes:
             if self._where(block_hash) is None:
                 break
             n += 1
         return n
+
+    def arriving(self, block_hashes: list[BlockHash]) -> bool:
+        """With a remote source: start fetching these blocks (those after the local hits) unless
+        a fetch for them is under way or done; True while it runs. A request waits for at most one
+        fetch: once it is done, whatever arrived is found by the lookup and the rest is computed."""
+        if self.remote is None or not block_hashes:
+            return False
+        key = block_hashes[-1]
+        if key in self._answered:
+            return False
+        if key in self._fetches:
+            return True
+        if len(self._fetches) < FETCH_THREADS:
+            folder = self._incoming / str(next(self._fetch_numbers))
+            self._fetches[key] = (folder, self._fetch_threads.submit(self.remote.fetch, list(block_hashes), folder))
+        return True  # fetching, or waiting for a thread to fetch with
+
+    def _collect(self) -> None:
+        """Adopt the blocks of every fetch that has finished into the disk tier (in order, up to
+        the first that fails its header check), then delete its folder."""
+        for key, (folder, fetch) in list(self._fetches.items()):
+            if not fetch.done():
+                continue
+            del self._fetches[key]
+            assert self.disk is not None
+            for block_hash in fetch.result():  # RemoteBlocks.fetch never raises
+                if block_hash in self.disk.files:
+                    continue
+                if not self.disk.adopt(block_hash, source=str(folder)):
+                    break
+                self.stored(block_hash, DISK_MEDIUM)
+                self.stats.fetched_bytes += self.bytes_per_block
+            shutil.rmtree(folder, ignore_errors=True)
+            self._answered[key] = None
+            if len(self._answered) > MAX_ANSWERED:
+                self._answered.popitem(last=False)
 
     def plan_loads(self, block_hashes: list[BlockHash], gpu_block_ids: list[int]) -> list[KVTransfer]:
         loads = []
@@ -215,6 +286,7 @@ class TieredConnector(OffloadConnector):
         counter[tier] = counter.get(tier, 0) + self.bytes_per_block
 
     def take_saves(self) -> list[KVTransfer]:
+        self._collect()  # also the fetches of requests aborted meanwhile: their folders go
         promotions, self._promotions = self._promotions, []
         for block_hash, gpu_block in promotions:
             self.plan_save(block_hash, gpu_block)
@@ -230,6 +302,15 @@ class TieredConnector(OffloadConnector):
             self.cpu.check()
         if self.disk is not None:
             self.disk.check()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.remote is not None:
+            self._fetch_threads.shutdown(wait=False, cancel_futures=True)
+            self.remote.close()  # the fetches running end now, not after their timeout
+            self._fetch_threads.shutdown(wait=True)
+            shutil.rmtree(self._incoming, ignore_errors=True)
 
 
 class TieredWorker(OffloadWorker):

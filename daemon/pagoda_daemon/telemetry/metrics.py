@@ -295,6 +295,10 @@ class EngineMetrics:
             "pagoda:kv_offload_failed_loads", "KV blocks whose load from an offload tier failed (a block file changed "
             "after its lookup); the requests reading them were recomputed.", labels, registry=r,
         ).labels(model_name)
+        self._transfer_fetched = Counter(
+            "pagoda:kv_transfer_fetched_bytes", "KV bytes fetched from another instance's transfer port into the "
+            "disk tier (prefill/decode disaggregation between hosts; all ranks).", labels, registry=r,
+        ).labels(model_name)
         self._grammar_requests = Counter(
             "pagoda:structured_output_requests", "Requests with an output constraint (JSON schema, regex, choice, "
             "grammar, or a forced tool call).", labels, registry=r,
@@ -379,6 +383,7 @@ class EngineMetrics:
                 self._offload_saved.labels(self.model_name, tier.upper()).inc(n)
             self._offload_seconds.inc(o.transfer_seconds)
             self._offload_failed_loads.inc(o.failed_loads)
+            self._transfer_fetched.inc(o.fetched_bytes)
         e = stats.elastic
         if e is not None:
             self._expert_parallel.set(e.size)

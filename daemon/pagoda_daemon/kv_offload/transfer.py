@@ -1,0 +1,262 @@
+"""Prefill/decode disaggregation between hosts: a prefill instance serves its disk tier's block
+files over TCP, and a decode instance fetches the blocks its tiers lack into its own disk tier.
+
+The prefill instance (``kv_transfer_port``) runs a :class:`BlockServer`: a ZMQ ROUTER socket in a
+thread of the engine core, reading files from ``kv_offload_disk_path`` as they are. The decode
+instance (``kv_offload_disk_source tcp://HOST:PORT``) asks with :class:`RemoteBlocks` from a few
+threads while the request waits and the batch runs on (``TieredConnector.arriving``); the files
+it receives are written under its tier and adopted exactly as hard-linked ones are (disk.py:
+header and identity checked before a lookup counts them, the payload's CRC when loaded; a load
+that fails is recomputed). Both sides hold the same key (``PAGODA_KV_TRANSFER_KEY``), which never
+crosses the wire: each ask is signed with it (HMAC-SHA256 over the ask and its time), so a server
+that is not the prefill instance learns nothing it could ask with, and an ask more than
+``MAX_CLOCK_SKEW_S`` old or unsigned is answered ``denied`` and reads no file.
+
+Wire (ZMQ multipart, REQ to ROUTER; integers little-endian):
+
+- ask:   ``[MAGIC, time, signature, hashes, ranks]``: the time in ms since the epoch (u64), the
+  signature, up to ``MAX_BLOCKS_PER_ASK`` 32-byte block hashes concatenated, and the asking
+  engine's number of ranks (u32).
+- reply: ``[MAGIC, b"ok", count (u32) + stopped_at_a_miss (u8), files...]``: the leading
+  ``count`` blocks the tier holds on every rank, each as ``ranks`` files (rank 0 first), up to
+  ``MAX_REPLY_BYTES``; ``[MAGIC, b"denied"]`` for a wrong signature or time, ``[MAGIC, b"bad"]`` for anything
+  else that does not parse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import zmq
+
+from pagoda_daemon.engine.block_hash import BlockHash
+from pagoda_daemon.kv_offload.disk import file_name, rank_dir
+
+log = logging.getLogger(__name__)
+
+KEY_ENV = "PAGODA_KV_TRANSFER_KEY"
+MIN_KEY_CHARS = 16
+MAGIC = b"PAGODA-KVX1"
+HASH_BYTES = 32  # engine/block_hash.py: SHA-256
+MAX_BLOCKS_PER_ASK = 64
+MAX_RANKS = 64  # config.py: at most 64 ranks
+MAX_REPLY_BYTES = 64 << 20  # what one reply may carry (at least one block): a bounded buffer on both sides
+MAX_ASK_BYTES = 8192  # an ask's largest frame, its 64 hashes, is 2 KiB: a bigger frame drops its connection
+HEADER_SLACK_BYTES = 64 << 10  # a block file's header beside its payload, at most
+ASK_TIMEOUT_S = 10.0  # one ask's round trip; a prefill instance that does not answer costs the request a recompute
+_COUNT = struct.Struct("<IB")
+_RANKS = struct.Struct("<I")
+_TIME = struct.Struct("<Q")
+MAX_CLOCK_SKEW_S = 60.0  # an ask's time may differ this much from the server's clock (hosts keep NTP time)
+DENIED_LOG_EVERY_S = 60.0
+
+
+def transfer_key(environ: os._Environ[str] | dict[str, str] = os.environ) -> bytes:
+    """The shared key, from ``PAGODA_KV_TRANSFER_KEY`` (never a flag: flags show in ``ps``)."""
+    key = environ.get(KEY_ENV, "")
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(f"KV transfer between instances needs a shared key of at least {MIN_KEY_CHARS} characters "
+                         f"in {KEY_ENV} (on the prefill and the decode instance)")
+    return key.encode()
+
+
+def is_remote(source: str | None) -> bool:
+    return source is not None and source.startswith("tcp://")
+
+
+def check_url(url: str) -> str:
+    """``tcp://HOST:PORT``, or ValueError naming what is wrong."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or not 1 <= port <= 65535 or (
+            parts.path or parts.query or parts.fragment or parts.username or parts.password):
+        raise ValueError(f"kv_offload_disk_source {url!r}: a remote source is tcp://HOST:PORT (port 1-65535)")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"tcp://{host}:{port}"
+
+
+def sign(key: bytes, when: bytes, hashes: bytes, ranks: bytes) -> bytes:
+    return hmac.new(key, MAGIC + when + hashes + ranks, hashlib.sha256).digest()
+
+
+def signed_ask(key: bytes, hashes: bytes, ranks: int, now_s: float | None = None) -> list[bytes]:
+    when = _TIME.pack(int((time.time() if now_s is None else now_s) * 1000))
+    ranks_frame = _RANKS.pack(ranks)
+    return [MAGIC, when, sign(key, when, hashes, ranks_frame), hashes, ranks_frame]
+
+
+class BlockServer:
+    """Serves one engine's disk-tier block files to the engines that fetch them (a thread)."""
+
+    def __init__(self, root: str, port: int, key: bytes, host: str = "*") -> None:
+        self.root = root
+        self._key = key
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_ASK_BYTES)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a peer gone, or not reading: its reply is dropped
+        self._socket.setsockopt(zmq.SNDHWM, 4 * (MAX_BLOCKS_PER_ASK * MAX_RANKS + 8))
+        self._socket.bind(f"tcp://{host}:{port}")
+        endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self._closed = threading.Event()
+        self._last_denied = 0.0
+        self._thread = threading.Thread(target=self._serve, name="pagoda-kv-transfer", daemon=True)
+        self._thread.start()
+        log.info("KV transfer: serving the disk tier's blocks on port %d", self.port)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._closed.is_set():
+            if not poller.poll(200):
+                continue
+            frames = self._socket.recv_multipart()
+            try:
+                split = frames.index(b"")  # REQ's envelope: the peer's identity, then an empty frame
+            except ValueError:
+                continue  # not a REQ socket's message: nothing to answer to
+            reply = self.answer(frames[split + 1 :])
+            # a peer that left, or does not read its replies, loses this one: it asks again or recomputes
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.send_multipart(frames[: split + 1] + reply, flags=zmq.NOBLOCK, copy=False)
+        self._socket.close()
+        self._context.term()
+
+    def answer(self, ask: list[bytes]) -> list[bytes]:
+        """The reply to one ask (see the module's docstring)."""
+        if len(ask) != 5 or ask[0] != MAGIC or len(ask[1]) != _TIME.size:
+            return [MAGIC, b"bad"]
+        when, signature, hashes, ranks_frame = ask[1:]
+        (sent_ms,) = _TIME.unpack(when)
+        if (not hmac.compare_digest(signature, sign(self._key, when, hashes, ranks_frame))
+                or abs(time.time() - sent_ms / 1000) > MAX_CLOCK_SKEW_S):
+            now = time.monotonic()
+            if now - self._last_denied >= DENIED_LOG_EVERY_S:
+                self._last_denied = now
+                log.warning("KV transfer: an ask not signed with this instance's key, or older than %g s, was denied",
+                            MAX_CLOCK_SKEW_S)
+            return [MAGIC, b"denied"]
+        if (not hashes or len(hashes) % HASH_BYTES or len(hashes) // HASH_BYTES > MAX_BLOCKS_PER_ASK
+                or len(ranks_frame) != _RANKS.size):
+            return [MAGIC, b"bad"]
+        (ranks,) = _RANKS.unpack(ranks_frame)
+        if not 1 <= ranks <= MAX_RANKS:
+            return [MAGIC, b"bad"]
+        files: list[bytes] = []
+        size = count = 0
+        miss = False
+        for i in range(0, len(hashes), HASH_BYTES):
+            name = file_name(hashes[i : i + HASH_BYTES])
+            try:
+                block = [rank_dir(self.root, r).joinpath(name).read_bytes() for r in range(ranks)]
+            except OSError:  # not there (evicted, never saved, another layout): the fetch stops here
+                miss = True
+                break
+            block_size = sum(len(f) for f in block)
+            if count and size + block_size > MAX_REPLY_BYTES:
+                break  # the rest in the next ask
+            files += block
+            size += block_size
+            count += 1
+        return [MAGIC, b"ok", _COUNT.pack(count, miss), *files]
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
+
+
+class RemoteBlocks:
+    """Fetches blocks from a prefill instance's :class:`BlockServer`."""
+
+    def __init__(self, url: str, key: bytes, ranks: int, block_bytes: int, timeout_s: float | None = None) -> None:
+        self.url = check_url(url)
+        self._key = key
+        self.ranks = ranks
+        self.max_file_bytes = block_bytes + HEADER_SLACK_BYTES  # one rank's file: a bigger frame drops the reply
+        self.timeout_ms = int((ASK_TIMEOUT_S if timeout_s is None else timeout_s) * 1000)
+        self._context = zmq.Context()
+        self._warned = 0.0
+
+    def fetch(self, hashes: list[BlockHash], into: Path) -> list[BlockHash]:
+        """The leading blocks of ``hashes`` the source holds, written as files under
+        ``into/rank<r>/`` (each whole or absent). Stops at the first block the source lacks, and
+        on a timeout, a refusal or a reply that does not parse (what came before stays). Never
+        raises: a fetch that fails is a miss, and the request computes its prompt."""
+        got: list[BlockHash] = []
+        socket = None
+        try:
+            socket = self._context.socket(zmq.REQ)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+            socket.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            socket.setsockopt(zmq.MAXMSGSIZE, self.max_file_bytes)
+            socket.connect(self.url)
+            for r in range(self.ranks):
+                rank_dir(into, r).mkdir(parents=True, exist_ok=True)
+            while len(got) < len(hashes):
+                ask = hashes[len(got) : len(got) + MAX_BLOCKS_PER_ASK]
+                socket.send_multipart(signed_ask(self._key, b"".join(ask), self.ranks))
+                count, miss, files = self._parse(socket.recv_multipart(copy=False), len(ask))
+                for i in range(count):
+                    for r in range(self.ranks):
+                        _write(rank_dir(into, r) / file_name(ask[i]), files[i * self.ranks + r])
+                got += ask[:count]
+                if miss or count == 0:
+                    break
+        except zmq.Again:
+            self._warn(f"no answer within {self.timeout_ms / 1000:g} s")
+        except zmq.ContextTerminated:
+            pass  # the engine is shutting down
+        except (zmq.ZMQError, OSError, ValueError) as e:
+            self._warn(str(e))
+        finally:
+            if socket is not None:
+                socket.close()
+        return got
+
+    def _parse(self, reply: list, asked: int) -> tuple[int, bool, list]:
+        if len(reply) >= 2 and reply[0].bytes == MAGIC and reply[1].bytes == b"denied":
+            raise ValueError(f"{self.url} denied the ask ({KEY_ENV} differs between the instances, or their clocks "
+                             f"by more than {MAX_CLOCK_SKEW_S:g} s)")
+        if len(reply) < 3 or reply[0].bytes != MAGIC or reply[1].bytes != b"ok" or len(reply[2]) != _COUNT.size:
+            raise ValueError(f"{self.url} sent a reply that does not parse")
+        count, miss = _COUNT.unpack(reply[2].bytes)
+        if count > asked or len(reply) != 3 + count * self.ranks:
+            raise ValueError(f"{self.url} sent {len(reply) - 3} files for {count} of {asked} blocks")
+        return count, bool(miss), reply[3:]
+
+    def _warn(self, why: str) -> None:
+        now = time.monotonic()
+        if now - self._warned >= DENIED_LOG_EVERY_S:
+            self._warned = now
+            log.warning("KV transfer from %s failed (%s): the prompts it was for are computed here", self.url, why)
+
+    def close(self) -> None:
+        """End every fetch at once: an ask waiting for its answer returns (ETERM), its socket closes."""
+        self._context.term()
+
+
+def _write(path: Path, frame) -> None:
+    """A received file, whole or not at all (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(frame.buffer)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,373 @@
+"""Prefill/decode between hosts (kv_offload/transfer.py): a prefill engine serves its disk
+tier's block files on a TCP port, a decode engine fetches the blocks its tiers lack while the
+request waits. Real ZMQ sockets on loopback, real engines on CPU: greedy output equal to one
+engine's, the decode engine's prompts loaded rather than computed; a wrong key, a dead or
+hostile server, a corrupt file and malformed asks each cost a recompute or a refusal, never the
+engine or a wrong token."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pagoda_daemon import LLM
+from pagoda_daemon.kv_offload import disk as disk_tier
+from pagoda_daemon.kv_offload import tiered, transfer
+from tests.kv_offload.test_offload import ENGINE, assert_idle_and_consistent, corrupt, gib, run, workload
+from tests.server.conftest import free_port
+
+KEY = "k" * 24
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def block_bytes(model) -> int:
+    return LLM(model, **ENGINE).engine.core.worker_info.kv_block_bytes
+
+
+@pytest.fixture(autouse=True)
+def key(monkeypatch):
+    monkeypatch.setenv(transfer.KEY_ENV, KEY)
+
+
+def write_files(root: Path, hashes: list[bytes], ranks: int = 1, size: int = 64) -> None:
+    for r in range(ranks):
+        d = disk_tier.rank_dir(root, r)
+        d.mkdir(parents=True, exist_ok=True)
+        for h in hashes:
+            (d / disk_tier.file_name(h)).write_bytes(h + bytes([r]) * size)
+
+
+def ask(hashes: list[bytes], key: str = KEY, ranks: int = 1, now_s: float | None = None) -> list[bytes]:
+    return transfer.signed_ask(key.encode(), b"".join(hashes), ranks, now_s)
+
+
+def hashes_(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([salt, i]) * 16 for i in range(n)]
+
+
+# ---- the server's answers ----------------------------------------------------------------
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = transfer.BlockServer(str(tmp_path / "served"), 0, KEY.encode(), host="127.0.0.1")
+    yield srv
+    srv.close()
+
+
+def test_the_server_answers_the_leading_blocks_it_holds_on_every_rank(server, tmp_path):
+    root = tmp_path / "served"
+    have = hashes_(5)
+    write_files(root, have[:3], ranks=2)
+    write_files(root, have[3:4], ranks=1)  # rank 1's file missing: a miss
+    reply = server.answer(ask(have, ranks=2))
+    assert reply[:2] == [transfer.MAGIC, b"ok"]
+    assert struct.unpack("<IB", reply[2]) == (3, 1)
+    assert reply[3:] == [h + bytes([r]) * 64 for h in have[:3] for r in range(2)]
+    assert struct.unpack("<IB", server.answer(ask(hashes_(2, salt=9)))[2]) == (0, 1)  # nothing held
+
+
+def test_a_reply_is_bounded_and_the_rest_comes_in_the_next_ask(server, tmp_path, monkeypatch):
+    have = hashes_(4)
+    write_files(tmp_path / "served", have, size=1000)
+    monkeypatch.setattr(transfer, "MAX_REPLY_BYTES", 2500)
+    reply = server.answer(ask(have))
+    assert struct.unpack("<IB", reply[2]) == (2, 0) and len(reply) == 5
+    monkeypatch.setattr(transfer, "MAX_REPLY_BYTES", 10)
+    assert struct.unpack("<IB", server.answer(ask(have))[2]) == (1, 0)  # always at least one block
+
+
+def signed_raw(hashes: bytes, ranks: bytes, when: bytes = struct.pack("<Q", 0)) -> list[bytes]:
+    """An ask signed with the right key over frames that do not parse (the time now unless given)."""
+    when = struct.pack("<Q", int(time.time() * 1000)) if when == struct.pack("<Q", 0) else when
+    return [transfer.MAGIC, when, transfer.sign(KEY.encode(), when, hashes, ranks), hashes, ranks]
+
+
+ASKS = {
+    "wrong-key": lambda: (ask(hashes_(1), key="wrong-key-of-some-length"), b"denied"),
+    "empty-key": lambda: (ask(hashes_(1), key=""), b"denied"),
+    "stale": lambda: (ask(hashes_(1), now_s=time.time() - 2 * transfer.MAX_CLOCK_SKEW_S), b"denied"),
+    "future": lambda: (ask(hashes_(1), now_s=time.time() + 2 * transfer.MAX_CLOCK_SKEW_S), b"denied"),
+    "key-in-clear": lambda: ([transfer.MAGIC, struct.pack("<Q", int(time.time() * 1000)), KEY.encode().ljust(32),
+                              hashes_(1)[0], struct.pack("<I", 1)], b"denied"),
+    "other-hashes": lambda: ([*ask(hashes_(1))[:3], hashes_(1, salt=3)[0], struct.pack("<I", 1)], b"denied"),
+    "partial-hash": lambda: (signed_raw(b"x" * 31, struct.pack("<I", 1)), b"bad"),
+    "no-hash": lambda: (signed_raw(b"", struct.pack("<I", 1)), b"bad"),
+    "too-many": lambda: (ask(hashes_(transfer.MAX_BLOCKS_PER_ASK + 1)), b"bad"),
+    "zero-ranks": lambda: (ask(hashes_(1), ranks=0), b"bad"),
+    "too-many-ranks": lambda: (ask(hashes_(1), ranks=transfer.MAX_RANKS + 1), b"bad"),
+    "u32-max-ranks": lambda: (ask(hashes_(1), ranks=2**32 - 1), b"bad"),
+    "short-ranks": lambda: (signed_raw(hashes_(1)[0], b"\x01"), b"bad"),
+    "short-time": lambda: ([transfer.MAGIC, b"\x01", b"s" * 32, hashes_(1)[0], struct.pack("<I", 1)], b"bad"),
+    "other-magic": lambda: ([b"PAGODA-KVX0", *ask(hashes_(1))[1:]], b"bad"),
+    "four-frames": lambda: (ask(hashes_(1))[:4], b"bad"),
+    "nothing": lambda: ([], b"bad"),
+}
+
+
+@pytest.mark.parametrize("case", list(ASKS))
+def test_asks_that_are_not_allowed_or_do_not_parse_read_no_file(server, tmp_path, case, monkeypatch):
+    frames, answer = ASKS[case]()
+    write_files(tmp_path / "served", hashes_(1) + hashes_(1, salt=3))
+    read = []
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or b"")
+    assert server.answer(frames) == [transfer.MAGIC, answer]
+    assert not read
+
+
+def test_a_hash_names_a_file_in_the_tier_and_nothing_else(server, tmp_path):
+    """The file name is the hash in hex: ``..`` and ``/`` cannot appear in it."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not a block")
+    evil = b"../../secret".ljust(32, b"\0")
+    assert struct.unpack("<IB", server.answer(ask([evil]))[2]) == (0, 1)
+
+
+# ---- fetching over real sockets ----------------------------------------------------------
+
+
+def test_fetch_writes_the_leading_blocks_whole_over_loopback(server, tmp_path):
+    have = hashes_(70)  # more than one ask
+    write_files(tmp_path / "served", have[:68], ranks=2)
+    remote = transfer.RemoteBlocks(f"tcp://127.0.0.1:{server.port}", KEY.encode(), 2, block_bytes=64 + 32 + 1)
+    try:
+        got = remote.fetch(have, tmp_path / "in")
+    finally:
+        remote.close()
+    assert got == have[:68]
+    for r in range(2):
+        files = sorted(p.name for p in disk_tier.rank_dir(tmp_path / "in", r).iterdir())
+        assert files == sorted(disk_tier.file_name(h) for h in have[:68])
+    assert (disk_tier.rank_dir(tmp_path / "in", 1) / disk_tier.file_name(have[5])).read_bytes() == have[5] + b"\1" * 64
+
+
+def test_a_wrong_key_fetches_nothing_and_says_so(server, tmp_path, caplog):
+    write_files(tmp_path / "served", hashes_(2))
+    remote = transfer.RemoteBlocks(f"tcp://127.0.0.1:{server.port}", b"another-key-entirely", 1, 1 << 20)
+    with caplog.at_level("WARNING", logger="pagoda_daemon.kv_offload.transfer"):
+        assert remote.fetch(hashes_(2), tmp_path / "in") == []
+    remote.close()
+    assert "denied the ask" in caplog.text and transfer.KEY_ENV in caplog.text
+    assert not list((tmp_path / "in" / "rank0").iterdir())
+
+
+def test_no_server_is_a_miss_after_the_timeout(tmp_path):
+    remote = transfer.RemoteBlocks(f"tcp://127.0.0.1:{free_port()}", KEY.encode(), 1, 1 << 20, timeout_s=0.3)
+    started = time.monotonic()
+    assert remote.fetch(hashes_(3), tmp_path / "in") == []
+    assert time.monotonic() - started < 5
+    remote.close()
+
+
+def hostile_server(reply: list[bytes] | None) -> tuple[int, threading.Event]:
+    """A ROUTER that answers every ask with ``reply`` (None: reads asks, never answers)."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(100):
+                frames = sock.recv_multipart()
+                if reply is not None:
+                    sock.send_multipart(frames[:2] + reply)
+        sock.close(0)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return port, stop
+
+
+@pytest.mark.parametrize("reply", [
+    [b"garbage"],
+    [transfer.MAGIC, b"ok", struct.pack("<IB", 5, 0)],  # five blocks announced, none sent
+    [transfer.MAGIC, b"ok", struct.pack("<IB", 99, 0)] + [b"x"] * 99,  # more than asked
+    [transfer.MAGIC, b"ok", b"\x01"],
+    [transfer.MAGIC, b"ok", struct.pack("<IB", 1, 0), b"x" * (3 << 20)],  # a file bigger than a block
+], ids=["garbage", "missing-files", "more-than-asked", "short-count", "oversized-file"])
+def test_a_server_that_lies_costs_a_miss_and_writes_nothing(tmp_path, reply):
+    port, stop = hostile_server(reply)
+    remote = transfer.RemoteBlocks(f"tcp://127.0.0.1:{port}", KEY.encode(), 1, block_bytes=1 << 20, timeout_s=1)
+    try:
+        assert remote.fetch(hashes_(3), tmp_path / "in") == []
+    finally:
+        stop.set()
+        remote.close()
+    assert not list((tmp_path / "in" / "rank0").iterdir())
+
+
+def test_an_oversized_ask_is_dropped_and_the_server_serves_on(server, tmp_path):
+    write_files(tmp_path / "served", hashes_(1))
+    context = zmq.Context()
+    big = context.socket(zmq.REQ)
+    big.connect(f"tcp://127.0.0.1:{server.port}")
+    big.send_multipart([*ask(hashes_(1))[:3], b"x" * (transfer.MAX_ASK_BYTES + 1), b"\x01\x00\x00\x00"])
+    assert big.poll(500) == 0  # dropped with its connection, no reply
+    big.close(0)
+    context.term()
+    remote = transfer.RemoteBlocks(f"tcp://127.0.0.1:{server.port}", KEY.encode(), 1, 1 << 20)
+    assert remote.fetch(hashes_(1), tmp_path / "in") == hashes_(1)
+    remote.close()
+
+
+@pytest.mark.parametrize("url", ["tcp://host", "tcp://:80", "tcp://h:0", "tcp://h:70000", "tcp://h:80/x",
+                                 "tcp://u:p@h:80", "tcp://h:80?q", "tcp://h:port"])
+def test_a_remote_source_must_be_tcp_host_port(model, tmp_path, url):
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=0.01,
+            kv_offload_disk_source=url)
+
+
+def test_both_ends_need_the_key_and_a_disk_tier(model, tmp_path, monkeypatch):
+    disk = dict(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=0.01)
+    with pytest.raises(ValueError, match="kv_transfer_port needs kv_offload_disk_path"):
+        LLM(model, **ENGINE, kv_transfer_port=free_port())
+    monkeypatch.setenv(transfer.KEY_ENV, "short")
+    with pytest.raises(ValueError, match=transfer.KEY_ENV):
+        LLM(model, **ENGINE, **disk, kv_transfer_port=free_port())
+    monkeypatch.delenv(transfer.KEY_ENV)
+    with pytest.raises(ValueError, match=transfer.KEY_ENV):
+        LLM(model, **ENGINE, **disk, kv_offload_disk_source="tcp://127.0.0.1:9")
+    for port in (-1, 65536):
+        with pytest.raises(ValueError, match="kv_transfer_port"):
+            LLM(model, **ENGINE, **disk, kv_transfer_port=port)
+
+
+# ---- two engines -------------------------------------------------------------------------
+
+
+def engines(model, block_bytes, tmp_path, **decode_options):
+    disk = dict(kv_offload_disk_gib=gib(64, block_bytes))
+    port = free_port()
+    prefill = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "prefill"), kv_transfer_port=port, **disk)
+    decode = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "decode"),
+                 kv_offload_disk_source=f"tcp://127.0.0.1:{port}", **{**disk, **decode_options})
+    return prefill, decode
+
+
+def test_a_decode_engine_loads_the_prompts_a_prefill_engine_computed(model, block_bytes, tmp_path):
+    prompts = workload(num_prefixes=3, repeats=1)
+    reference = run(LLM(model, **ENGINE), prompts)
+    prefill, decode = engines(model, block_bytes, tmp_path)
+    try:
+        run(prefill, prompts)
+        assert run(decode, prompts) == reference
+        stats = decode.get_stats().kv_offload
+        assert stats.hits == 3 * 6 * 16, stats  # every full block but the last token's, from the other engine
+        assert stats.fetched_bytes == 3 * 6 * block_bytes
+        assert stats.failed_loads == 0
+        assert_idle_and_consistent(decode)
+        assert not list((tmp_path / "decode" / tiered.INCOMING).iterdir())  # every fetch's folder went
+        # asked again: from its own tier now, nothing more fetched (the stats are totals)
+        assert run(decode, prompts) == reference
+        assert decode.get_stats().kv_offload.fetched_bytes == 3 * 6 * block_bytes
+    finally:
+        prefill.engine.core.shutdown()
+        decode.engine.core.shutdown()
+
+
+def test_a_corrupt_file_fails_its_load_and_is_recomputed_and_a_wrong_key_computes_everything(
+        model, block_bytes, tmp_path, monkeypatch):
+    prompts = workload(num_prefixes=2, repeats=1)
+    reference = run(LLM(model, **ENGINE), prompts)
+    prefill, decode = engines(model, block_bytes, tmp_path)
+    try:
+        run(prefill, prompts)
+        for path in sorted((tmp_path / "prefill" / "rank0").glob(f"*{disk_tier.SUFFIX}"))[::3]:
+            corrupt(path)
+        assert run(decode, prompts) == reference
+        stats = decode.get_stats().kv_offload
+        assert stats.fetched_bytes > 0 and stats.failed_loads > 0, stats
+        assert_idle_and_consistent(decode)
+    finally:
+        decode.engine.core.shutdown()
+    monkeypatch.setenv(transfer.KEY_ENV, "a-different-key-of-24ch")
+    _, stranger = None, LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "stranger"),
+                            kv_offload_disk_gib=gib(64, block_bytes),
+                            kv_offload_disk_source=f"tcp://127.0.0.1:{prefill.engine.core.connector.server.port}")
+    try:
+        assert run(stranger, prompts) == reference
+        assert stranger.get_stats().kv_offload.hits == 0
+    finally:
+        stranger.engine.core.shutdown()
+        prefill.engine.core.shutdown()
+
+
+def test_requests_behind_a_slow_fetch_go_first_and_nothing_leaks(model, block_bytes, tmp_path, monkeypatch):
+    """A fetch that takes a while holds back only its own request; an abort while it runs
+    leaves no folder, block or request behind."""
+    prompts = workload(num_prefixes=2, repeats=1)
+    reference = run(LLM(model, **ENGINE), prompts)
+    prefill, decode = engines(model, block_bytes, tmp_path)
+    slow = threading.Event()
+    fetch = transfer.RemoteBlocks.fetch
+
+    def slow_fetch(self, hashes, into):
+        slow.wait(10)
+        return fetch(self, hashes, into)
+
+    monkeypatch.setattr(transfer.RemoteBlocks, "fetch", slow_fetch)
+    try:
+        run(prefill, prompts[:1])  # only the first prompt's blocks are there to fetch
+        from pagoda_daemon import SamplingParams
+        from pagoda_daemon.engine.request import Request
+
+        core = decode.engine.core
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        core.add_request(Request("waits", prompts[0], params, None, ENGINE["block_size"]))
+        # no full block to fetch: scheduled at once
+        core.add_request(Request("goes", list(range(5, 15)), params, None, ENGINE["block_size"]))
+        finished = set()
+        for _ in range(50):
+            finished |= {o.request_id for o in core.step() if o.finish_reason}
+            if "goes" in finished:
+                break
+        assert "goes" in finished and "waits" not in finished  # went first, while the other waited
+        core.abort_requests(["waits"])
+        slow.set()
+        deadline = time.monotonic() + 10
+        while core.connector._fetches and time.monotonic() < deadline:
+            core.step() if core.has_unfinished_requests() else core.connector.take_saves()
+            time.sleep(0.01)
+        assert not core.connector._fetches
+        assert not list((tmp_path / "decode" / tiered.INCOMING).iterdir())
+        assert_idle_and_consistent(decode)
+        assert run(decode, prompts) == reference  # the fetch's blocks were adopted for the next asker
+    finally:
+        slow.set()
+        prefill.engine.core.shutdown()
+        decode.engine.core.shutdown()
+
+
+def test_shutdown_ends_a_fetch_without_waiting_for_its_timeout(model, block_bytes, tmp_path):
+    """A prefill instance that never answers: the decode engine's shutdown does not wait the
+    ask's 10 s out."""
+    port, stop = hostile_server(None)
+    decode = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "decode"), kv_offload_disk_gib=gib(64, block_bytes),
+                 kv_offload_disk_source=f"tcp://127.0.0.1:{port}")
+    from pagoda_daemon import SamplingParams
+    from pagoda_daemon.engine.request import Request
+
+    core = decode.engine.core
+    core.add_request(Request("waits", workload(num_prefixes=1, repeats=1)[0],
+                             SamplingParams(temperature=0.0, max_tokens=2), None, ENGINE["block_size"]))
+    core.step()
+    assert core.connector._fetches
+    time.sleep(0.3)  # the ask is out, waiting for its answer
+    assert not next(iter(core.connector._fetches.values()))[1].done()
+    started = time.monotonic()
+    core.shutdown()
+    stop.set()
+    assert time.monotonic() - started < 3
