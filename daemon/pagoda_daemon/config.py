@@ -108,11 +108,15 @@ class EngineConfig:
         None, "prefill/decode disaggregation: another engine's kv_offload_disk_path (a prefill instance); "
         "blocks this engine's tiers lack are taken from there, hard-linked into its own disk tier "
         "(same filesystem); or tcp://HOST:PORT, another host's kv_transfer_port, from which they are fetched "
-        "(the shared key in PAGODA_KV_TRANSFER_KEY)")
+        "(the shared key in PAGODA_KV_TRANSFER_KEY); or 'request': from the prefill instance each request's "
+        "signed x-pagoda-kv-source header names (pagoda pd-proxy passes it on)")
     kv_transfer_port: int = option(
         0, "prefill/decode disaggregation between hosts: serve this engine's disk-tier KV blocks on this TCP port "
         "of every interface to decode instances whose kv_offload_disk_source names it (0: off; the shared key in "
         "PAGODA_KV_TRANSFER_KEY)", minimum=0, maximum=65535)
+    kv_transfer_host: str | None = option(
+        None, "with kv_transfer_port: the address decode instances reach this instance at, which its answers name "
+        "in their signed x-pagoda-kv-source header (default: this host's address)")
 
     @property
     def elastic_ep(self) -> bool:

@@ -69,10 +69,10 @@ def _transfer_main(_: int, path: str, out_dir: str) -> None:
     import os
 
     from pagoda_daemon import LLM
-    from pagoda_daemon.kv_offload import transfer
+    from pagoda_daemon.kv_offload import transfer, transfer_auth
 
     torch.set_num_threads(1)
-    os.environ[transfer.KEY_ENV] = "tp-transfer-key-0123456789"
+    os.environ[transfer_auth.KEY_ENV] = "tp-transfer-key-0123456789"
     prompts = workload(num_prefixes=3, repeats=1)
     disk = {"kv_offload_disk_gib": 64 * 2 * 4096 / 2**30}
     results = {}
@@ -80,7 +80,7 @@ def _transfer_main(_: int, path: str, out_dir: str) -> None:
         llm = LLM(path, tensor_parallel_size=2, **ENGINE, **extra)
         results[name] = run(llm, prompts)
         llm.engine.core.shutdown()
-    server = transfer.BlockServer(str(Path(out_dir, "prefill")), 0, transfer.transfer_key(), host="127.0.0.1")
+    server = transfer.BlockServer(str(Path(out_dir, "prefill")), 0, transfer_auth.transfer_key(), host="127.0.0.1")
     decode = LLM(path, tensor_parallel_size=2, **ENGINE, kv_offload_disk_path=str(Path(out_dir, "decode")),
                  kv_offload_disk_source=f"tcp://127.0.0.1:{server.port}", **disk)
     results["decode"] = run(decode, prompts)

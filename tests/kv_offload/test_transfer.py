@@ -17,7 +17,7 @@ import zmq
 
 from pagoda_daemon import LLM
 from pagoda_daemon.kv_offload import disk as disk_tier
-from pagoda_daemon.kv_offload import tiered, transfer
+from pagoda_daemon.kv_offload import tiered, transfer, transfer_auth
 from tests.kv_offload.test_offload import ENGINE, assert_idle_and_consistent, corrupt, gib, run, workload
 from tests.server.conftest import free_port
 
@@ -36,7 +36,7 @@ def block_bytes(model) -> int:
 
 @pytest.fixture(autouse=True)
 def key(monkeypatch):
-    monkeypatch.setenv(transfer.KEY_ENV, KEY)
+    monkeypatch.setenv(transfer_auth.KEY_ENV, KEY)
 
 
 def write_files(root: Path, hashes: list[bytes], ranks: int = 1, size: int = 64) -> None:
@@ -96,8 +96,8 @@ def signed_raw(hashes: bytes, ranks: bytes, when: bytes = struct.pack("<Q", 0)) 
 ASKS = {
     "wrong-key": lambda: (ask(hashes_(1), key="wrong-key-of-some-length"), b"denied"),
     "empty-key": lambda: (ask(hashes_(1), key=""), b"denied"),
-    "stale": lambda: (ask(hashes_(1), now_s=time.time() - 2 * transfer.MAX_CLOCK_SKEW_S), b"denied"),
-    "future": lambda: (ask(hashes_(1), now_s=time.time() + 2 * transfer.MAX_CLOCK_SKEW_S), b"denied"),
+    "stale": lambda: (ask(hashes_(1), now_s=time.time() - 2 * transfer_auth.MAX_CLOCK_SKEW_S), b"denied"),
+    "future": lambda: (ask(hashes_(1), now_s=time.time() + 2 * transfer_auth.MAX_CLOCK_SKEW_S), b"denied"),
     "key-in-clear": lambda: ([transfer.MAGIC, struct.pack("<Q", int(time.time() * 1000)), KEY.encode().ljust(32),
                               hashes_(1)[0], struct.pack("<I", 1)], b"denied"),
     "other-hashes": lambda: ([*ask(hashes_(1))[:3], hashes_(1, salt=3)[0], struct.pack("<I", 1)], b"denied"),
@@ -157,7 +157,7 @@ def test_a_wrong_key_fetches_nothing_and_says_so(server, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="pagoda_daemon.kv_offload.transfer"):
         assert remote.fetch(hashes_(2), tmp_path / "in") == []
     remote.close()
-    assert "denied the ask" in caplog.text and transfer.KEY_ENV in caplog.text
+    assert "denied the ask" in caplog.text and transfer_auth.KEY_ENV in caplog.text
     assert not list((tmp_path / "in" / "rank0").iterdir())
 
 
@@ -234,11 +234,11 @@ def test_both_ends_need_the_key_and_a_disk_tier(model, tmp_path, monkeypatch):
     disk = dict(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=0.01)
     with pytest.raises(ValueError, match="kv_transfer_port needs kv_offload_disk_path"):
         LLM(model, **ENGINE, kv_transfer_port=free_port())
-    monkeypatch.setenv(transfer.KEY_ENV, "short")
-    with pytest.raises(ValueError, match=transfer.KEY_ENV):
+    monkeypatch.setenv(transfer_auth.KEY_ENV, "short")
+    with pytest.raises(ValueError, match=transfer_auth.KEY_ENV):
         LLM(model, **ENGINE, **disk, kv_transfer_port=free_port())
-    monkeypatch.delenv(transfer.KEY_ENV)
-    with pytest.raises(ValueError, match=transfer.KEY_ENV):
+    monkeypatch.delenv(transfer_auth.KEY_ENV)
+    with pytest.raises(ValueError, match=transfer_auth.KEY_ENV):
         LLM(model, **ENGINE, **disk, kv_offload_disk_source="tcp://127.0.0.1:9")
     for port in (-1, 65536):
         with pytest.raises(ValueError, match="kv_transfer_port"):
@@ -293,7 +293,7 @@ def test_a_corrupt_file_fails_its_load_and_is_recomputed_and_a_wrong_key_compute
         assert_idle_and_consistent(decode)
     finally:
         decode.engine.core.shutdown()
-    monkeypatch.setenv(transfer.KEY_ENV, "a-different-key-of-24ch")
+    monkeypatch.setenv(transfer_auth.KEY_ENV, "a-different-key-of-24ch")
     _, stranger = None, LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "stranger"),
                             kv_offload_disk_gib=gib(64, block_bytes),
                             kv_offload_disk_source=f"tcp://127.0.0.1:{prefill.engine.core.connector.server.port}")
@@ -371,3 +371,68 @@ def test_shutdown_ends_a_fetch_without_waiting_for_its_timeout(model, block_byte
     core.shutdown()
     stop.set()
     assert time.monotonic() - started < 3
+
+
+# ---- the source each request names (pd-proxy passes the prefill instance's signed header on) ----
+
+
+def test_a_source_header_verifies_only_as_its_prefill_instance_signed_it():
+    key = KEY.encode()
+    source = "tcp://10.1.2.3:8300"
+    header = transfer_auth.advertisement(key, source)
+    assert transfer_auth.verified_source(header, key) == source
+    _, issued, signature = header.split(" ")
+    now = int(issued) / 1000
+    bad = {
+        "another key": transfer_auth.advertisement(b"x" * 24, source, now),
+        "another source": f"tcp://10.9.9.9:8300 {issued} {signature}",
+        "another time": f"{source} {int(issued) + 1} {signature}",
+        "stale": transfer_auth.advertisement(key, source, now - 2 * transfer_auth.MAX_CLOCK_SKEW_S),
+        "ahead": transfer_auth.advertisement(key, source, now + 2 * transfer_auth.MAX_CLOCK_SKEW_S),
+        "two parts": f"{source} {signature}",
+        "four parts": f"{header} x",
+        "negative time": f"{source} -{issued} {signature}",
+        "huge time": f"{source} {'9' * 40} {signature}",
+        "too long": header + " " * 600,
+        "empty": "",
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=transfer_auth.SOURCE_HEADER):
+            transfer_auth.verified_source(value, key)
+        assert name
+    # signed, but not a source the engine may connect to
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        transfer_auth.verified_source(transfer_auth.advertisement(key, "http://10.1.2.3:80"), key)
+
+
+def test_a_decode_engine_fetches_from_the_source_each_request_names(model, block_bytes, tmp_path):
+    from pagoda_daemon import SamplingParams
+    from pagoda_daemon.engine.request import Request
+
+    prompts = workload(num_prefixes=2, repeats=1)
+    reference = run(LLM(model, **ENGINE), prompts)
+    disk = dict(kv_offload_disk_gib=gib(64, block_bytes))
+    port = free_port()
+    prefill = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "prefill"), kv_transfer_port=port, **disk)
+    decode = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "decode"),
+                 kv_offload_disk_source=transfer_auth.FROM_REQUEST, **disk)
+    try:
+        run(prefill, prompts)
+        core = decode.engine.core
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        got = []
+        for i, (prompt, source) in enumerate(zip(prompts, [f"tcp://127.0.0.1:{port}", None], strict=True)):
+            core.add_request(Request(f"r{i}", prompt, params, None, ENGINE["block_size"], kv_source=source))
+            tokens: list[int] = []
+            while core.has_unfinished_requests():
+                for out in core.step():
+                    tokens += out.new_token_ids
+            got.append(tokens)
+        assert got == reference
+        stats = decode.get_stats().kv_offload
+        # the first request named the prefill instance: its 6 blocks came from there; the second named none
+        assert stats.fetched_bytes == 6 * block_bytes and stats.hits == 6 * 16, stats
+        assert_idle_and_consistent(decode)
+    finally:
+        prefill.engine.core.shutdown()
+        decode.engine.core.shutdown()

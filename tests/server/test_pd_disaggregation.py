@@ -29,10 +29,12 @@ def metric(url: str, name: str) -> float:
 TRANSFER_KEY = {"PAGODA_KV_TRANSFER_KEY": "pd-test-key-0123456789"}
 
 
-@pytest.fixture(params=["directory", "tcp"])
+@pytest.fixture(params=["directory", "tcp", "request"])
 def pd(start_server, tmp_path, request):
     """The decode instance takes the prefill instance's blocks from its directory (one host), or
-    fetches them from its transfer port (between hosts; here both on loopback)."""
+    fetches them from its transfer port (between hosts; here both on loopback): the one port it
+    was given, or the one each request names (the prefill instance's signed answer header, which
+    the proxy passes on)."""
     disk = ("--kv-offload-disk-gib", "0.01")
     if request.param == "directory":
         prefill = start_server("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk)
@@ -40,8 +42,9 @@ def pd(start_server, tmp_path, request):
     else:
         transfer_port = free_port()
         prefill = start_server("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk,
-                               "--kv-transfer-port", str(transfer_port), env=TRANSFER_KEY)
-        source = f"tcp://127.0.0.1:{transfer_port}"
+                               "--kv-transfer-port", str(transfer_port), "--kv-transfer-host", "127.0.0.1",
+                               env=TRANSFER_KEY)
+        source = f"tcp://127.0.0.1:{transfer_port}" if request.param == "tcp" else "request"
     decode = start_server("--kv-offload-disk-path", str(tmp_path / "decode-kv"), *disk,
                           "--kv-offload-disk-source", source, env=TRANSFER_KEY)
     port = free_port()
@@ -67,7 +70,8 @@ def pd(start_server, tmp_path, request):
 
 
 def decode_fetches(decode) -> bool:
-    return "tcp://" in " ".join(decode.cmd)
+    source = decode.cmd[decode.cmd.index("--kv-offload-disk-source") + 1]
+    return source == "request" or source.startswith("tcp://")
 
 
 def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
@@ -98,7 +102,20 @@ def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
 
 
 def test_requests_that_cannot_be_served_come_back_as_openai_errors(pd):
-    _, _, url = pd
+    prefill, decode, url = pd
+    if decode.cmd[-1] == "request":  # a source header not signed by the prefill instance: refused
+        forged = httpx.post(decode.url + "/v1/completions", timeout=30,
+                            json={"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 2},
+                            headers={"x-pagoda-kv-source": "tcp://127.0.0.1:9 1 " + "0" * 64})
+        assert forged.status_code == 400 and forged.json()["error"]["param"] == "x-pagoda-kv-source"
+        # the prefill instance's own header, from an answer, is taken (the source it names is real)
+        answer = httpx.post(prefill.url + "/v1/completions", timeout=30,
+                            json={"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 1})
+        signed = answer.headers["x-pagoda-kv-source"]
+        assert signed.startswith("tcp://127.0.0.1:")
+        direct = httpx.post(decode.url + "/v1/completions", timeout=30, headers={"x-pagoda-kv-source": signed},
+                            json={"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 2})
+        assert direct.status_code == 200
     bad = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "w3", "temperature": -1}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["message"]
     broken = httpx.post(url + "/v1/completions", content=b"{not json", timeout=30,

@@ -26,6 +26,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
     eos_token_id: int | None
     extra_keys: list[list[Any]]  # block-hash extra keys (cache_salt), as lists
     arrival_time: float
+    kv_source: str | None = None  # the prefill instance holding the prompt's KV (kv_offload/transfer.py)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):

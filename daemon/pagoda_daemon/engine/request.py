@@ -42,6 +42,7 @@ class Request:
         block_size: int,
         extra_keys: tuple = (),
         arrival_time: float | None = None,
+        kv_source: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -51,6 +52,9 @@ class Request:
         # Part of every block hash, so a different adapter or salt never shares cache.
         self.extra_keys = extra_keys
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # the prefill instance holding this prompt's KV (tcp://HOST:PORT, verified by the API:
+        # kv_offload/transfer.py), when the decode instance fetches from the one each request names
+        self.kv_source = kv_source
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -53,10 +53,11 @@ class OffloadConnector(ABC):
     def lookup(self, block_hashes: list[BlockHash]) -> int:
         """How many of these blocks, from the first, a tier holds (no side effect)."""
 
-    def arriving(self, block_hashes: list[BlockHash]) -> bool:
+    def arriving(self, block_hashes: list[BlockHash], source: str | None = None) -> bool:
         """Whether these blocks (a request's, after those ``lookup`` found) are on their way from
-        another instance: the request then waits, keeping its place, while the batch runs on, and
-        is looked up again next step. Tiers that fetch nothing say no."""
+        another instance (``source``: the one the request names, if any): the request then waits,
+        keeping its place, while the batch runs on, and is looked up again next step. Tiers that
+        fetch nothing say no."""
         return False
 
     @abstractmethod

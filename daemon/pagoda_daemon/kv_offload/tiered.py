@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import zmq
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.block_hash import BlockHash
@@ -32,7 +33,8 @@ from pagoda_daemon.engine.scheduler_output import KVTransfer
 from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, capacity_blocks
 from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, STAGE_BLOCKS, CpuIndex, CpuStore, gather
 from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
-from pagoda_daemon.kv_offload.transfer import BlockServer, RemoteBlocks, check_url, is_remote, transfer_key
+from pagoda_daemon.kv_offload.transfer import BlockServer, RemoteBlocks
+from pagoda_daemon.kv_offload.transfer_auth import FROM_REQUEST, check_url, is_remote, transfer_key
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ CPU, DISK = "cpu", "disk"  # the tiers' names in the stats (the metrics' `medium
 FETCH_THREADS = 4
 INCOMING = ".incoming"
 MAX_ANSWERED = 4096  # fetches remembered as done, so that a request they were for does not ask again
+MAX_SOURCES = 64  # prefill instances whose sockets' settings are kept (a request may name any)
 
 
 def enabled(config: EngineConfig) -> bool:
@@ -98,7 +101,8 @@ def _check_source(config: EngineConfig) -> None:
     if path is None:
         raise ValueError("kv_offload_disk_source needs kv_offload_disk_path (the blocks are linked into it)")
     if is_remote(source):
-        check_url(source)
+        if source != FROM_REQUEST:
+            check_url(source)
         transfer_key()
         return
     if not os.path.isdir(source):
@@ -141,16 +145,21 @@ class TieredConnector(OffloadConnector):
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
         self.server = (BlockServer(config.kv_offload_disk_path, config.kv_transfer_port, transfer_key())
                        if config.kv_transfer_port and config.kv_offload_disk_path is not None else None)
-        self.remote: RemoteBlocks | None = None
-        if is_remote(source) and self.disk is not None:
-            assert source is not None
-            self.remote = RemoteBlocks(source, transfer_key(), config.world_size, block_bytes)
+        # Fetching from other hosts: from one source, or from the one each request names
+        self.fetches = is_remote(source) and self.disk is not None
+        self._default_source = None if source == FROM_REQUEST or not self.fetches else source
+        self._remotes: OrderedDict[str, RemoteBlocks] = OrderedDict()
+        self._ranks, self._block_bytes = config.world_size, block_bytes
+        if self.fetches:
+            assert self.disk is not None
+            self._key = transfer_key()
+            self._context = zmq.Context()  # every source's sockets; terminated by close()
             self._incoming = Path(self.disk.root, INCOMING)
             shutil.rmtree(self._incoming, ignore_errors=True)  # what a run that crashed was still fetching
             self._fetch_threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="pagoda-kv-fetch")
-        # fetches under way, by the last hash each asks for (it names the whole chain before it)
-        self._fetches: dict[BlockHash, tuple[Path, Future[list[BlockHash]]]] = {}
-        self._answered: OrderedDict[BlockHash, None] = OrderedDict()
+        # fetches under way, by source and the last hash each asks for (it names the whole chain before it)
+        self._fetches: dict[tuple[str, BlockHash], tuple[Path, Future[list[BlockHash]]]] = {}
+        self._answered: OrderedDict[tuple[str, BlockHash], None] = OrderedDict()
         self._fetch_numbers = itertools.count()
         self._saves: list[KVTransfer] = []
         self._promotions: list[tuple[BlockHash, int]] = []
@@ -193,21 +202,34 @@ class TieredConnector(OffloadConnector):
             n += 1
         return n
 
-    def arriving(self, block_hashes: list[BlockHash]) -> bool:
-        """With a remote source: start fetching these blocks (those after the local hits) unless
-        a fetch for them is under way or done; True while it runs. A request waits for at most one
-        fetch: once it is done, whatever arrived is found by the lookup and the rest is computed."""
-        if self.remote is None or not block_hashes:
+    def arriving(self, block_hashes: list[BlockHash], source: str | None = None) -> bool:
+        """With a remote source (the request's, else the configured one): start fetching these
+        blocks (those after the local hits) unless a fetch for them is under way or done; True
+        while it runs. A request waits for at most one fetch: once it is done, whatever arrived is
+        found by the lookup and the rest is computed."""
+        source = source or self._default_source
+        if not self.fetches or source is None or not block_hashes:
             return False
-        key = block_hashes[-1]
+        key = (source, block_hashes[-1])
         if key in self._answered:
             return False
         if key in self._fetches:
             return True
         if len(self._fetches) < FETCH_THREADS:
             folder = self._incoming / str(next(self._fetch_numbers))
-            self._fetches[key] = (folder, self._fetch_threads.submit(self.remote.fetch, list(block_hashes), folder))
+            fetch = self._remote(source).fetch
+            self._fetches[key] = (folder, self._fetch_threads.submit(fetch, list(block_hashes), folder))
         return True  # fetching, or waiting for a thread to fetch with
+
+    def _remote(self, source: str) -> RemoteBlocks:
+        remote = self._remotes.get(source)
+        if remote is None:
+            remote = self._remotes[source] = RemoteBlocks(source, self._key, self._ranks, self._block_bytes,
+                                                          context=self._context)
+            if len(self._remotes) > MAX_SOURCES:
+                self._remotes.popitem(last=False)  # a fetch still using it keeps its own reference
+        self._remotes.move_to_end(source)
+        return remote
 
     def _collect(self) -> None:
         """Adopt the blocks of every fetch that has finished into the disk tier (in order, up to
@@ -306,9 +328,9 @@ class TieredConnector(OffloadConnector):
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-        if self.remote is not None:
+        if self.fetches:
             self._fetch_threads.shutdown(wait=False, cancel_futures=True)
-            self.remote.close()  # the fetches running end now, not after their timeout
+            self._context.term()  # the fetches running end now, not after their timeout
             self._fetch_threads.shutdown(wait=True)
             shutil.rmtree(self._incoming, ignore_errors=True)
 

@@ -34,17 +34,15 @@ import struct
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import zmq
 
 from pagoda_daemon.engine.block_hash import BlockHash
 from pagoda_daemon.kv_offload.disk import file_name, rank_dir
+from pagoda_daemon.kv_offload.transfer_auth import KEY_ENV, MAX_CLOCK_SKEW_S, check_url
 
 log = logging.getLogger(__name__)
 
-KEY_ENV = "PAGODA_KV_TRANSFER_KEY"
-MIN_KEY_CHARS = 16
 MAGIC = b"PAGODA-KVX1"
 HASH_BYTES = 32  # engine/block_hash.py: SHA-256
 MAX_BLOCKS_PER_ASK = 64
@@ -56,35 +54,7 @@ ASK_TIMEOUT_S = 10.0  # one ask's round trip; a prefill instance that does not a
 _COUNT = struct.Struct("<IB")
 _RANKS = struct.Struct("<I")
 _TIME = struct.Struct("<Q")
-MAX_CLOCK_SKEW_S = 60.0  # an ask's time may differ this much from the server's clock (hosts keep NTP time)
 DENIED_LOG_EVERY_S = 60.0
-
-
-def transfer_key(environ: os._Environ[str] | dict[str, str] = os.environ) -> bytes:
-    """The shared key, from ``PAGODA_KV_TRANSFER_KEY`` (never a flag: flags show in ``ps``)."""
-    key = environ.get(KEY_ENV, "")
-    if len(key) < MIN_KEY_CHARS:
-        raise ValueError(f"KV transfer between instances needs a shared key of at least {MIN_KEY_CHARS} characters "
-                         f"in {KEY_ENV} (on the prefill and the decode instance)")
-    return key.encode()
-
-
-def is_remote(source: str | None) -> bool:
-    return source is not None and source.startswith("tcp://")
-
-
-def check_url(url: str) -> str:
-    """``tcp://HOST:PORT``, or ValueError naming what is wrong."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "tcp" or not parts.hostname or port is None or not 1 <= port <= 65535 or (
-            parts.path or parts.query or parts.fragment or parts.username or parts.password):
-        raise ValueError(f"kv_offload_disk_source {url!r}: a remote source is tcp://HOST:PORT (port 1-65535)")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"tcp://{host}:{port}"
 
 
 def sign(key: bytes, when: bytes, hashes: bytes, ranks: bytes) -> bytes:
@@ -182,13 +152,16 @@ class BlockServer:
 class RemoteBlocks:
     """Fetches blocks from a prefill instance's :class:`BlockServer`."""
 
-    def __init__(self, url: str, key: bytes, ranks: int, block_bytes: int, timeout_s: float | None = None) -> None:
+    def __init__(self, url: str, key: bytes, ranks: int, block_bytes: int, timeout_s: float | None = None,
+                 context: zmq.Context | None = None) -> None:
+        """``context``: shared with other sources (closed by its owner), else one of its own."""
         self.url = check_url(url)
         self._key = key
         self.ranks = ranks
         self.max_file_bytes = block_bytes + HEADER_SLACK_BYTES  # one rank's file: a bigger frame drops the reply
         self.timeout_ms = int((ASK_TIMEOUT_S if timeout_s is None else timeout_s) * 1000)
-        self._context = zmq.Context()
+        self._own_context = context is None
+        self._context = zmq.Context() if context is None else context
         self._warned = 0.0
 
     def fetch(self, hashes: list[BlockHash], into: Path) -> list[BlockHash]:
@@ -247,7 +220,8 @@ class RemoteBlocks:
 
     def close(self) -> None:
         """End every fetch at once: an ask waiting for its answer returns (ETERM), its socket closes."""
-        self._context.term()
+        if self._own_context:
+            self._context.term()
 
 
 def _write(path: Path, frame) -> None:

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda_daemon import __version__
 from pagoda_daemon.engine.input_processor import InvalidInput, bad_words_token_ids
+from pagoda_daemon.kv_offload.transfer_auth import SOURCE_HEADER, SourceHeaders
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server import admin, tokens
@@ -61,6 +62,7 @@ class ServerSettings:
     default_max_tokens: int = 16
     tool_call_parser: str | None = None  # None: the one the model's chat template shows
     reasoning_parser: str | None = None  # None: thinking stays in the content, as in vLLM
+    kv_source_headers: SourceHeaders | None = None  # prefill/decode between hosts (kv_offload/transfer.py)
 
 
 def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, keys: APIKeys | None = None,
@@ -325,7 +327,7 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams, cache_salt: str | None,
-             arrival: float) -> list[tuple[int, PreparedRequest]]:
+             arrival: float, kv_source: str | None = None) -> list[tuple[int, PreparedRequest]]:
     """Every generation of the request (by choice index) encoded, before any is registered: all or nothing."""
     prepared = []
     for p_index, (text, ids) in enumerate(prompts):
@@ -333,7 +335,7 @@ def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams
             index = p_index * params.n + i
             try:
                 prepared.append((index, client.prepare(f"{base_id}-{index}", text, ids, _child_params(params, i),
-                                                       cache_salt, arrival)))
+                                                       cache_salt, arrival, kv_source)))
             except ValueError as e:
                 raise bad_request(str(e)) from e
     return prepared
@@ -352,7 +354,12 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     engine_id = f"{base_id}-{uuid.uuid4().hex[:8]}"
     created = int(time.time())
     arrival = time.monotonic()
-    prepared = _prepare(client, engine_id, prompts, params, getattr(req, "cache_salt", None), arrival)
+    kv_headers = settings.kv_source_headers
+    try:
+        kv_source = None if kv_headers is None else kv_headers.source_of(raw.headers.get(SOURCE_HEADER))
+    except ValueError as e:
+        raise bad_request(str(e), param=SOURCE_HEADER) from e
+    prepared = _prepare(client, engine_id, prompts, params, getattr(req, "cache_salt", None), arrival, kv_source)
     # No await from here to the last submit: the engine cannot be found dead half way through.
     _ensure_ready(client)
     # streamed: each output carries only what is new; otherwise one complete output at the end
@@ -381,11 +388,16 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
         token_ids_as_tokens=req.return_tokens_as_token_ids, continuous_usage=req.continuous_usage,
         reply=reply or ReplyShape())
     builder = (ChatBuilder if chat else CompletionBuilder)(options, client.tokenizer, prompts)
+    answer_header = None if kv_headers is None else kv_headers.answer_header()
+    headers = {SOURCE_HEADER: answer_header} if answer_header else None  # where this prompt's KV can be fetched
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(streams, builder, include_usage, span, raw.state),
-                                 media_type="text/event-stream")
-    return await _collect(raw, streams, builder, span)
+                                 media_type="text/event-stream", headers=headers)
+    response = await _collect(raw, streams, builder, span)
+    if headers:
+        response.headers.update(headers)
+    return response
 
 
 async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -231,11 +231,13 @@ class EngineClient:
         return len(self.requests)
 
     def prepare(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
-                cache_salt: str | None = None, arrival: float | None = None) -> PreparedRequest:
+                cache_salt: str | None = None, arrival: float | None = None,
+                kv_source: str | None = None) -> PreparedRequest:
         """Encode one (validated) request for the core; ValueError when it cannot be. Nothing is
         registered yet, so a failure here leaves nothing behind."""
         arrival = time.monotonic() if arrival is None else arrival
-        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival)
+        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival,
+                                kv_source)
         return PreparedRequest(request_id, prompt_text, prompt_ids, params, arrival, frame)
 
     def submit(self, request: PreparedRequest,

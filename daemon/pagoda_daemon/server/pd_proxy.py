@@ -2,10 +2,13 @@
 
 Each completion goes first to a prefill instance with one token to generate: it computes the
 prompt and its disk tier keeps the prompt's full KV blocks. Then the request, unchanged, goes
-to a decode instance whose ``kv_offload_disk_source`` is the prefill instance's disk tier: its
-scheduler finds the prompt's blocks there (hard-linked into its own tier, docs/kv-offload.md),
-loads them instead of computing them, and generates the answer, streamed or not, which the
-proxy passes back as it comes. vLLM's P/D examples route the same way.
+to a decode instance whose ``kv_offload_disk_source`` is the prefill instance's disk tier (or
+its transfer port on another host): its scheduler finds the prompt's blocks there (hard-linked
+or fetched into its own tier, docs/kv-offload.md), loads them instead of computing them, and
+generates the answer, streamed or not, which the proxy passes back as it comes. A prefill
+instance on another host names itself in a signed ``x-pagoda-kv-source`` answer header, which
+the proxy adds to the decode request: the decode instance then fetches from whichever prefill
+instance answered. vLLM's P/D examples route the same way.
 
 The proxy holds no state and no credentials of its own: a client's ``Authorization`` header
 goes to both instances, which check it (docs/security.md). ``/ready`` is ready only when both
@@ -19,6 +22,7 @@ import argparse
 import json
 from typing import Any
 
+from pagoda_daemon.kv_offload.transfer_auth import SOURCE_HEADER
 from pagoda_daemon.server.errors import APIError, bad_request
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -95,6 +99,11 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
             first = await client.post(prefill_url + path, json=prefill_request(body), headers=headers)
             if first.status_code != 200:  # the request cannot be served: the prefill instance says why
                 return passed(first)
+            # where the prefill instance keeps the prompt's KV (between hosts), signed by it: the
+            # decode instance checks it and fetches from there (kv_offload/transfer.py)
+            source = first.headers.get(SOURCE_HEADER)
+            if source is not None:
+                headers = {**headers, SOURCE_HEADER: source}
             if not body.get("stream"):
                 return passed(await client.post(decode_url + path, content=raw, headers=headers))
             answer = await client.send(client.build_request("POST", decode_url + path, content=raw, headers=headers),

@@ -283,8 +283,11 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     client = EngineClient(config, metrics=metrics, log_level=log_level,
                           stats_log_interval=0.0 if options["disable_log_stats"] else options["log_stats_interval"],
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
+    from pagoda_daemon.kv_offload.transfer_auth import SourceHeaders
+
     settings = ServerSettings(served_name, options["max_waiting_requests"], tool_call_parser=options["tool_call_parser"],
-                              reasoning_parser=options["reasoning_parser"])
+                              reasoning_parser=options["reasoning_parser"],
+                              kv_source_headers=SourceHeaders.from_config(config))
     app = build_app(client, settings, tracer, keys=keys, admin_keys=admin_keys,
                     limits=RequestLimits(options["max_request_body_bytes"]), api_docs=options["enable_fastapi_docs"])
     await client.start()

@@ -51,17 +51,18 @@ def _request_id_of(frame: bytes) -> str | None:
 
 
 def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int | None,
-                extra_keys: tuple, arrival_time: float) -> AddRequest:
+                extra_keys: tuple, arrival_time: float, kv_source: str | None = None) -> AddRequest:
     return AddRequest(request_id, prompt_token_ids, dataclasses.asdict(params), eos_token_id,
-                      [list(k) for k in extra_keys], arrival_time)
+                      [list(k) for k in extra_keys], arrival_time, kv_source)
 
 
 def encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int | None,
-               extra_keys: tuple, arrival_time: float) -> bytes:
+               extra_keys: tuple, arrival_time: float, kv_source: str | None = None) -> bytes:
     """The ADD frame of one request. Built before the request is registered anywhere, so a
     request that cannot be encoded fails alone: ValueError, and nothing to undo."""
     try:
-        return encode(add_request(request_id, prompt_token_ids, params, eos_token_id, extra_keys, arrival_time))
+        return encode(add_request(request_id, prompt_token_ids, params, eos_token_id, extra_keys, arrival_time,
+                                  kv_source))
     except (TypeError, ValueError, OverflowError, msgspec.MsgspecError) as e:  # UnicodeEncodeError is a ValueError
         raise ValueError(f"the request cannot be encoded: {e}") from e
 
@@ -79,5 +80,5 @@ def to_request(add: AddRequest, block_size: int, vocab_size: int) -> Request:
         raise ValueError(f"allowed_token_ids and bad_words must be token ids in [0, {vocab_size})")
     return Request(
         add.request_id, prompt, params, add.eos_token_id, block_size,
-        extra_keys=tuple(tuple(k) for k in add.extra_keys), arrival_time=add.arrival_time,
+        extra_keys=tuple(tuple(k) for k in add.extra_keys), arrival_time=add.arrival_time, kv_source=add.kv_source,
     )
