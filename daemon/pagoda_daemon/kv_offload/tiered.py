@@ -21,9 +21,9 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import zmq
 
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.block_hash import BlockHash
@@ -33,8 +33,10 @@ from pagoda_daemon.engine.scheduler_output import KVTransfer
 from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, capacity_blocks
 from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, STAGE_BLOCKS, CpuIndex, CpuStore, gather
 from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
-from pagoda_daemon.kv_offload.transfer import BlockServer, RemoteBlocks
 from pagoda_daemon.kv_offload.transfer_auth import FROM_REQUEST, check_url, is_remote, transfer_key
+
+if TYPE_CHECKING:
+    from pagoda_daemon.kv_offload.transfer import BlockServer, RemoteBlocks
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +145,11 @@ class TieredConnector(OffloadConnector):
         self.disk = (DiskIndex(config.kv_offload_disk_path, disk_blocks, _identities(config, dtype, block_bytes),
                                source=None if is_remote(source) else source)
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
-        self.server = (BlockServer(config.kv_offload_disk_path, config.kv_transfer_port, transfer_key())
-                       if config.kv_transfer_port and config.kv_offload_disk_path is not None else None)
+        self.server: BlockServer | None = None
+        if config.kv_transfer_port and config.kv_offload_disk_path is not None:
+            from pagoda_daemon.kv_offload.transfer import BlockServer  # ZMQ only where blocks cross hosts
+
+            self.server = BlockServer(config.kv_offload_disk_path, config.kv_transfer_port, transfer_key())
         # Fetching from other hosts: from one source, or from the one each request names
         self.fetches = is_remote(source) and self.disk is not None
         self._default_source = None if source == FROM_REQUEST or not self.fetches else source
@@ -152,6 +157,8 @@ class TieredConnector(OffloadConnector):
         self._ranks, self._block_bytes = config.world_size, block_bytes
         if self.fetches:
             assert self.disk is not None
+            import zmq
+
             self._key = transfer_key()
             self._context = zmq.Context()  # every source's sockets; terminated by close()
             self._incoming = Path(self.disk.root, INCOMING)
@@ -224,6 +231,8 @@ class TieredConnector(OffloadConnector):
     def _remote(self, source: str) -> RemoteBlocks:
         remote = self._remotes.get(source)
         if remote is None:
+            from pagoda_daemon.kv_offload.transfer import RemoteBlocks
+
             remote = self._remotes[source] = RemoteBlocks(source, self._key, self._ranks, self._block_bytes,
                                                           context=self._context)
             if len(self._remotes) > MAX_SOURCES:
