@@ -445,7 +445,12 @@ q06_model() {
   python3 -c "from benchmarks.throughput import save_word_level_tokenizer as s; s(151936, '$M')" || status=1
 }
 # PORT PATH: pagoda serve answers /v1/models before its engine is ready; /ready waits for it
-wait_ready() { for _ in $(seq 1 240); do curl -sf "localhost:$1$2" >/dev/null && return 0; sleep 1; done; return 1; }
+wait_ready() {  # PORT PATH [PID]: until PATH answers 200, for at most 240 s, or PID has exited
+  for _ in $(seq 1 240); do
+    curl -sf "localhost:$1$2" >/dev/null && return 0
+    [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null && return 1
+    sleep 1
+  done; return 1; }
 if has pd; then
   # Issue #19: prefill/decode disaggregation on one GPU (two engines sharing it, the KV through a
   # directory: PD_KV_ROOT, /dev/shm by default, memory-backed) behind pagoda pd-proxy, against one
@@ -456,7 +461,7 @@ if has pd; then
   pd_serve() {  # NAME PORT FLAGS...: one engine in the background, its pid in PIDS
     python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 8192 --port "$2" --served-model-name m \
       --device cuda --dtype bfloat16 --seed 0 --gpu-memory-utilization "${PD_UTIL:-0.3}" "${@:3}" > "$OUT/pd-$1.log" 2>&1 &
-    PIDS="$PIDS $!"; wait_ready "$2" /ready || { status=1; tail -20 "$OUT/pd-$1.log"; }
+    PIDS="$PIDS $!"; wait_ready "$2" /ready $! || { status=1; tail -20 "$OUT/pd-$1.log"; return 1; }
   }
   pd_sweep() {  # LABEL PORT
     python3 -m pagoda_daemon bench sweep --iterations 1 --server "$1=http://127.0.0.1:$2" --model m --vocab-size 151936 \
@@ -464,22 +469,40 @@ if has pd; then
       --workload-var request_rate --values "${PD_RATES:-2,4,8}" --experiment-name pd --output-dir "$OUT/sweep" \
       --resume --no-progress || status=1
   }
-  PIDS=""; disk="--kv-offload-disk-gib ${PD_KV_GIB:-24}"
-  pd_serve prefill 18100 --kv-offload-disk-path "$KV/prefill" $disk
-  pd_serve decode 18200 --kv-offload-disk-path "$KV/decode" $disk --kv-offload-disk-source "$KV/prefill"
-  python3 -m pagoda_daemon pd-proxy --prefill http://127.0.0.1:18100 --decode http://127.0.0.1:18200 --port 18000 \
-    > "$OUT/pd-proxy.log" 2>&1 &
-  PIDS="$PIDS $!"
-  if wait_ready 18000 /health; then
-    python3 -m benchmarks.pd_parity --url http://127.0.0.1:18000 --out "$OUT/pd-answers-disaggregated.json" || status=1
-    pd_sweep disaggregated 18000
-  else status=1; tail -20 "$OUT/pd-proxy.log"; fi
-  curl -s localhost:18200/metrics | grep -E '^vllm:external_prefix_cache_(hits|queries)_total' | tee "$OUT/pd-decode-hits.txt"
-  kill -TERM $PIDS; wait $PIDS; rm -rf "$KV"
+  # PD_TRANSPORTS: how the decode instance gets the blocks, one P/D run each: directory (hard links
+  # from the prefill instance's tier), tcp (fetched from its transfer port), request (fetched from
+  # the port each request's signed header names, as between hosts behind one prefill Service)
+  export PAGODA_KV_TRANSFER_KEY=${PAGODA_KV_TRANSFER_KEY:-pd-benchmark-key-0123456789}
+  for transport in ${PD_TRANSPORTS:-directory}; do
+    rm -rf "$KV"; mkdir -p "$KV/prefill" "$KV/decode"
+    case $transport in
+      directory) serves=(); source_of_decode="$KV/prefill" ;;
+      tcp) serves=(--kv-transfer-port 18400 --kv-transfer-host 127.0.0.1); source_of_decode=tcp://127.0.0.1:18400 ;;
+      request) serves=(--kv-transfer-port 18400 --kv-transfer-host 127.0.0.1); source_of_decode=request ;;
+      *) echo "unknown PD transport $transport"; status=1; continue ;;
+    esac
+    label=disaggregated; [ "$transport" != directory ] && label=disaggregated-$transport
+    PIDS=""; disk="--kv-offload-disk-gib ${PD_KV_GIB:-24}"
+    pd_serve prefill 18100 --kv-offload-disk-path "$KV/prefill" $disk "${serves[@]}" \
+      && pd_serve decode 18200 --kv-offload-disk-path "$KV/decode" $disk --kv-offload-disk-source "$source_of_decode" \
+      || { kill -TERM $PIDS; wait $PIDS; continue; }
+    python3 -m pagoda_daemon pd-proxy --prefill http://127.0.0.1:18100 --decode http://127.0.0.1:18200 --port 18000 \
+      > "$OUT/pd-proxy-$transport.log" 2>&1 &
+    PIDS="$PIDS $!"
+    if wait_ready 18000 /health; then
+      python3 -m benchmarks.pd_parity --url http://127.0.0.1:18000 --out "$OUT/pd-answers-$label.json" || status=1
+      pd_sweep "$label" 18000
+    else status=1; tail -20 "$OUT/pd-proxy-$transport.log"; fi
+    curl -s localhost:18200/metrics | grep -E '^(vllm:external_prefix_cache_(hits|queries)|pagoda:kv_transfer_fetched_bytes)_total' \
+      | tee "$OUT/pd-decode-hits-$transport.txt"
+    kill -TERM $PIDS; wait $PIDS; rm -rf "$KV"
+  done
   PIDS=""; pd_serve single 18300
   python3 -m benchmarks.pd_parity --url http://127.0.0.1:18300 --out "$OUT/pd-answers-single.json" || status=1
-  python3 -m benchmarks.pd_parity --compare "$OUT/pd-answers-disaggregated.json" "$OUT/pd-answers-single.json" \
-    | tee "$OUT/pd-parity.txt" || status=1
+  for answers in "$OUT"/pd-answers-disaggregated*.json; do
+    python3 -m benchmarks.pd_parity --compare "$answers" "$OUT/pd-answers-single.json" \
+      | tee -a "$OUT/pd-parity.txt" || status=1
+  done
   pd_sweep single 18300
   kill -TERM $PIDS; wait $PIDS
   tar czf "$OUT/pd-points.tgz" -C "$OUT" sweep
