@@ -336,8 +336,11 @@ def test_fused_moe_expert_parallel_shard_in_a_cuda_graph():
 # ---- the attention backend ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["extend", "split"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_triton_backend_matches_torch_backend(dtype):
+def test_triton_backend_matches_torch_backend(dtype, split):
+    """A mixed step: its two leading decodes on the extend kernel with the prompts, or (split) on
+    the decode kernel before the prompts' extend kernel."""
     from pagoda_daemon.attention.backend import AttentionMetadata
     from pagoda_daemon.attention.torch_paged import TorchPagedAttention
     from pagoda_daemon.attention.triton_backend import TritonPagedAttention
@@ -356,7 +359,10 @@ def test_triton_backend_matches_torch_backend(dtype):
         max_query_len=b.max_query_len, max_seq_len=b.max_seq_len)
     c1, c2 = b.kv_cache.clone(), b.kv_cache.clone()
     ref = TorchPagedAttention(16, 4, 128, 128**-0.5).forward(b.q, k, v, c1, meta)
-    out = TritonPagedAttention(16, 4, 128, 128**-0.5).forward(b.q, k, v, c2, meta)
+    triton = TritonPagedAttention(16, 4, 128, 128**-0.5)
+    if split:
+        triton.split_decodes_from_context = 0
+    out = triton.forward(b.q, k, v, c2, meta)
     assert torch.equal(c1, c2)
     check(out, ref, dtype)
 
