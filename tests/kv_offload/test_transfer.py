@@ -436,3 +436,36 @@ def test_a_decode_engine_fetches_from_the_source_each_request_names(model, block
     finally:
         prefill.engine.core.shutdown()
         decode.engine.core.shutdown()
+
+
+@pytest.mark.parametrize(("flags", "env_key", "message"), [
+    (["--kv-transfer-port", "8300"], None, transfer_auth.KEY_ENV),
+    (["--kv-offload-disk-source", "request"], "short", transfer_auth.KEY_ENV),
+    (["--kv-transfer-port", "8300", "--kv-transfer-host", "bad host"], KEY, "kv_transfer_host 'bad host'"),
+    (["--kv-transfer-port", "8300", "--kv-transfer-host", "h:1"], KEY, "kv_transfer_host 'h:1'"),
+    (["--kv-transfer-host", "10.0.0.1"], KEY, "kv_transfer_host needs kv_transfer_port"),
+    (["--kv-offload-disk-source", "tcp://h"], KEY, "tcp://HOST:PORT"),
+    (["--kv-transfer-port", "70000"], KEY, "kv_transfer_port must be at most 65535"),
+], ids=["port-without-key", "short-key", "host-with-space", "host-with-port", "host-without-port", "bad-url",
+        "port-too-big"])
+def test_pagoda_serve_refuses_a_transfer_it_cannot_run_in_one_line(model, tmp_path, flags, env_key, message):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != transfer_auth.KEY_ENV}
+    if env_key is not None:
+        env[transfer_auth.KEY_ENV] = env_key
+    proc = subprocess.run([sys.executable, "-m", "pagoda_daemon", "serve", model, "--device", "cpu",
+                           "--kv-offload-disk-path", str(tmp_path / "kv"), "--kv-offload-disk-gib", "0.01", *flags],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("url", ["tcp://bad host:80", "tcp://-h:80", "tcp://h_1:80", "tcp://%0a:80", "tcp://[zz::1]:80"])
+def test_a_source_host_is_a_name_or_an_address(url):
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        transfer_auth.check_url(url)
+    assert transfer_auth.check_url("tcp://[fd00::1]:80") == "tcp://[fd00::1]:80"
+    assert transfer_auth.check_url("tcp://prefill-0.pd.ns.svc:8300") == "tcp://prefill-0.pd.ns.svc:8300"

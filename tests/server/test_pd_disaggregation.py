@@ -155,3 +155,11 @@ def test_the_prefill_request_keeps_what_shapes_the_prompt():
             "response_format": {"type": "json_object"}, "tool_choice": "required", "min_tokens": 5}
     assert prefill_request(body) == {"model": "m", "messages": body["messages"], "tools": body["tools"],
                                      "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 1}
+
+
+def test_the_proxy_never_forwards_a_clients_source_header():
+    """Only the prefill instance's answer header reaches the decode instance (the relay adds it)."""
+    from pagoda_daemon.server.pd_proxy import forwarded_headers
+
+    sent = {"Authorization": "Bearer k", "x-pagoda-kv-source": "tcp://10.0.0.9:1 1 " + "0" * 64, "Cookie": "c"}
+    assert forwarded_headers(sent) == {"Authorization": "Bearer k"}

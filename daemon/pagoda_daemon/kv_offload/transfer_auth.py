@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ MAX_CLOCK_SKEW_S = 60.0  # a signed ask or header may be this old, or this far a
 FROM_REQUEST = "request"
 SOURCE_HEADER = "x-pagoda-kv-source"
 MAX_SOURCE_HEADER_CHARS = 512
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}|[0-9A-Fa-f:.]{2,45}")  # a DNS name, IPv4 or IPv6 address
 
 
 def transfer_key(environ: Mapping[str, str] = os.environ) -> bytes:
@@ -43,14 +45,16 @@ def is_remote(source: str | None) -> bool:
 
 def check_url(url: str) -> str:
     """``tcp://HOST:PORT``, or ValueError naming what is wrong."""
-    parts = urlsplit(url)
+    refusal = ValueError(f"kv_offload_disk_source {url!r}: a remote source is tcp://HOST:PORT (port 1-65535)")
     try:
+        parts = urlsplit(url)
         port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "tcp" or not parts.hostname or port is None or not 1 <= port <= 65535 or (
-            parts.path or parts.query or parts.fragment or parts.username or parts.password):
-        raise ValueError(f"kv_offload_disk_source {url!r}: a remote source is tcp://HOST:PORT (port 1-65535)")
+    except ValueError:  # brackets that do not hold an IPv6 address, a port that is not a number
+        raise refusal from None
+    if (parts.scheme != "tcp" or not parts.hostname or not _HOST.fullmatch(parts.hostname) or port is None
+            or not 1 <= port <= 65535 or parts.path or parts.query or parts.fragment or parts.username
+            or parts.password):
+        raise refusal
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"tcp://{host}:{port}"
 
@@ -92,12 +96,23 @@ class SourceHeaders:
     def from_config(cls, config) -> SourceHeaders | None:
         """None unless the engine serves blocks on a transfer port or fetches per request."""
         accepts = config.kv_offload_disk_source == FROM_REQUEST
+        if config.kv_transfer_host is not None and not config.kv_transfer_port:
+            raise ValueError("kv_transfer_host needs kv_transfer_port (the address is the transfer port's)")
         if not config.kv_transfer_port and not accepts:
             return None
         own = None
         if config.kv_transfer_port:
-            host = config.kv_transfer_host or socket.gethostbyname(socket.gethostname())
-            own = check_url(f"tcp://{f'[{host}]' if ':' in host else host}:{config.kv_transfer_port}")
+            host = config.kv_transfer_host
+            if host is None:
+                try:
+                    host = socket.gethostbyname(socket.gethostname())
+                except OSError as e:
+                    raise ValueError(f"kv_transfer_host: this host's name {socket.gethostname()!r} does not resolve "
+                                     f"({e}); give the address decode instances reach it at") from e
+            try:
+                own = check_url(f"tcp://{f'[{host}]' if ':' in host else host}:{config.kv_transfer_port}")
+            except ValueError:
+                raise ValueError(f"kv_transfer_host {host!r} is not a host name or address") from None
         return cls(transfer_key(), own, accepts)
 
     def answer_header(self) -> str | None:

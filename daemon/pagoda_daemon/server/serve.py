@@ -237,6 +237,11 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         check_layout(model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts, config.elastic_ep_max_size)
         _keys(options)
+        from pagoda_daemon.kv_offload import tiered
+        from pagoda_daemon.kv_offload.transfer_auth import SourceHeaders
+
+        tiered.check_options(config)  # the engine checks them again; a refusal here is one line
+        kv_source_headers = SourceHeaders.from_config(config)
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -246,7 +251,8 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         from pagoda_daemon.executor.multiproc import run_node
 
         return run_node(config, model_config, max_len, options["node_ready_port"])
-    return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len))
+    return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len,
+                              kv_source_headers))
 
 
 def _keys(options: dict) -> tuple[APIKeys, APIKeys]:
@@ -261,7 +267,8 @@ def _keys(options: dict) -> tuple[APIKeys, APIKeys]:
     return keys, admin_keys
 
 
-async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int) -> int:
+async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int,
+                 kv_source_headers=None) -> int:
     import uvicorn
 
     from pagoda_daemon.server.api import ServerSettings, build_app
@@ -283,11 +290,8 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     client = EngineClient(config, metrics=metrics, log_level=log_level,
                           stats_log_interval=0.0 if options["disable_log_stats"] else options["log_stats_interval"],
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
-    from pagoda_daemon.kv_offload.transfer_auth import SourceHeaders
-
     settings = ServerSettings(served_name, options["max_waiting_requests"], tool_call_parser=options["tool_call_parser"],
-                              reasoning_parser=options["reasoning_parser"],
-                              kv_source_headers=SourceHeaders.from_config(config))
+                              reasoning_parser=options["reasoning_parser"], kv_source_headers=kv_source_headers)
     app = build_app(client, settings, tracer, keys=keys, admin_keys=admin_keys,
                     limits=RequestLimits(options["max_request_body_bytes"]), api_docs=options["enable_fastapi_docs"])
     await client.start()
