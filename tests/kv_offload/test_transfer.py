@@ -469,3 +469,23 @@ def test_a_source_host_is_a_name_or_an_address(url):
         transfer_auth.check_url(url)
     assert transfer_auth.check_url("tcp://[fd00::1]:80") == "tcp://[fd00::1]:80"
     assert transfer_auth.check_url("tcp://prefill-0.pd.ns.svc:8300") == "tcp://prefill-0.pd.ns.svc:8300"
+
+
+def test_a_source_that_answers_slowly_cannot_hold_a_request_past_the_fetch_deadline(server, tmp_path, monkeypatch):
+    """Each ask answered, but slowly: the fetch stops at its deadline with what arrived."""
+    have = hashes_(transfer.MAX_BLOCKS_PER_ASK * 4)
+    write_files(tmp_path / "served", have)
+    answer = server.answer
+
+    def slow(ask):
+        time.sleep(0.4)
+        return answer(ask)
+
+    monkeypatch.setattr(server, "answer", slow)
+    monkeypatch.setattr(transfer, "FETCH_DEADLINE_S", 0.6)
+    remote = transfer.RemoteBlocks(f"tcp://127.0.0.1:{server.port}", KEY.encode(), 1, 1 << 20)
+    started = time.monotonic()
+    got = remote.fetch(have, tmp_path / "in")
+    remote.close()
+    assert time.monotonic() - started < 2.0
+    assert 0 < len(got) < len(have) and got == have[: len(got)]

@@ -51,6 +51,9 @@ MAX_REPLY_BYTES = 64 << 20  # what one reply may carry (at least one block): a b
 MAX_ASK_BYTES = 8192  # an ask's largest frame, its 64 hashes, is 2 KiB: a bigger frame drops its connection
 HEADER_SLACK_BYTES = 64 << 10  # a block file's header beside its payload, at most
 ASK_TIMEOUT_S = 10.0  # one ask's round trip; a prefill instance that does not answer costs the request a recompute
+# A whole fetch: a source that answers each ask just in time cannot hold a request much longer
+# (a 32k-token prompt is 32 asks of 64 blocks of 16 tokens).
+FETCH_DEADLINE_S = 60.0
 _COUNT = struct.Struct("<IB")
 _RANKS = struct.Struct("<I")
 _TIME = struct.Struct("<Q")
@@ -180,7 +183,13 @@ class RemoteBlocks:
             socket.connect(self.url)
             for r in range(self.ranks):
                 rank_dir(into, r).mkdir(parents=True, exist_ok=True)
+            deadline = time.monotonic() + FETCH_DEADLINE_S
             while len(got) < len(hashes):
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    self._warn(f"the fetch took more than {FETCH_DEADLINE_S:g} s; the rest is computed here")
+                    break
+                socket.setsockopt(zmq.RCVTIMEO, min(self.timeout_ms, left_ms))
                 ask = hashes[len(got) : len(got) + MAX_BLOCKS_PER_ASK]
                 socket.send_multipart(signed_ask(self._key, b"".join(ask), self.ranks))
                 count, miss, files = self._parse(socket.recv_multipart(copy=False), len(ask))
