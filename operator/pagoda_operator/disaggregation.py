@@ -15,7 +15,8 @@ disk-backed emptyDir (sized for both tiers), mounted whole in the decode contain
 ``prefill`` sub-directory in the prefill container. The kubelet makes a sub-path directory
 before it starts the container that mounts it, and it starts a pod's containers in their order,
 so the prefill directory exists before the decode engine, which refuses a missing source, starts.
-Replicas scale whole units: there is no transport between nodes.
+Replicas scale whole units. The daemon can also move the blocks between hosts over TCP
+(``kv_offload/transfer.py``); rendering prefill and decode pods apart is not built.
 """
 
 from __future__ import annotations

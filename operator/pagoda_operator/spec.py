@@ -493,7 +493,7 @@ def disaggregation_errors(s: ServiceSpec, supports: Supports = capabilities.supp
                       "the prefill and the decode engine")
     if s.pods_per_replica > 1:
         errors.append(f"{name} needs resources.podsPerReplica 1: both engines' KV tiers must be on one "
-                      "filesystem (there is no transport between nodes)")
+                      "filesystem (the operator does not render the transfer between nodes)")
     if s.parallelism.elastic is not None:
         errors.append(f"{name} does not combine with parallelism.elastic (the two engines' layouts must stay equal)")
     if s.kv_offload.cpu_gib or s.kv_offload.disk_path:
