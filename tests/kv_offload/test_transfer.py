@@ -489,3 +489,22 @@ def test_a_source_that_answers_slowly_cannot_hold_a_request_past_the_fetch_deadl
     remote.close()
     assert time.monotonic() - started < 2.0
     assert 0 < len(got) < len(have) and got == have[: len(got)]
+
+
+def test_a_prompt_asked_again_after_the_tier_lost_it_is_fetched_again(model, block_bytes, tmp_path):
+    """A request waits for one fetch at most; a later request for the same prompt is another request."""
+    prompts = workload(num_prefixes=1, repeats=1)
+    reference = run(LLM(model, **ENGINE), prompts)
+    prefill, decode = engines(model, block_bytes, tmp_path)
+    try:
+        run(prefill, prompts)
+        assert run(decode, prompts) == reference
+        core = decode.engine.core
+        for block_hash in list(core.connector.disk.files):
+            core.connector.disk.forget(block_hash)
+        core.kv_cache.reset_prefix_cache()
+        assert run(decode, prompts) == reference
+        assert decode.get_stats().kv_offload.fetched_bytes == 2 * 6 * block_bytes
+    finally:
+        prefill.engine.core.shutdown()
+        decode.engine.core.shutdown()

@@ -171,7 +171,7 @@ class Scheduler:
             offload_hashes = self._offload_candidates(req, len(computed_blocks))
             num_loaded_blocks = self.connector.lookup(offload_hashes) if offload_hashes and self.connector else 0
             if (self.connector is not None and num_loaded_blocks < len(offload_hashes)
-                    and self.connector.arriving(offload_hashes[num_loaded_blocks:], req.kv_source)):
+                    and self.connector.arriving(offload_hashes[num_loaded_blocks:], req.kv_source, req.request_id)):
                 held_back.append(self.waiting.popleft())
                 continue
             num_loaded = num_loaded_blocks * self.kv_cache.block_size

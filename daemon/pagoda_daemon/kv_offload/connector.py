@@ -53,7 +53,7 @@ class OffloadConnector(ABC):
     def lookup(self, block_hashes: list[BlockHash]) -> int:
         """How many of these blocks, from the first, a tier holds (no side effect)."""
 
-    def arriving(self, block_hashes: list[BlockHash], source: str | None = None) -> bool:
+    def arriving(self, block_hashes: list[BlockHash], source: str | None = None, request_id: str = "") -> bool:
         """Whether these blocks (a request's, after those ``lookup`` found) are on their way from
         another instance (``source``: the one the request names, if any): the request then waits,
         keeping its place, while the batch runs on, and is looked up again next step. Tiers that

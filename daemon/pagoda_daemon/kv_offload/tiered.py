@@ -48,7 +48,7 @@ CPU, DISK = "cpu", "disk"  # the tiers' names in the stats (the metrics' `medium
 # INCOMING, then are adopted into the disk tier by the scheduler's thread.
 FETCH_THREADS = 4
 INCOMING = ".incoming"
-MAX_ANSWERED = 4096  # fetches remembered as done, so that a request they were for does not ask again
+MAX_ANSWERED = 4096  # requests whose fetch is done, remembered so that they do not ask again
 MAX_SOURCES = 64  # prefill instances whose sockets' settings are kept (a request may name any)
 
 
@@ -164,9 +164,10 @@ class TieredConnector(OffloadConnector):
             self._incoming = Path(self.disk.root, INCOMING)
             shutil.rmtree(self._incoming, ignore_errors=True)  # what a run that crashed was still fetching
             self._fetch_threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="pagoda-kv-fetch")
-        # fetches under way, by source and the last hash each asks for (it names the whole chain before it)
-        self._fetches: dict[tuple[str, BlockHash], tuple[Path, Future[list[BlockHash]]]] = {}
-        self._answered: OrderedDict[tuple[str, BlockHash], None] = OrderedDict()
+        # fetches under way, by source and the last hash each asks for (it names the whole chain
+        # before it), with the requests waiting for each
+        self._fetches: dict[tuple[str, BlockHash], tuple[Path, Future[list[BlockHash]], set[str]]] = {}
+        self._answered: OrderedDict[str, None] = OrderedDict()  # request ids
         self._fetch_numbers = itertools.count()
         self._saves: list[KVTransfer] = []
         self._promotions: list[tuple[BlockHash, int]] = []
@@ -209,23 +210,23 @@ class TieredConnector(OffloadConnector):
             n += 1
         return n
 
-    def arriving(self, block_hashes: list[BlockHash], source: str | None = None) -> bool:
+    def arriving(self, block_hashes: list[BlockHash], source: str | None = None, request_id: str = "") -> bool:
         """With a remote source (the request's, else the configured one): start fetching these
-        blocks (those after the local hits) unless a fetch for them is under way or done; True
-        while it runs. A request waits for at most one fetch: once it is done, whatever arrived is
-        found by the lookup and the rest is computed."""
+        blocks (those after the local hits) unless a fetch for them is under way; True while it
+        runs. A request waits for at most one fetch: once it is done, whatever arrived is found by
+        the lookup and the rest is computed (a later request for the same prompt fetches again)."""
         source = source or self._default_source
-        if not self.fetches or source is None or not block_hashes:
+        if not self.fetches or source is None or not block_hashes or request_id in self._answered:
             return False
         key = (source, block_hashes[-1])
-        if key in self._answered:
-            return False
-        if key in self._fetches:
+        under_way = self._fetches.get(key)
+        if under_way is not None:
+            under_way[2].add(request_id)
             return True
         if len(self._fetches) < FETCH_THREADS:
             folder = self._incoming / str(next(self._fetch_numbers))
             fetch = self._remote(source).fetch
-            self._fetches[key] = (folder, self._fetch_threads.submit(fetch, list(block_hashes), folder))
+            self._fetches[key] = (folder, self._fetch_threads.submit(fetch, list(block_hashes), folder), {request_id})
         return True  # fetching, or waiting for a thread to fetch with
 
     def _remote(self, source: str) -> RemoteBlocks:
@@ -243,7 +244,7 @@ class TieredConnector(OffloadConnector):
     def _collect(self) -> None:
         """Adopt the blocks of every fetch that has finished into the disk tier (in order, up to
         the first that fails its header check), then delete its folder."""
-        for key, (folder, fetch) in list(self._fetches.items()):
+        for key, (folder, fetch, waiting) in list(self._fetches.items()):
             if not fetch.done():
                 continue
             del self._fetches[key]
@@ -256,8 +257,9 @@ class TieredConnector(OffloadConnector):
                 self.stored(block_hash, DISK_MEDIUM)
                 self.stats.fetched_bytes += self.bytes_per_block
             shutil.rmtree(folder, ignore_errors=True)
-            self._answered[key] = None
-            if len(self._answered) > MAX_ANSWERED:
+            for request_id in waiting:
+                self._answered[request_id] = None
+            while len(self._answered) > MAX_ANSWERED:
                 self._answered.popitem(last=False)
 
     def plan_loads(self, block_hashes: list[BlockHash], gpu_block_ids: list[int]) -> list[KVTransfer]:
