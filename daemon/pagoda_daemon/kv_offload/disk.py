@@ -62,16 +62,22 @@ def write_block(path: Path, ident: str, block_hash: BlockHash, block: torch.Tens
     header = json.dumps({"identity": ident, "hash": block_hash.hex(), "shape": list(cpu.shape),
                          "dtype": str(cpu.dtype).removeprefix("torch."), "nbytes": len(payload),
                          "crc32": zlib.crc32(payload)}).encode()
+    write_whole(path, MAGIC + _LEN.pack(len(header)) + header, payload)
+    return len(payload)
+
+
+def write_whole(path: Path, *parts: bytes | memoryview) -> None:
+    """Write a block file whole or not at all: a temp file (named so that the index's scan at
+    start deletes one a crash left), then a rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(MAGIC + _LEN.pack(len(header)) + header)
-            f.write(payload)
+            for part in parts:
+                f.write(part)
         os.replace(tmp, path)
     except BaseException:  # a full disk, an I/O error: no half-written temp file stays behind
         tmp.unlink(missing_ok=True)
         raise
-    return len(payload)
 
 
 def _header(data: bytes, ident: str, block_hash: BlockHash) -> tuple[dict, int]:

@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import os
 import struct
 import threading
 import time
@@ -38,8 +37,8 @@ from pathlib import Path
 import zmq
 
 from pagoda_daemon.engine.block_hash import BlockHash
-from pagoda_daemon.kv_offload.disk import file_name, rank_dir
-from pagoda_daemon.kv_offload.transfer_auth import KEY_ENV, MAX_CLOCK_SKEW_S, check_url
+from pagoda_daemon.kv_offload.disk import file_name, rank_dir, write_whole
+from pagoda_daemon.kv_offload.transfer_auth import KEY_ENV, MAX_CLOCK_SKEW_S, check_url, is_fresh, now_ms
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ def sign(key: bytes, when: bytes, hashes: bytes, ranks: bytes) -> bytes:
 
 
 def signed_ask(key: bytes, hashes: bytes, ranks: int, now_s: float | None = None) -> list[bytes]:
-    when = _TIME.pack(int((time.time() if now_s is None else now_s) * 1000))
+    when = _TIME.pack(now_ms(now_s))
     ranks_frame = _RANKS.pack(ranks)
     return [MAGIC, when, sign(key, when, hashes, ranks_frame), hashes, ranks_frame]
 
@@ -115,8 +114,7 @@ class BlockServer:
             return [MAGIC, b"bad"]
         when, signature, hashes, ranks_frame = ask[1:]
         (sent_ms,) = _TIME.unpack(when)
-        if (not hmac.compare_digest(signature, sign(self._key, when, hashes, ranks_frame))
-                or abs(time.time() - sent_ms / 1000) > MAX_CLOCK_SKEW_S):
+        if not hmac.compare_digest(signature, sign(self._key, when, hashes, ranks_frame)) or not is_fresh(sent_ms):
             now = time.monotonic()
             if now - self._last_denied >= DENIED_LOG_EVERY_S:
                 self._last_denied = now
@@ -177,8 +175,7 @@ class RemoteBlocks:
         try:
             socket = self._context.socket(zmq.REQ)
             socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
-            socket.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            socket.setsockopt(zmq.SNDTIMEO, self.timeout_ms)  # RCVTIMEO per ask, within the fetch's deadline
             socket.setsockopt(zmq.MAXMSGSIZE, self.max_file_bytes)
             socket.connect(self.url)
             for r in range(self.ranks):
@@ -195,7 +192,7 @@ class RemoteBlocks:
                 count, miss, files = self._parse(socket.recv_multipart(copy=False), len(ask))
                 for i in range(count):
                     for r in range(self.ranks):
-                        _write(rank_dir(into, r) / file_name(ask[i]), files[i * self.ranks + r])
+                        write_whole(rank_dir(into, r) / file_name(ask[i]), files[i * self.ranks + r].buffer)
                 got += ask[:count]
                 if miss or count == 0:
                     break
@@ -232,14 +229,3 @@ class RemoteBlocks:
         if self._own_context:
             self._context.term()
 
-
-def _write(path: Path, frame) -> None:
-    """A received file, whole or not at all (temp file + rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(frame.buffer)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -59,10 +59,21 @@ def check_url(url: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def now_ms(now_s: float | None = None) -> int:
+    """Wall-clock time in ms, as signed asks and headers carry it (``now_s``: tests' clock)."""
+    return int((time.time() if now_s is None else now_s) * 1000)
+
+
+def is_fresh(issued_ms: int, now_s: float | None = None) -> bool:
+    """Whether a signed ask or header issued then may be taken now: within ``MAX_CLOCK_SKEW_S``
+    either way."""
+    return abs((time.time() if now_s is None else now_s) - issued_ms / 1000) <= MAX_CLOCK_SKEW_S
+
+
 def advertisement(key: bytes, source: str, now_s: float | None = None) -> str:
     """The ``SOURCE_HEADER`` value a prefill instance answers with: where its blocks are, when
     it said so, and its signature over both."""
-    issued = str(int((time.time() if now_s is None else now_s) * 1000))
+    issued = str(now_ms(now_s))
     signature = hmac.new(key, b"source\n" + source.encode() + b"\n" + issued.encode(), hashlib.sha256).hexdigest()
     return f"{source} {issued} {signature}"
 
@@ -78,7 +89,7 @@ def verified_source(value: str, key: bytes, now_s: float | None = None) -> str:
     expected = advertisement(key, source, int(issued) / 1000).rsplit(" ", 1)[1]
     if not hmac.compare_digest(signature.encode(), expected.encode()):
         raise ValueError(f"{SOURCE_HEADER} is not signed by a prefill instance holding this instance's key")
-    if abs((time.time() if now_s is None else now_s) - int(issued) / 1000) > MAX_CLOCK_SKEW_S:
+    if not is_fresh(int(issued), now_s):
         raise ValueError(f"{SOURCE_HEADER} was issued more than {MAX_CLOCK_SKEW_S:g} s ago (or the clocks differ)")
     return check_url(source)
 
