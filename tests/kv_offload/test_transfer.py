@@ -7,9 +7,11 @@ engine or a wrong token."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -248,20 +250,27 @@ def test_both_ends_need_the_key_and_a_disk_tier(model, tmp_path, monkeypatch):
 # ---- two engines -------------------------------------------------------------------------
 
 
-def engines(model, block_bytes, tmp_path, **decode_options):
+@contextlib.contextmanager
+def engines(model, block_bytes, tmp_path, source: str | None = None) -> Iterator[tuple[LLM, LLM, int]]:
+    """A prefill engine serving its disk tier on a transfer port, and a decode engine whose
+    kv_offload_disk_source is ``source`` (that port by default); (prefill, decode, port), both shut
+    down after."""
     disk = dict(kv_offload_disk_gib=gib(64, block_bytes))
     port = free_port()
     prefill = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "prefill"), kv_transfer_port=port, **disk)
     decode = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "decode"),
-                 kv_offload_disk_source=f"tcp://127.0.0.1:{port}", **{**disk, **decode_options})
-    return prefill, decode
+                 kv_offload_disk_source=source or f"tcp://127.0.0.1:{port}", **disk)
+    try:
+        yield prefill, decode, port
+    finally:
+        prefill.engine.core.shutdown()
+        decode.engine.core.shutdown()
 
 
 def test_a_decode_engine_loads_the_prompts_a_prefill_engine_computed(model, block_bytes, tmp_path):
     prompts = workload(num_prefixes=3, repeats=1)
     reference = run(LLM(model, **ENGINE), prompts)
-    prefill, decode = engines(model, block_bytes, tmp_path)
-    try:
+    with engines(model, block_bytes, tmp_path) as (prefill, decode, _):
         run(prefill, prompts)
         assert run(decode, prompts) == reference
         stats = decode.get_stats().kv_offload
@@ -273,17 +282,13 @@ def test_a_decode_engine_loads_the_prompts_a_prefill_engine_computed(model, bloc
         # asked again: from its own tier now, nothing more fetched (the stats are totals)
         assert run(decode, prompts) == reference
         assert decode.get_stats().kv_offload.fetched_bytes == 3 * 6 * block_bytes
-    finally:
-        prefill.engine.core.shutdown()
-        decode.engine.core.shutdown()
 
 
 def test_a_corrupt_file_fails_its_load_and_is_recomputed_and_a_wrong_key_computes_everything(
         model, block_bytes, tmp_path, monkeypatch):
     prompts = workload(num_prefixes=2, repeats=1)
     reference = run(LLM(model, **ENGINE), prompts)
-    prefill, decode = engines(model, block_bytes, tmp_path)
-    try:
+    with engines(model, block_bytes, tmp_path) as (prefill, decode, port):
         run(prefill, prompts)
         for path in sorted((tmp_path / "prefill" / "rank0").glob(f"*{disk_tier.SUFFIX}"))[::3]:
             corrupt(path)
@@ -291,18 +296,14 @@ def test_a_corrupt_file_fails_its_load_and_is_recomputed_and_a_wrong_key_compute
         stats = decode.get_stats().kv_offload
         assert stats.fetched_bytes > 0 and stats.failed_loads > 0, stats
         assert_idle_and_consistent(decode)
-    finally:
-        decode.engine.core.shutdown()
-    monkeypatch.setenv(transfer_auth.KEY_ENV, "a-different-key-of-24ch")
-    _, stranger = None, LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "stranger"),
-                            kv_offload_disk_gib=gib(64, block_bytes),
-                            kv_offload_disk_source=f"tcp://127.0.0.1:{prefill.engine.core.connector.server.port}")
-    try:
-        assert run(stranger, prompts) == reference
-        assert stranger.get_stats().kv_offload.hits == 0
-    finally:
-        stranger.engine.core.shutdown()
-        prefill.engine.core.shutdown()
+        monkeypatch.setenv(transfer_auth.KEY_ENV, "a-different-key-of-24ch")
+        stranger = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "stranger"),
+                       kv_offload_disk_gib=gib(64, block_bytes), kv_offload_disk_source=f"tcp://127.0.0.1:{port}")
+        try:
+            assert run(stranger, prompts) == reference
+            assert stranger.get_stats().kv_offload.hits == 0
+        finally:
+            stranger.engine.core.shutdown()
 
 
 def test_requests_behind_a_slow_fetch_go_first_and_nothing_leaks(model, block_bytes, tmp_path, monkeypatch):
@@ -310,7 +311,6 @@ def test_requests_behind_a_slow_fetch_go_first_and_nothing_leaks(model, block_by
     leaves no folder, block or request behind."""
     prompts = workload(num_prefixes=2, repeats=1)
     reference = run(LLM(model, **ENGINE), prompts)
-    prefill, decode = engines(model, block_bytes, tmp_path)
     slow = threading.Event()
     fetch = transfer.RemoteBlocks.fetch
 
@@ -319,36 +319,35 @@ def test_requests_behind_a_slow_fetch_go_first_and_nothing_leaks(model, block_by
         return fetch(self, hashes, into)
 
     monkeypatch.setattr(transfer.RemoteBlocks, "fetch", slow_fetch)
-    try:
-        run(prefill, prompts[:1])  # only the first prompt's blocks are there to fetch
-        from pagoda_daemon import SamplingParams
-        from pagoda_daemon.engine.request import Request
+    with engines(model, block_bytes, tmp_path) as (prefill, decode, _):
+        try:
+            run(prefill, prompts[:1])  # only the first prompt's blocks are there to fetch
+            from pagoda_daemon import SamplingParams
+            from pagoda_daemon.engine.request import Request
 
-        core = decode.engine.core
-        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        core.add_request(Request("waits", prompts[0], params, None, ENGINE["block_size"]))
-        # no full block to fetch: scheduled at once
-        core.add_request(Request("goes", list(range(5, 15)), params, None, ENGINE["block_size"]))
-        finished = set()
-        for _ in range(50):
-            finished |= {o.request_id for o in core.step() if o.finish_reason}
-            if "goes" in finished:
-                break
-        assert "goes" in finished and "waits" not in finished  # went first, while the other waited
-        core.abort_requests(["waits"])
-        slow.set()
-        deadline = time.monotonic() + 10
-        while core.connector._fetches and time.monotonic() < deadline:
-            core.step() if core.has_unfinished_requests() else core.connector.take_saves()
-            time.sleep(0.01)
-        assert not core.connector._fetches
-        assert not list((tmp_path / "decode" / tiered.INCOMING).iterdir())
-        assert_idle_and_consistent(decode)
-        assert run(decode, prompts) == reference  # the fetch's blocks were adopted for the next asker
-    finally:
-        slow.set()
-        prefill.engine.core.shutdown()
-        decode.engine.core.shutdown()
+            core = decode.engine.core
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            core.add_request(Request("waits", prompts[0], params, None, ENGINE["block_size"]))
+            # no full block to fetch: scheduled at once
+            core.add_request(Request("goes", list(range(5, 15)), params, None, ENGINE["block_size"]))
+            finished = set()
+            for _ in range(50):
+                finished |= {o.request_id for o in core.step() if o.finish_reason}
+                if "goes" in finished:
+                    break
+            assert "goes" in finished and "waits" not in finished  # went first, while the other waited
+            core.abort_requests(["waits"])
+            slow.set()
+            deadline = time.monotonic() + 10
+            while core.connector._fetches and time.monotonic() < deadline:
+                core.step() if core.has_unfinished_requests() else core.connector.take_saves()
+                time.sleep(0.01)
+            assert not core.connector._fetches
+            assert not list((tmp_path / "decode" / tiered.INCOMING).iterdir())
+            assert_idle_and_consistent(decode)
+            assert run(decode, prompts) == reference  # the fetch's blocks were adopted for the next asker
+        finally:
+            slow.set()  # a test that fails early must not leave the fetch waiting through shutdown
 
 
 def test_shutdown_ends_a_fetch_without_waiting_for_its_timeout(model, block_bytes, tmp_path):
@@ -411,12 +410,7 @@ def test_a_decode_engine_fetches_from_the_source_each_request_names(model, block
 
     prompts = workload(num_prefixes=2, repeats=1)
     reference = run(LLM(model, **ENGINE), prompts)
-    disk = dict(kv_offload_disk_gib=gib(64, block_bytes))
-    port = free_port()
-    prefill = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "prefill"), kv_transfer_port=port, **disk)
-    decode = LLM(model, **ENGINE, kv_offload_disk_path=str(tmp_path / "decode"),
-                 kv_offload_disk_source=transfer_auth.FROM_REQUEST, **disk)
-    try:
+    with engines(model, block_bytes, tmp_path, source=transfer_auth.FROM_REQUEST) as (prefill, decode, port):
         run(prefill, prompts)
         core = decode.engine.core
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -433,9 +427,6 @@ def test_a_decode_engine_fetches_from_the_source_each_request_names(model, block
         # the first request named the prefill instance: its 6 blocks came from there; the second named none
         assert stats.fetched_bytes == 6 * block_bytes and stats.hits == 6 * 16, stats
         assert_idle_and_consistent(decode)
-    finally:
-        prefill.engine.core.shutdown()
-        decode.engine.core.shutdown()
 
 
 @pytest.mark.parametrize(("flags", "env_key", "message"), [
@@ -495,8 +486,7 @@ def test_a_prompt_asked_again_after_the_tier_lost_it_is_fetched_again(model, blo
     """A request waits for one fetch at most; a later request for the same prompt is another request."""
     prompts = workload(num_prefixes=1, repeats=1)
     reference = run(LLM(model, **ENGINE), prompts)
-    prefill, decode = engines(model, block_bytes, tmp_path)
-    try:
+    with engines(model, block_bytes, tmp_path) as (prefill, decode, _):
         run(prefill, prompts)
         assert run(decode, prompts) == reference
         core = decode.engine.core
@@ -505,6 +495,3 @@ def test_a_prompt_asked_again_after_the_tier_lost_it_is_fetched_again(model, blo
         core.kv_cache.reset_prefix_cache()
         assert run(decode, prompts) == reference
         assert decode.get_stats().kv_offload.fetched_bytes == 2 * 6 * block_bytes
-    finally:
-        prefill.engine.core.shutdown()
-        decode.engine.core.shutdown()
