@@ -1,5 +1,6 @@
 """KV offload on a multi-turn workload whose conversations outgrow the GPU's KV cache (issue #19):
-`pagoda serve` once per configuration — offload off, host memory, disk, both — each driven by
+`pagoda serve` once per configuration — offload off, host memory, disk, both (host memory
+written through; cpu-wb and both-wb write it back) — each driven by
 the same `pagoda bench` conversations (token ids on a long shared context, every turn re-reading
 the conversation so far), reporting TTFT p50/p99, throughput and the offload counters.
 
@@ -41,10 +42,19 @@ OFFLOAD_METRICS = ("vllm:external_prefix_cache_hits_total", "vllm:external_prefi
                    "pagoda:kv_offload_failed_loads_total")
 
 
+# -wb: host memory written back; cpu and both write it through (as before the option existed)
+CONFIGS = ("off", "cpu", "cpu-wb", "disk", "both", "both-wb")
+
+
 def offload_flags(config: str, cpu_gib: float, disk_gib: float, disk_dir: str) -> list[str]:
-    if config not in ("off", "cpu", "disk", "both"):
-        raise ValueError(f"--configs: {config!r} is not one of off, cpu, disk, both")
+    if config not in CONFIGS:
+        raise ValueError(f"--configs: {config!r} is not one of {', '.join(CONFIGS)}")
     flags = []
+    if config in ("cpu", "both"):
+        flags += ["--kv-offload-write-policy", "write-through"]
+    if config.endswith("-wb"):
+        flags += ["--kv-offload-write-policy", "write-back"]
+        config = config.removesuffix("-wb")
     if config in ("cpu", "both"):
         flags += ["--kv-offload-cpu-gib", str(cpu_gib)]
     if config in ("disk", "both"):
@@ -148,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=120)
             result = {"bench": "kv_offload", "label": args.label, "config": config,
                       "model": os.path.basename(args.model.rstrip("/")),
-                      "cpu_gib": args.cpu_gib if config in ("cpu", "both") else None,
-                      "disk_gib": args.disk_gib if config in ("disk", "both") else None,
+                      "cpu_gib": args.cpu_gib if config.startswith(("cpu", "both")) else None,
+                      "disk_gib": args.disk_gib if config.startswith(("disk", "both")) else None,
                       "conversations": args.conversations, "turns": args.turns, "shared_len": args.shared_len,
                       "max_concurrency": args.max_concurrency, "turn_delay_s": args.turn_delay,
                       "conversation_rate": None if math.isinf(args.conversation_rate) else args.conversation_rate,

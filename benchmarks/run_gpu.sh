@@ -180,14 +180,17 @@ if has kv-offload; then
 fi
 if has kv-offload-fit; then
   # Issue #19's other goal: what offload costs when everything fits the GPU cache (every full
-  # block saved to host memory, none ever read back): the nano-vllm workload, off and with a
-  # KVF_CPU_GIB host tier, alternated KVF_REPEATS times; fresh prompt ids each round.
+  # block saved to host memory when written through, none ever read back): the nano-vllm
+  # workload, off and with a KVF_CPU_GIB host tier under each of KVF_POLICIES, alternated
+  # KVF_REPEATS times; fresh prompt ids each round.
   step "KV offload when prefixes fit: throughput with and without a host tier"
   for model in ${KVF_MODELS:-qwen3-0.6b llama3-8b}; do
     for i in $(seq "${KVF_REPEATS:-2}"); do
-      for gib in 0 "${KVF_CPU_GIB:-16}"; do
+      for run in off ${KVF_POLICIES:-write-through write-back}; do
+        gib=0; policy=()
+        [ "$run" != off ] && gib=${KVF_CPU_GIB:-16} && policy=(--kv-offload-write-policy "$run")
         python3 -m benchmarks.throughput $CFG/$model --rounds 2 --fresh-prompts-per-round \
-          --kv-offload-cpu-gib "$gib" --label "fit-$model-cpu$gib-$i" 2>&1 \
+          --kv-offload-cpu-gib "$gib" "${policy[@]}" --label "fit-$model-$run-$i" 2>&1 \
           | grep -E '^RESULT|Error' | tee -a "$OUT/kv-offload-fit.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
       done
     done

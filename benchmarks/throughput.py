@@ -84,7 +84,9 @@ def build_core(args):
                       expert_parallel_size=args.expert_parallel_size, kv_offload_cpu_gib=args.kv_offload_cpu_gib,
                       # Only when asked, so that trees from before the option (run_gpu.sh's A/B bases) still run.
                       **({} if args.max_piecewise_graph_tokens is None
-                         else {"max_piecewise_graph_tokens": args.max_piecewise_graph_tokens}))
+                         else {"max_piecewise_graph_tokens": args.max_piecewise_graph_tokens}),
+                      **({} if args.kv_offload_write_policy is None
+                         else {"kv_offload_write_policy": args.kv_offload_write_policy}))
 
 
 def token_workload(num_seqs: int, min_input: int, max_input: int, min_output: int, max_output: int,
@@ -512,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fresh-prompts-per-round", action="store_true",
                     help="round r's prompt ids shifted by r (same lengths): nothing cached serves a later round")
     ap.add_argument("--kv-offload-cpu-gib", type=float, default=0.0, help="KV offload to this much host memory")
+    ap.add_argument("--kv-offload-write-policy", choices=("write-through", "write-back"), default=None,
+                    help="when the host tier gets a copy of a block (the engine's default otherwise)")
     ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over each round")
     ap.add_argument("--step-log", default=None, metavar="FILE",
                     help="what each step of the first round scheduled, one JSON line a step")

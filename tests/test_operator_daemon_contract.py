@@ -50,7 +50,7 @@ FULL_SPEC = {
         "maxModelLen": 4096, "blockSize": 32, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "dtype": "bfloat16",
         "kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.8, "enablePrefixCaching": False, "enforceEager": True,
     },
-    "kvOffload": {"cpuGiB": 64, "disk": {"path": "/kv", "sizeGiB": 200}},
+    "kvOffload": {"cpuGiB": 64, "disk": {"path": "/kv", "sizeGiB": 200}, "writePolicy": "write-through"},
     "placement": {"numaPolicy": "none"},
     "tracing": {"otlpEndpoint": "http://collector:4318"},
 }

@@ -104,6 +104,11 @@ class EngineConfig:
     kv_offload_disk_path: str | None = option(None, "directory for offloaded KV blocks", needs="kv_offload")
     kv_offload_disk_gib: float = option(0.0, "disk space for offloaded KV blocks, GiB", minimum=0.0,
                                         needs="kv_offload")
+    kv_offload_write_policy: str = option(
+        "write-back", "when host memory gets a copy of a KV block: write-through (once the block is computed, "
+        "beside the next steps) or write-back (only when the GPU cache evicts it: nothing is copied while every "
+        "prefix fits the GPU); a disk tier alone is always written through", choices=("write-through", "write-back"),
+        needs="kv_offload")
     kv_offload_disk_source: str | None = option(
         None, "prefill/decode disaggregation: another engine's kv_offload_disk_path (a prefill instance); "
         "blocks this engine's tiers lack are taken from there, hard-linked into its own disk tier "

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 # capabilities, so both sides refuse the same things.
 from pagoda_daemon import capabilities, model_uri
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.options import refusals
+from pagoda_daemon.options import declared, refusals
 
 Supports = Callable[[str], bool]  # capability name -> whether to accept it
 
@@ -128,6 +128,7 @@ class KVOffload:
     cpu_gib: float | None = None
     disk_path: str | None = None
     disk_gib: float | None = None
+    write_policy: str | None = None  # None: the daemon's default
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,7 @@ def parse(
         cpu_gib=_get(kv, "cpuGiB"),
         disk_path=_get(disk, "path"),
         disk_gib=_get(disk, "sizeGiB"),
+        write_policy=_get(kv, "writePolicy"),
     )
     a = spec.get("autoscaling")
     autoscaling = None
@@ -628,6 +630,7 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         "kv_offload_cpu_gib": kv.cpu_gib,
         "kv_offload_disk_path": kv.disk_path,
         "kv_offload_disk_gib": kv.disk_gib if kv.disk_path else None,
+        "kv_offload_write_policy": kv.write_policy,
     }
     if p.eplb_redundant_experts is not None or p.elastic is not None:  # elastic EP places experts by EPLB
         optional.update(enable_eplb=True, num_redundant_experts=p.eplb_redundant_experts or 0,
@@ -648,7 +651,11 @@ CRD_FIELD_OF_OPTION = {
     "kv_offload_cpu_gib": "spec.kvOffload.cpuGiB",
     "kv_offload_disk_path": "spec.kvOffload.disk.path",
     "kv_offload_disk_gib": "spec.kvOffload.disk.sizeGiB",
+    "kv_offload_write_policy": "spec.kvOffload.writePolicy",
 }
+# spec.kvOffload.writePolicy's values: the daemon's option's
+WRITE_POLICIES: tuple[str, ...] = next(d.info.choices or () for d in declared(EngineConfig)
+                                       if d.name == "kv_offload_write_policy")
 
 
 # The fields of the options a daemon's refusal of its configuration may name beyond the gated ones
@@ -798,6 +805,7 @@ def _field_errors(s: ServiceSpec) -> list[str]:
         checks.append(
             (s.kv_offload.disk_path, ABSOLUTE_PATH, _absolute("kvOffload.disk.path", s.kv_offload.disk_path))
         )
+
     key = s.api_key_secret
     if key is not None:
         checks += [
@@ -812,7 +820,11 @@ def _field_errors(s: ServiceSpec) -> list[str]:
                 f"server.apiKeySecretRef.key {key.key!r} is not a Secret key (letters, digits, '-', '_', '.')",
             ),
         ]
-    return [message for value, pattern, message in checks if not re.search(pattern, value)]
+    errors = [message for value, pattern, message in checks if not re.search(pattern, value)]
+    policy = s.kv_offload.write_policy
+    if policy is not None and policy not in WRITE_POLICIES:
+        errors.append(f"kvOffload.writePolicy {policy!r} must be one of {', '.join(WRITE_POLICIES)}")
+    return errors
 
 
 def _absolute(field_name: str, value: str) -> str:

@@ -28,8 +28,9 @@ def model(tiny_models) -> str:
     return tiny_models["llama"]
 
 
-@pytest.mark.parametrize("tiers", ["cpu", "cpu+disk"])
-def test_outputs_identical_with_asynchronous_host_copies(model, tmp_path, tiers):
+@pytest.mark.parametrize(("tiers", "policy"), [("cpu", "write-through"), ("cpu+disk", "write-through"),
+                                               ("cpu", "write-back"), ("cpu+disk", "write-back")])
+def test_outputs_identical_with_asynchronous_host_copies(model, tmp_path, tiers, policy):
     from pagoda_daemon import LLM
 
     prompts = workload(order=ORDER + PAIRS_ORDER)
@@ -37,7 +38,8 @@ def test_outputs_identical_with_asynchronous_host_copies(model, tmp_path, tiers)
     plain = LLM(model, **ENGINE)
     block_bytes = plain.engine.core.worker_info.kv_block_bytes
     assert plain.engine.core.async_scheduling
-    opts: dict = {"kv_offload_cpu_gib": gib(64 if tiers == "cpu" else 30, block_bytes)}  # 30: some hits in each
+    opts: dict = {"kv_offload_cpu_gib": gib(64 if tiers == "cpu" else 30, block_bytes),  # 30: some hits in each
+                  "kv_offload_write_policy": policy}
     if "disk" in tiers:
         opts.update(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
     llm = LLM(model, **ENGINE, **opts)

@@ -80,11 +80,14 @@ def assert_idle_and_consistent(llm: LLM) -> None:
         assert not list(worker.disk.dir.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk"])
-def test_outputs_identical_with_offload(model, block_bytes, reference, tmp_path, tiers):
+@pytest.mark.parametrize(("tiers", "policy"), [("cpu", "write-through"), ("disk", "write-through"),
+                                               ("cpu+disk", "write-through"), ("cpu", "write-back"),
+                                               ("cpu+disk", "write-back")])
+def test_outputs_identical_with_offload(model, block_bytes, reference, tmp_path, tiers, policy):
     """Host memory alone, disk alone, and a host tier too small for the working set (30 blocks
-    for 8 prefixes of 6) that spills to disk: hits in every configured tier."""
-    opts: dict = {}
+    for 8 prefixes of 6) that spills to disk: hits in every configured tier, whether host memory
+    gets each block once computed or once the GPU cache evicts it."""
+    opts: dict = {"kv_offload_write_policy": policy}
     if "cpu" in tiers:
         opts["kv_offload_cpu_gib"] = gib(64 if tiers == "cpu" else 30, block_bytes)
     if "disk" in tiers:
@@ -255,12 +258,14 @@ def test_another_models_files_are_never_loaded(tiny_models, model, block_bytes, 
     assert llm.get_stats().kv_offload.hits == 0
 
 
-def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path):
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path, policy):
     """A few hundred requests over 8 prefixes, some aborted mid-flight, a host tier and a disk
     tier both smaller than the working set: afterwards every GPU block is free and each tier's
     accounting matches its capacity and its contents."""
     llm = LLM(model, **ENGINE, max_num_seqs=4, max_num_batched_tokens=64, kv_offload_cpu_gib=gib(10, block_bytes),
-              kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(30, block_bytes))
+              kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(30, block_bytes),
+              kv_offload_write_policy=policy)
     engine = llm.engine
     rng = random.Random(1)
     prompts = workload(seed=3, num_prefixes=8, repeats=40, prefix_len=60)
@@ -286,7 +291,35 @@ def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path):
     assert len(connector.disk) == connector.disk.num_files == 30
 
 
+def test_write_back_copies_nothing_while_every_prefix_fits(model, block_bytes):
+    """The same requests on a GPU cache that holds them all: written through, every full block
+    crosses to host memory; written back, none does, and the repeats are GPU prefix-cache hits."""
+    prompts = workload(num_prefixes=4, order=[0, 1, 2, 3, 0, 1, 2, 3])
+    saved = {}
+    for policy in ("write-through", "write-back"):
+        llm = LLM(model, **{**ENGINE, "num_kv_blocks": 64}, kv_offload_cpu_gib=gib(64, block_bytes),
+                  kv_offload_write_policy=policy)
+        run(llm, prompts)
+        stats = llm.get_stats()
+        saved[policy] = stats.kv_offload.saved_bytes.get("cpu", 0)
+        assert stats.prefix_cache.hits >= 4 * 6 * BS
+        assert_idle_and_consistent(llm)
+    assert saved["write-through"] >= 4 * 6 * block_bytes and saved["write-back"] == 0
+
+
+def test_write_back_spares_what_the_step_loads(model, block_bytes, reference):
+    """A host tier of 7 blocks, fewer than a prefix and its neighbours evict in one step: the
+    saves of a step that would reuse a slot its own loads read are skipped, never run over them
+    (outputs still equal the engine without offload)."""
+    llm = LLM(model, **ENGINE, kv_offload_cpu_gib=gib(7, block_bytes), kv_offload_write_policy="write-back")
+    assert run(llm, workload(order=ORDER)) == reference
+    stats = llm.get_stats().kv_offload
+    assert stats.loaded_bytes.get("cpu", 0) > 0 and stats.saved_bytes.get("cpu", 0) > 0, stats
+    assert_idle_and_consistent(llm)
+
+
 @pytest.mark.parametrize(("opts", "message"), [
+    (dict(kv_offload_write_policy="write-around"), "write-through"),
     (dict(kv_offload_cpu_gib=-1.0), "at least 0.0"),
     (dict(kv_offload_cpu_gib=float("nan")), "finite"),
     (dict(kv_offload_disk_gib=float("inf")), "finite"),

@@ -1,7 +1,8 @@
 """KV offload at tensor parallel size 2 on CPU (gloo): rank 1 in a process the executor starts,
 each rank keeping its own slice of every offloaded block, both driven by rank 0's plan. The
 tokens must equal those of the same engine without offload, also when only rank 1's block
-files are corrupted after their lookups (the ranks agree on the failed loads)."""
+files are corrupted after their lookups (the ranks agree on the failed loads), and with host
+memory written back (saved as the GPU cache evicts blocks, before the step that reuses them)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def _main(_: int, path: str, out_dir: str) -> None:
     prompts = workload(order=ORDER)
     for name, extra in (("off", {}), ("on", {"kv_offload_cpu_gib": 30 * 2 * 4096 / 2**30,
                                           "kv_offload_disk_path": str(Path(out_dir, "kv")),
-                                          "kv_offload_disk_gib": 64 * 2 * 4096 / 2**30})):
+                                          "kv_offload_disk_gib": 64 * 2 * 4096 / 2**30}),
+                        ("back", {"kv_offload_cpu_gib": 30 * 2 * 4096 / 2**30, "kv_offload_write_policy": "write-back"})):
         llm = LLM(path, tensor_parallel_size=2, **ENGINE, **extra)
         tokens = run(llm, prompts)
-        if name == "off":
+        if name in ("off", "back"):
             tokens += run(llm, prompts)
         if name == "on":  # again, rank 1's files corrupted a third at a time after each request
             rng = random.Random(3)
@@ -42,7 +44,7 @@ def _main(_: int, path: str, out_dir: str) -> None:
             "stats": None if stats is None else {"hits": stats.hits, "loaded": stats.loaded_bytes,
                                                  "failed_loads": stats.failed_loads},
             "free": core.kv_cache.num_free_blocks == core.kv_cache.num_blocks,
-            "disk_files": None if core.connector is None else len(core.connector.disk),
+            "disk_files": None if core.connector is None or core.connector.disk is None else len(core.connector.disk),
         }
         core.shutdown()
     Path(out_dir, "result.json").write_text(json.dumps(results))
@@ -57,6 +59,9 @@ def test_offload_at_tensor_parallel_2_gives_the_same_tokens(tiny_models, tmp_pat
     assert on["stats"]["failed_loads"] > 0
     assert on["stats"]["hits"] > 0 and on["stats"]["loaded"].get("cpu", 0) > 0 and on["stats"]["loaded"].get("disk", 0) > 0
     assert on["free"] and off["free"]
+    back = result["back"]  # host memory written back: both ranks copy each evicted block's half
+    assert back["tokens"] == off["tokens"] and back["free"]
+    assert back["stats"]["loaded"].get("cpu", 0) > 0 and back["stats"]["failed_loads"] == 0
     for rank in (0, 1):
         assert len(list((tmp_path / "kv" / f"rank{rank}").glob("*.kvblock"))) == on["disk_files"] > 0
 

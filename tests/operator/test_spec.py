@@ -146,6 +146,9 @@ HOSTILE_FIELDS = [
     ({"kvOffload": {"disk": {"path": "kv", "sizeGiB": 1}}}, "kvOffload.disk.path 'kv' must be an absolute"),
     ({"kvOffload": {"disk": {"path": "/tmp", "sizeGiB": 1}}}, "collides"),
     ({"kvOffload": {"disk": {"path": "/var/cache/pagoda/", "sizeGiB": 1}}}, "collides"),
+    ({"kvOffload": {"cpuGiB": 1, "writePolicy": "write-around"}}, "kvOffload.writePolicy 'write-around' must be one of"),
+    ({"kvOffload": {"cpuGiB": 1, "writePolicy": 1}}, "kvOffload.writePolicy 1 must be one of"),
+    ({"kvOffload": {"cpuGiB": 1, "writePolicy": ["write-back"]}}, "kvOffload.writePolicy ['write-back'] must be"),
     ({"server": {"apiKeySecretRef": {"name": "Bad_Name"}}}, "server.apiKeySecretRef.name 'Bad_Name'"),
     ({"server": {"apiKeySecretRef": {"name": "k", "key": "a/b"}}}, "server.apiKeySecretRef.key 'a/b'"),
 ]
@@ -238,6 +241,10 @@ def test_kv_offload_is_accepted_and_refused_naming_the_field_by_a_build_without_
     config = daemon_config(spec)
     assert (config["kv_offload_cpu_gib"], config["kv_offload_disk_path"], config["kv_offload_disk_gib"]) == (
         8, "/kv", 1)
+    assert "kv_offload_write_policy" not in config  # the daemon's default
+    for policy in ("write-through", "write-back"):
+        spec = parse("svc", "ns", {"model": MODEL, "kvOffload": {"cpuGiB": 8, "writePolicy": policy}})
+        assert daemon_config(spec)["kv_offload_write_policy"] == policy
     for extra, field in (({"cpuGiB": 8}, "spec.kvOffload.cpuGiB"),
                          ({"disk": {"path": "/kv", "sizeGiB": 1}}, "spec.kvOffload.disk.path")):
         with pytest.raises(InvalidSpec, match=f"{field}: KV cache offload .* is not supported by this Pagoda build"):

@@ -56,6 +56,9 @@ class BlockPool:
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         # KV events since the last drain, in order: StoredBlock | RemovedBlock | "cleared"
         self.events: list = []
+        # Cached blocks handed out again since the last take_evicted, as (hash, block id), while a
+        # KV offload tier copies blocks as they leave (write-back); None: not recorded.
+        self.evicted: list[tuple[BlockHash, int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,6 +82,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
+            if self.evicted is not None and block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                self.evicted.append((block.block_hash, block.block_id))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -126,6 +131,14 @@ class BlockPool:
         if self.record_events:
             self.events.append(CLEARED)
         return True
+
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        """The cached blocks handed out again since the last call, oldest first: their KV is
+        still in place until the step they were handed to runs."""
+        if self.evicted is None:
+            return []
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def drain_events(self) -> list:
         events, self.events = self.events, []

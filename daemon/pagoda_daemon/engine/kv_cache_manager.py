@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagoda_daemon.engine.block_hash import BlockHash
 from pagoda_daemon.engine.block_pool import BlockPool, KVCacheBlock
 from pagoda_daemon.engine.messages import PrefixCacheStats
 from pagoda_daemon.engine.request import Request
@@ -29,6 +30,14 @@ class KVCacheManager:
     def take_events(self) -> list:
         """The KV events (stored, removed, cleared) since the previous call."""
         return self.pool.drain_events()
+
+    def record_evictions(self) -> None:
+        """From now on, remember the cached blocks handed out again (``take_evicted``)."""
+        self.pool.evicted = []
+
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        """(hash, block id) of the cached blocks handed out again since the last call."""
+        return self.pool.take_evicted()
 
     @property
     def num_blocks(self) -> int:

@@ -33,6 +33,7 @@ from pagoda_daemon.engine.scheduler_output import (
 )
 
 if TYPE_CHECKING:
+    from pagoda_daemon.engine.block_hash import BlockHash
     from pagoda_daemon.kv_offload.connector import OffloadConnector
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,12 @@ class Scheduler:
     ) -> None:
         self.kv_cache = kv_cache
         # KV offload's scheduler half (kv_offload/), or None: further prefix blocks come back
-        # from host memory or disk, and every full block computed is saved there.
+        # from host memory or disk, and full blocks are saved there (as the GPU cache evicts
+        # them, or once computed: kv_offload_write_policy).
         self.connector = connector
         self._num_offered: dict[str, int] = {}  # per request: leading full blocks offered to the connector
+        if connector is not None and connector.write_back:  # offered as the GPU cache evicts them
+            kv_cache.record_evictions()
         self.grammars = grammars  # None: no tokenizer, so structured outputs are refused
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -201,8 +205,9 @@ class Scheduler:
             out.scheduled.append(self._advance(req, num_new, all_ids, True))
             budget -= num_new
         self.waiting.extendleft(reversed(held_back))
+        evicted = self.kv_cache.take_evicted()  # recorded for a write-back connector only
         if self.connector is not None:
-            self._plan_saves(out)
+            self._plan_saves(out, evicted)
 
         out.samples_under_grammar = any(s.samples and s.request.grammar is not None for s in out.scheduled)
 
@@ -221,11 +226,16 @@ class Scheduler:
         max_blocks = (req.num_tokens - 1) // self.kv_cache.block_size
         return req.block_hashes[num_gpu_hits:max_blocks]
 
-    def _plan_saves(self, out: SchedulerOutput) -> None:
+    def _plan_saves(self, out: SchedulerOutput, evicted: list[tuple[BlockHash, int]]) -> None:
         """Offer the connector every block this step fills (saved after the forward pass,
-        unless a tier has it). Runs after every lookup of the step, so a block saved by this
-        step is never loaded by it."""
+        unless a tier has it), or, writing back, every cached block this step's allocations
+        evicted from the GPU (saved before the step overwrites it). Runs after every lookup of
+        the step, so a block saved by this step is never loaded by it."""
         assert self.connector is not None
+        if self.connector.write_back:
+            out.kv_evicted = self.connector.plan_evicted(evicted)
+            out.kv_saves = self.connector.take_saves()
+            return
         bs = self.kv_cache.block_size
         for s in out.scheduled:
             req = s.request

@@ -62,8 +62,11 @@ class SchedulerOutput:
     # (GrammarBitmask) once the previous step's tokens are known, so a worker runs the forward
     # pass and waits for it before it samples.
     samples_under_grammar: bool = False
-    # KV offload (kv_offload/): copies done before the forward pass (blocks coming back from host
-    # memory or disk, whose tokens the step counts as computed), then after it (full blocks saved)
+    # KV offload (kv_offload/): copies done before the forward pass (blocks leaving the GPU cache,
+    # saved before this step's loads and forward pass overwrite them: write-back; then blocks
+    # coming back from host memory or disk, whose tokens the step counts as computed), then after
+    # it (full blocks saved: write-through)
+    kv_evicted: list[KVTransfer] = field(default_factory=list)
     kv_loads: list[KVTransfer] = field(default_factory=list)
     kv_saves: list[KVTransfer] = field(default_factory=list)
 

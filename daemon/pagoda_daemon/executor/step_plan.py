@@ -51,6 +51,7 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
     # KV offload copies, before and after the forward pass (the same on every rank)
     kv_loads: list[KVTransfer] = []
     kv_saves: list[KVTransfer] = []
+    kv_evicted: list[KVTransfer] = []  # before the loads
 
 
 class SampleTokens(msgspec.Struct, tag="sample", array_like=True, gc=False):
@@ -129,7 +130,8 @@ class PlanWriter:
             scheduled.append(ScheduledDelta(rid, appended, s.num_new_tokens, s.new_block_ids, s.is_new, s.start,
                                             s.samples))
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
-                        sched.samples_under_grammar, list(sched.kv_loads), list(sched.kv_saves))
+                        sched.samples_under_grammar, list(sched.kv_loads), list(sched.kv_saves),
+                        list(sched.kv_evicted))
 
     def rank_state(self, requests: dict[str, Request], runner, kv_block_ids: list[int]) -> RankState:
         """The requests the ranks know of, as a joining rank must know them: each with the
@@ -173,7 +175,8 @@ class RequestMirrors:
             req.all_token_ids.extend(d.appended_token_ids)
             scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples))
         return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens,
-                               plan.samples_under_grammar, list(plan.kv_loads), list(plan.kv_saves))
+                               plan.samples_under_grammar, kv_evicted=list(plan.kv_evicted),
+                               kv_loads=list(plan.kv_loads), kv_saves=list(plan.kv_saves))
 
     def adopt(self, state: RankState, runner) -> None:
         """A joining rank: take over rank 0's requests and random state."""

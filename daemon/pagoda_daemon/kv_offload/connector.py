@@ -6,13 +6,15 @@ full blocks of a request, named by the same chained block hashes as the GPU pref
 turns the ones the scheduler takes into copies into freshly allocated GPU blocks; ``plan_save``
 asks for a block computed on the GPU to be kept. Each step's copies travel in the
 SchedulerOutput (``kv_loads``, ``kv_saves``: typed ``KVTransfer`` lists, carried to every rank
-by the multiproc executor's step plan).
+by the multiproc executor's step plan). A write-back connector is offered blocks as the GPU
+cache evicts them instead (``plan_evicted``, the step's ``kv_evicted``): while every prefix
+fits the GPU, nothing is copied.
 
 Worker half (on every rank): ``run`` performs a list of copies between the rank's KV cache
-tensor and its tiers. The worker runs ``kv_loads`` before the step's forward pass and
-``kv_saves`` after it. The copies are synchronous in this slice; because the scheduler plans
-every copy and eviction, an asynchronous worker (copies on a side stream, finished before the
-layer that reads them) can replace this one without the scheduler half changing.
+tensor and its tiers. The worker runs ``kv_evicted`` and then ``kv_loads`` before the step's
+forward pass and ``kv_saves`` after it; how each copy runs (host-memory copies batched and
+asynchronous, disk I/O in threads) is the worker half's affair (cpu.py, tiered.py): the
+scheduler half plans every copy and eviction.
 
 All of a tier's bookkeeping (which hash sits where, LRU order, capacity) lives in the
 scheduler half; the worker half only stores bytes where it is told. So the ranks of a
@@ -46,6 +48,9 @@ class OffloadConnector(ABC):
 
     def __init__(self, record_events: bool = False) -> None:
         self.stats = KVOffloadStats()
+        # write-back: blocks are offered as the GPU cache evicts them (plan_evicted), not as
+        # they are computed (plan_save)
+        self.write_back = False
         self.record_events = record_events  # KV events (--enable-kv-events): stores and removals per tier
         self.events: list[StoredBlock | RemovedBlock] = []
 
@@ -70,6 +75,12 @@ class OffloadConnector(ABC):
         """Keep this GPU block (full, computed by this step) unless a tier has it already.
         Called once every lookup of the step is done: a save and the evictions it causes change
         what the tiers hold, and the step's loads must find what their lookups found."""
+
+    def plan_evicted(self, evicted: list[tuple[BlockHash, int]]) -> list[KVTransfer]:
+        """Write-back: the copies that keep these (hash, GPU block) pairs, which the GPU cache
+        handed out again for this step, unless a tier has them; run before the step's loads and
+        forward pass overwrite them. Called once every lookup of the step is done."""
+        raise NotImplementedError(f"{type(self).__name__} does not write back")
 
     @abstractmethod
     def take_saves(self) -> list[KVTransfer]:

@@ -28,6 +28,10 @@ class CpuIndex:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def next_evicted(self) -> BlockHash | None:
+        """The hash the next insert evicts (the least recently used, once every slot is taken)."""
+        return None if self.free or not self.slots else next(iter(self.slots))
+
     def touch(self, block_hash: BlockHash) -> int:
         """The hash's slot, now the most recently used."""
         self.slots.move_to_end(block_hash)
@@ -105,11 +109,12 @@ class CpuStore:
     On a GPU, copies are asynchronous and batched: a step's blocks are gathered into contiguous
     buffers on the device (one kernel per ``STAGE_BLOCKS``) and cross PCIe as one copy per run
     of consecutive host slots. Loads run on the step's stream, before the forward pass that
-    reads them. Saves are gathered on the step's stream right after the forward pass that wrote
-    the blocks (so no later step can overwrite them first), then copied to host memory on a
-    stream of their own, beside the next steps: on the step's stream, one copy per block, they
-    cost the nano-vllm workload 16% (Llama-3-8B) to 31% (Qwen3-0.6B) of its throughput on an
-    H100 with every prefix fitting the GPU, 2.5-5% now
+    reads them. Saves are gathered on the step's stream before anything can overwrite the
+    blocks (written back: before the step that reuses them; written through: right after the
+    forward pass that wrote them), then copied to host memory on a stream of their own, beside
+    the next steps: on the step's stream, one copy per block, write-through saves cost the
+    nano-vllm workload 16% (Llama-3-8B) to 31% (Qwen3-0.6B) of its throughput on an H100 with
+    every prefix fitting the GPU, 2.5-5% on a stream of their own
     (docs/benchmarks/2026-11-26-kv-offload-fit-h100.md). A load from a slot whose save is
     still under way waits for it on the GPU; ``block`` (the host reading a slot, to demote it
     to disk) waits for it on the host."""

@@ -271,6 +271,10 @@ class DiskIndex:
     def touch(self, block_hash: BlockHash) -> None:
         self.files.move_to_end(block_hash)
 
+    def next_evicted(self) -> BlockHash | None:
+        """The first hash the next insert of a new block evicts, if it evicts any."""
+        return next(iter(self.files)) if self.files and len(self.files) >= self.num_files else None
+
     def insert(self, block_hash: BlockHash) -> list[BlockHash]:
         """Record a new file; returns the hashes evicted to make room (their files to drop)."""
         if block_hash in self.files:  # rewritten over an unchecked file from an earlier run

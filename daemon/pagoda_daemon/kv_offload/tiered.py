@@ -171,6 +171,10 @@ class TieredConnector(OffloadConnector):
         self._fetch_numbers = itertools.count()
         self._saves: list[KVTransfer] = []
         self._promotions: list[tuple[BlockHash, int]] = []
+        # Write-back applies to host memory: a disk tier alone is written as blocks are computed
+        # (its files are what other instances and a restarted engine read).
+        self.write_back = config.kv_offload_write_policy == "write-back" and self.cpu is not None
+        self._step_reads: set[BlockHash] = set()  # what this step's loads read (write-back spares it)
         if self.disk is not None:
             for block_hash in self.disk.files:  # what an earlier run left on disk is there to be found
                 self.stored(block_hash, DISK_MEDIUM)
@@ -266,6 +270,7 @@ class TieredConnector(OffloadConnector):
         loads = []
         for block_hash, gpu_block in zip(block_hashes, gpu_block_ids, strict=True):
             where = self._found(block_hash)
+            self._step_reads.add(block_hash)
             if where == CPU:
                 assert self.cpu is not None
                 loads.append(KVTransfer("load_cpu", block_hash, gpu_block, self.cpu.touch(block_hash)))
@@ -274,21 +279,39 @@ class TieredConnector(OffloadConnector):
                 self.disk.touch(block_hash)
                 loads.append(KVTransfer("load_disk", block_hash, gpu_block))
                 # promoted to host memory after the step; planned with the saves, once every
-                # lookup of the step is done (its evictions must not change what they found)
-                self._promotions.append((block_hash, gpu_block))
+                # lookup of the step is done (its evictions must not change what they found).
+                # Written back, it reaches host memory when the GPU cache evicts it.
+                if not self.write_back:
+                    self._promotions.append((block_hash, gpu_block))
             else:
                 raise RuntimeError("plan_loads for a block no tier holds (lookup first)")
             self._count(self.stats.loaded_bytes, where)
         return loads
 
     def plan_save(self, block_hash: BlockHash, gpu_block_id: int) -> None:
+        self._save(block_hash, gpu_block_id, frozenset())
+
+    def plan_evicted(self, evicted: list[tuple[BlockHash, int]]) -> list[KVTransfer]:
+        """Host memory gets the blocks the GPU cache hands out again, before this step's loads
+        run, so their copies must not take a host slot or a disk file those loads read: a save
+        that would is skipped (the block is lost to the tiers). The step's loads touched what
+        they read, so only a tier smaller than one step's traffic gets there."""
+        assert self.write_back and not self._saves
+        for block_hash, gpu_block in evicted:
+            self._save(block_hash, gpu_block, self._step_reads)
+        saves, self._saves = self._saves, []
+        return saves
+
+    def _save(self, block_hash: BlockHash, gpu_block_id: int, spare: set[BlockHash] | frozenset[BlockHash]) -> None:
+        """Plan the copies that keep a GPU block, evicting no tier entry in ``spare``."""
         if self.cpu is not None:
-            if block_hash in self.cpu:
+            if block_hash in self.cpu or self.cpu.next_evicted() in spare:
                 return
             slot, evicted = self.cpu.insert(block_hash)
             if evicted is not None:
                 self.removed(evicted[0], CPU_MEDIUM)
-                if self.disk is not None and not self.disk.contains(evicted[0]):
+                if (self.disk is not None and not self.disk.contains(evicted[0])
+                        and self.disk.next_evicted() not in spare):
                     self._disk_insert(evicted[0])
                     self._saves.append(KVTransfer("demote", evicted[0], -1, evicted[1]))
             self._saves.append(KVTransfer("save_cpu", block_hash, gpu_block_id, slot))
@@ -328,6 +351,7 @@ class TieredConnector(OffloadConnector):
                 self._saves.append(KVTransfer("drop", old))
                 self.removed(old, DISK_MEDIUM)
         saves, self._saves = self._saves, []
+        self._step_reads.clear()
         return saves
 
     def check(self) -> None:

@@ -222,8 +222,10 @@ class Worker:
     # ---- steps ------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
-        """KV offload loads first (the step counts their tokens as computed), then the step,
-        then the saves of the blocks it filled (docs/kv-offload.md, "How the copies run").
+        """KV offload copies first: the saves of blocks the GPU cache evicted for this step
+        (write-back), then the loads (the step counts their tokens as computed); then the step,
+        then the saves of the blocks it filled (write-through; docs/kv-offload.md, "How the
+        copies run").
 
         A load that failed on any rank (a block file changed since its lookup) leaves wrong KV
         in its block and in the blocks computed on top of it: the step's result names the failed
@@ -231,6 +233,9 @@ class Worker:
         what the step saved of them."""
         so = scheduler_output
         failed: set[int] = set()
+        if so.kv_evicted and self.offload is not None:  # write-back: before anything overwrites them
+            with phase("pagoda.kv_offload_evict"):
+                self.offload.run(so.kv_evicted, self.runner.kv_cache)
         if so.kv_loads and self.offload is not None:
             with phase("pagoda.kv_offload_load"):
                 flags = self.offload.run(so.kv_loads, self.runner.kv_cache)
