@@ -2,16 +2,19 @@
 prompt's KV blocks, a decode instance that takes them from there (kv_offload_disk_source), and
 `pagoda pd-proxy` in front, all real processes on loopback, asked through the openai client.
 Greedy answers equal a single instance's; the decode instance loaded the prompts instead of
-computing them; errors come back in the OpenAI shape."""
+computing them; errors come back in the OpenAI shape; two prefill instances share the work and
+one stopped costs no answer."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -47,10 +50,18 @@ def pd(start_server, tmp_path, request):
         source = f"tcp://127.0.0.1:{transfer_port}" if request.param == "tcp" else "request"
     decode = start_server("--kv-offload-disk-path", str(tmp_path / "decode-kv"), *disk,
                           "--kv-offload-disk-source", source, env=TRANSFER_KEY)
+    with pd_proxy([prefill.url], [decode.url], tmp_path) as url:
+        yield prefill, decode, url
+
+
+@contextlib.contextmanager
+def pd_proxy(prefills: list[str], decodes: list[str], tmp_path) -> Iterator[str]:
+    """`pagoda pd-proxy` in front of these instances, healthy; yields its URL."""
     port = free_port()
     log = open(tmp_path / "proxy.log", "w")  # noqa: SIM115 (closed below)
-    proxy = subprocess.Popen([sys.executable, "-m", "pagoda_daemon", "pd-proxy", "--prefill", prefill.url,
-                              "--decode", decode.url, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    instances = [a for url in prefills for a in ("--prefill", url)] + [a for url in decodes for a in ("--decode", url)]
+    proxy = subprocess.Popen([sys.executable, "-m", "pagoda_daemon", "pd-proxy", *instances, "--port", str(port)],
+                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     try:
@@ -62,7 +73,7 @@ def pd(start_server, tmp_path, request):
                 pass
             assert proxy.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
             time.sleep(0.2)
-        yield prefill, decode, url
+        yield url
     finally:
         proxy.terminate()
         proxy.wait(10)
@@ -98,6 +109,39 @@ def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
     assert chat.choices[0].finish_reason in ("length", "stop")
     assert [m.id for m in both.models.list().data] == [MODEL_NAME]
     prefill.wait_idle()
+    decode.wait_idle()
+
+
+def test_two_prefill_instances_take_turns_and_one_down_costs_no_answer(start_server, server, tmp_path):
+    """xPyD between hosts, on loopback: two prefill instances with transfer ports, one decode
+    instance fetching from whichever of them each request's signed header names. Requests take
+    turns over the prefill instances; with one stopped the other computes every prompt, with both
+    stopped the decode instance computes them itself; greedy answers always equal one instance's."""
+    import openai
+
+    disk = ("--kv-offload-disk-gib", "0.01")
+    prefills = [start_server("--kv-offload-disk-path", str(tmp_path / f"prefill-{i}"), *disk, "--kv-transfer-port",
+                             str(free_port()), "--kv-transfer-host", "127.0.0.1", env=TRANSFER_KEY) for i in range(2)]
+    decode = start_server("--kv-offload-disk-path", str(tmp_path / "decode-kv"), *disk,
+                          "--kv-offload-disk-source", "request", env=TRANSFER_KEY)
+    one = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    ask = dict(model=MODEL_NAME, max_tokens=8, temperature=0.0)
+    prompts = [[(7 * i + j) % 400 + 5 for j in range(100)] for i in range(7)]
+    want = [one.completions.create(prompt=p, **ask).choices[0].text for p in prompts]
+    with pd_proxy([p.url for p in prefills], [decode.url], tmp_path) as url:
+        both = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = [both.completions.create(prompt=p, **ask).choices[0].text for p in prompts[:4]]
+        assert [metric(p.url, "vllm:generation_tokens_total") for p in prefills] == [2, 2]  # one token a prompt
+        fetched = metric(decode.url, "pagoda:kv_transfer_fetched_bytes_total")
+        assert fetched > 0 and metric(decode.url, "vllm:external_prefix_cache_hits_total") >= 4 * 6 * 16
+        prefills[0].stop()
+        got += [both.completions.create(prompt=p, **ask).choices[0].text for p in prompts[4:6]]
+        assert metric(prefills[1].url, "vllm:generation_tokens_total") == 4
+        assert metric(decode.url, "pagoda:kv_transfer_fetched_bytes_total") > fetched
+        prefills[1].stop()
+        got.append(both.completions.create(prompt=prompts[6], **ask).choices[0].text)
+        assert metric(url, "pagoda_pd_proxy_prefill_skipped_total") == 1
+        assert got == want
     decode.wait_idle()
 
 

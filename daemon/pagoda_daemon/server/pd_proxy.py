@@ -10,16 +10,28 @@ instance on another host names itself in a signed ``x-pagoda-kv-source`` answer 
 the proxy adds to the decode request: the decode instance then fetches from whichever prefill
 instance answered. vLLM's P/D examples route the same way.
 
-The proxy holds no state and no credentials of its own: a client's ``Authorization`` header
-goes to both instances, which check it (docs/security.md). ``/ready`` is ready only when both
-instances are (a pod running the three is Ready only then), and ``/metrics`` is the decode
-instance's: its requests, KV cache and prefix hits are what the clients of the proxy see.
+Several instances of each role (``--prefill`` and ``--decode`` repeated, xPyD): each request
+goes to the instance of its role with the fewest requests in flight through this proxy (in turn
+among equals). A prefill instance that cannot be reached, or answers 429 or 5xx, passes the
+request to the next; when none computed the prompt, the decode instance computes it itself (a
+slower answer, never a lost one). A decode instance that refuses the connection passes it to the
+next (nothing was sent); one that fails after that fails the request (502): its tokens may have
+been generated.
+
+The proxy holds no credentials of its own: a client's ``Authorization`` header goes to both
+instances, which check it (docs/security.md). ``/ready`` is ready while at least one instance
+of each role is (with one of each, a pod running the three is Ready only when all are), and
+``/metrics`` is the decode instance's when there is one (its requests, KV cache and prefix hits
+are what the proxy's clients see), followed by the proxy's own ``pagoda_pd_proxy_*`` counters.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request,
 # imported inside build_app so that the CLI does not import FastAPI) when they are defined.
 import argparse
+import functools
+import itertools
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pagoda_daemon.kv_offload.transfer_auth import SOURCE_HEADER
@@ -46,6 +58,32 @@ def forwarded_headers(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
 
 
+MAX_INSTANCES = 64  # of each role
+# A prefill instance answering with these has not refused the request itself: another may serve it.
+RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass(eq=False)
+class Instance:
+    role: str
+    url: str
+    in_flight: int = 0
+
+
+class Instances:
+    """The instances of one role, offered least busy first (requests in flight through this
+    proxy; in turn among equals, so that an idle pool is used round robin)."""
+
+    def __init__(self, role: str, urls: list[str]) -> None:
+        self.role = role
+        self.all = [Instance(role, url.rstrip("/")) for url in urls]
+        self._turn = itertools.count()
+
+    def by_load(self) -> list[Instance]:
+        first = next(self._turn) % len(self.all)
+        return sorted(self.all[first:] + self.all[:first], key=lambda i: i.in_flight)  # stable: in turn
+
+
 PROBE_TIMEOUT_S = 5.0  # a probe of an instance: well inside a kubelet probe's own timeout
 KEEPALIVE_S = 2.0  # an idle connection to an instance is closed after this, before the instance's 5 s
 
@@ -66,13 +104,26 @@ def not_ready_answer(role: str, status_code: int, body: Any) -> dict[str, Any]:
             "startup": [{**p, "phase": f"{role}: {p.get('phase')}"} for p in phases if isinstance(p, dict)]}
 
 
-def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, transport: Any = None):
+def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeout_s: float = 600.0,
+              transport: Any = None):
     """The proxy's ASGI app (``transport``: an httpx transport for the instances, for tests)."""
     import httpx  # here: `pagoda --help` and the delegated commands need neither it nor fastapi
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-    prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+    prefills = Instances("prefill", [prefill_urls] if isinstance(prefill_urls, str) else prefill_urls)
+    decodes = Instances("decode", [decode_urls] if isinstance(decode_urls, str) else decode_urls)
+    registry = CollectorRegistry()  # this app's own: two proxies in one process do not mix counts
+    routed = Counter("pagoda_pd_proxy_requests", "Requests sent to an instance, by how they ended (ok: answered "
+                     "200; refused: answered another status, passed to the client; failed: unreachable, or "
+                     "429/5xx from a prefill instance)", ["role", "instance", "outcome"], registry=registry)
+    computed_by_decode = Counter("pagoda_pd_proxy_prefill_skipped", "Requests whose prompt no prefill instance "
+                                 "computed: the decode instance computed it", registry=registry)
+    in_flight = Gauge("pagoda_pd_proxy_in_flight", "Requests an instance is answering", ["role", "instance"],
+                      registry=registry)
+    for instance in prefills.all + decodes.all:
+        in_flight.labels(instance.role, instance.url).set_function(functools.partial(getattr, instance, "in_flight"))
     # Idle connections are dropped before the instances' (uvicorn closes them after 5 s): a request
     # sent on a connection the instance is closing fails with nothing received.
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
@@ -86,6 +137,49 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
     def passed(response: Any):
         return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
 
+    def count(instance: Instance, outcome: str) -> None:
+        routed.labels(instance.role, instance.url, outcome).inc()
+
+    async def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        """The first prefill instance's answer that is 200 or the request's own refusal (4xx);
+        None when none could compute the prompt."""
+        for instance in prefills.by_load():
+            instance.in_flight += 1
+            try:
+                answer = await client.post(instance.url + path, json=prefill_request(body), headers=headers)
+            except httpx.HTTPError:
+                count(instance, "failed")
+                continue
+            finally:
+                instance.in_flight -= 1
+            if answer.status_code in RETRIED_STATUSES:
+                count(instance, "failed")
+                continue
+            count(instance, "ok" if answer.status_code == 200 else "refused")
+            return answer
+        computed_by_decode.inc()
+        return None
+
+    async def decode(path: str, raw: bytes, headers: dict[str, str]) -> tuple[Instance, Any]:
+        """A decode instance's answer, its body still to read (the caller lowers ``in_flight``)."""
+        for instance in decodes.by_load():
+            instance.in_flight += 1
+            answered = False
+            try:
+                request = client.build_request("POST", instance.url + path, content=raw, headers=headers)
+                answer = await client.send(request, stream=True)
+                answered = True
+                return instance, answer
+            except httpx.ConnectError:  # nothing was sent: another instance may answer
+                count(instance, "failed")
+            except httpx.HTTPError:
+                count(instance, "failed")
+                raise
+            finally:
+                if not answered:
+                    instance.in_flight -= 1
+        raise httpx.ConnectError(f"none of the {len(decodes.all)} decode instance(s) accepted a connection")
+
     async def relay(request: Request, path: str):
         raw = await request.body()
         try:
@@ -96,24 +190,27 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
             raise bad_request("the request body must be a JSON object")
         headers = forwarded_headers(request.headers)
         try:
-            first = await client.post(prefill_url + path, json=prefill_request(body), headers=headers)
-            if first.status_code != 200:  # the request cannot be served: the prefill instance says why
+            first = await prefill(path, body, headers)
+            if first is not None and first.status_code != 200:  # the request cannot be served: the prefill instance says why
                 return passed(first)
             # where the prefill instance keeps the prompt's KV (between hosts), signed by it: the
             # decode instance checks it and fetches from there (kv_offload/transfer.py)
-            source = first.headers.get(SOURCE_HEADER)
+            source = first.headers.get(SOURCE_HEADER) if first is not None else None
             if source is not None:
                 headers = {**headers, SOURCE_HEADER: source}
-            if not body.get("stream"):
-                return passed(await client.post(decode_url + path, content=raw, headers=headers))
-            answer = await client.send(client.build_request("POST", decode_url + path, content=raw, headers=headers),
-                                       stream=True)
+            instance, answer = await decode(path, raw, headers)
         except httpx.HTTPError as e:
             raise APIError(f"an instance behind the proxy did not answer: {describe(e)}", 502,
                            code="bad_gateway") from e
-        if answer.status_code != 200:
-            await answer.aread()
-            await answer.aclose()
+        count(instance, "ok" if answer.status_code == 200 else "refused")
+        if answer.status_code != 200 or not body.get("stream"):
+            try:
+                await answer.aread()
+            except httpx.HTTPError as e:
+                raise APIError(f"the decode instance did not answer: {describe(e)}", 502, code="bad_gateway") from e
+            finally:
+                await answer.aclose()
+                instance.in_flight -= 1
             return passed(answer)
 
         async def passed_through():
@@ -122,6 +219,7 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
                     yield chunk
             finally:  # also when the client goes away mid-stream: the decode connection goes back
                 await answer.aclose()
+                instance.in_flight -= 1
 
         return StreamingResponse(passed_through(), media_type=answer.headers.get("content-type"))
 
@@ -134,45 +232,64 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
     @app.get("/v1/models")
     async def models(request: Request):
         headers = forwarded_headers(request.headers)
-        try:
-            return passed(await client.get(decode_url + "/v1/models", headers=headers))
-        except httpx.HTTPError as e:
-            raise APIError(f"the decode instance did not answer: {describe(e)}", 502, code="bad_gateway") from e
+        errors = []
+        for instance in decodes.by_load():
+            try:
+                return passed(await client.get(instance.url + "/v1/models", headers=headers))
+            except httpx.HTTPError as e:
+                errors.append(describe(e))
+        raise APIError(f"the decode instance did not answer: {'; '.join(errors)}", 502, code="bad_gateway")
+
+    async def answers(instances: Instances, path: str) -> list[tuple[Instance, Any]]:
+        """Each instance's answer to a probe (an exception for one that did not answer)."""
+        out: list[tuple[Instance, Any]] = []
+        for instance in instances.all:
+            try:
+                out.append((instance, await client.get(instance.url + path, timeout=PROBE_TIMEOUT_S)))
+            except httpx.HTTPError as e:
+                out.append((instance, e))
+        return out
 
     @app.get("/health")
     async def health():
         ok = True
-        for url in (prefill_url, decode_url):
-            try:
-                ok = ok and (await client.get(url + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
+        for instances in (prefills, decodes):
+            ok = ok and any(not isinstance(r, Exception) and r.status_code == 200
+                            for _, r in await answers(instances, "/health"))
         return Response(status_code=200 if ok else 503)
 
     @app.get("/ready")
     async def ready():
-        answers = {}
-        for role, url in (("prefill", prefill_url), ("decode", decode_url)):
-            try:
-                r = await client.get(url + "/ready", timeout=PROBE_TIMEOUT_S)
-            except httpx.HTTPError as e:
-                return JSONResponse({"status": "not ready", "reason": f"{role} instance did not answer: {describe(e)}",
-                                     "startup": []}, status_code=503)
-            try:
-                body = r.json()
-            except ValueError:
-                body = {}
-            if r.status_code != 200:
-                return JSONResponse(not_ready_answer(role, r.status_code, body), status_code=503)
-            answers[role] = body
-        return {"status": "ready", **answers}
+        """Ready while an instance of each role is; otherwise the first instance's reason."""
+        body: dict[str, Any] = {"status": "ready"}
+        for instances in (prefills, decodes):
+            role = instances.role
+            probes = await answers(instances, "/ready")
+            ready_bodies = [_json(r) for _, r in probes if not isinstance(r, Exception) and r.status_code == 200]
+            if not ready_bodies:
+                r = probes[0][1]
+                if isinstance(r, Exception):
+                    return JSONResponse({"status": "not ready", "startup": [],
+                                         "reason": f"{role} instance did not answer: {describe(r)}"}, status_code=503)
+                return JSONResponse(not_ready_answer(role, r.status_code, _json(r)), status_code=503)
+            body[role] = ready_bodies[0]
+            if len(instances.all) > 1:
+                body[f"{role}_ready"] = f"{len(ready_bodies)} of {len(instances.all)}"
+        return body
 
     @app.get("/metrics")
     async def metrics():
+        own = generate_latest(registry)
+        if len(decodes.all) > 1:  # scrape each decode instance itself: their series would collide here
+            return Response(own, media_type="text/plain; version=0.0.4; charset=utf-8")
         try:
-            return passed(await client.get(decode_url + "/metrics", timeout=PROBE_TIMEOUT_S))
+            r = await client.get(decodes.all[0].url + "/metrics", timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError as e:
             raise APIError(f"the decode instance did not answer: {describe(e)}", 502, code="bad_gateway") from e
+        if r.status_code != 200:
+            return passed(r)
+        text = r.content if r.content.endswith(b"\n") or not r.content else r.content + b"\n"
+        return Response(text + own, media_type=r.headers.get("content-type"))
 
     @app.on_event("shutdown")
     async def close() -> None:
@@ -181,9 +298,17 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0, trans
     return app
 
 
+def _json(response: Any) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return {}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, help="the prefill instance's URL (http://host:port)")
-    p.add_argument("--decode", required=True, help="the decode instance's URL")
+    p.add_argument("--prefill", action="append", required=True,
+                   help="a prefill instance's URL (http://host:port); repeat for several")
+    p.add_argument("--decode", action="append", required=True, help="a decode instance's URL; repeat for several")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer")
@@ -193,10 +318,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     for name in ("prefill", "decode"):
-        url = getattr(args, name)
-        if not url.startswith(("http://", "https://")):
-            print(f"pagoda pd-proxy: --{name} must be an http(s) URL, not {url!r}")
+        urls = getattr(args, name)
+        if len(urls) > MAX_INSTANCES or len(set(urls)) != len(urls):
+            print(f"pagoda pd-proxy: --{name} may name at most {MAX_INSTANCES} instances, each once")
             return 2
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                print(f"pagoda pd-proxy: --{name} must be an http(s) URL, not {url!r}")
+                return 2
     if not 1 <= args.port <= 65535 or not args.timeout > 0:
         print("pagoda pd-proxy: --port must be 1..65535 and --timeout positive")
         return 2
