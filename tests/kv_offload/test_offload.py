@@ -4,7 +4,9 @@ offload; the disk tier survives a restart, a corrupt or foreign file is a miss; 
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
 import random
 import re
 from collections.abc import Callable
@@ -352,6 +354,24 @@ def test_unusable_disk_paths_fail_the_start(model, tmp_path):
         LLM(model, **ENGINE, kv_offload_disk_gib=1.0)
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(model, **ENGINE, kv_offload_cpu_gib=1e-9)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_disk_io_threads_run_on_the_core_kept_for_kv_transfer(model, block_bytes, tmp_path, monkeypatch):
+    """The pinning plan keeps a core per NUMA node for KV-transfer threads (2 cores here are too
+    few for the plan to keep one: the worker is told one): the disk tier's I/O threads run there."""
+    from pagoda_daemon import topology
+
+    kept = max(os.sched_getaffinity(0))
+    real = topology.pin_this_process
+    monkeypatch.setattr(topology, "pin_this_process", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), kv_transfer_cpu=kept))
+    llm = LLM(model, **ENGINE, kv_offload_cpu_gib=gib(8, block_bytes), kv_offload_disk_path=str(tmp_path / "kv"),
+              kv_offload_disk_gib=gib(8, block_bytes))
+    assert llm.engine.core.worker_info.kv_transfer_cpu == kept
+    io = llm.engine.core.executor.worker.offload._io
+    assert {io.submit(os.sched_getaffinity, 0).result() == {kept} for _ in range(16)} == {True}
+    assert run(llm, workload(num_prefixes=2, order=[0, 1, 0, 1]))  # and it serves
 
 
 def test_warm_up_sends_no_offload_traffic(model, block_bytes, tmp_path):

@@ -22,6 +22,7 @@ def test_auto_pins_each_gpu_worker_to_its_nodes_physical_cores(dgx):
     assert [p.numa_node for p in plan.workers] == [0, 0, 0, 0, 1, 1, 1, 1]
     for pin in plan.workers:
         assert pin.cpus == (NODE0_CORES if pin.numa_node == 0 else NODE1_CORES)
+        assert pin.kv_transfer_cpu == (27 if pin.numa_node == 0 else 55)  # its node's kept core
     assert dict(plan.kv_transfer_cpus) == {0: 27, 1: 55}
     assert plan.warnings == ()
 
@@ -67,7 +68,7 @@ def test_laptop_gets_one_cpu_only_worker(laptop):
     (pin,) = plan.workers
     assert (pin.rank, pin.gpu, pin.numa_node) == (0, None, None)
     assert pin.cpus == {0, 1, 2}  # one thread per core, core 3 kept for KV transfer
-    assert plan.kv_transfer_cpus == {0: 3}
+    assert plan.kv_transfer_cpus == {0: 3} and pin.kv_transfer_cpu == 3
 
 
 def test_unknown_numa_single_node_pins_to_that_node(no_numa):
@@ -129,6 +130,7 @@ def test_plan_invariants_hold_for_random_cpusets(machine, request):
         kept = set(plan.kv_transfer_cpus.values())
         assert kept <= allowed
         for pin in plan.workers:
+            assert pin.kv_transfer_cpu is None or pin.kv_transfer_cpu in kept
             if pin.cpus is None:
                 continue
             assert pin.cpus and pin.cpus <= allowed
@@ -149,6 +151,23 @@ def test_apply_pinning_sets_and_reports_affinity(caplog):
         assert f"pinned to CPUs {min(before)}" in caplog.text
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_a_kv_transfer_thread_runs_on_the_kept_core_alone(caplog):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagoda_daemon.topology.pinning import pin_thread
+
+    before = os.sched_getaffinity(0)
+    kept = max(before)
+    with ThreadPoolExecutor(1, initializer=pin_thread, initargs=(kept,)) as pool:
+        assert pool.submit(os.sched_getaffinity, 0).result() == {kept}
+    assert os.sched_getaffinity(0) == before  # the calling thread is not moved
+    with ThreadPoolExecutor(1, initializer=pin_thread, initargs=(None,)) as pool:
+        assert pool.submit(os.sched_getaffinity, 0).result() == before
+    pin_thread(100_000)  # a core this process may not use: a warning, the thread as it was
+    assert os.sched_getaffinity(0) == before and "could not run a KV-transfer thread" in caplog.text
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")

@@ -103,7 +103,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        record_events=config.enable_kv_events)
         self.connector = tiered.build_connector(config, self.worker_info.dtype,
-                                                max(i.kv_block_bytes for i in self.executor.worker_infos()))
+                                                max(i.kv_block_bytes for i in self.executor.worker_infos()),
+                                                self.worker_info.kv_transfer_cpu)
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_seqs,

@@ -34,6 +34,7 @@ from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, 
 from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, STAGE_BLOCKS, CpuIndex, CpuStore, gather
 from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
 from pagoda_daemon.kv_offload.transfer_auth import FROM_REQUEST, check_url, is_remote, transfer_key
+from pagoda_daemon.topology.pinning import pin_thread
 
 if TYPE_CHECKING:
     from pagoda_daemon.kv_offload.transfer import BlockServer, RemoteBlocks
@@ -135,8 +136,10 @@ def _capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int]:
 
 
 class TieredConnector(OffloadConnector):
-    def __init__(self, config: EngineConfig, dtype: str, block_bytes: int) -> None:
-        """``dtype`` and ``block_bytes``: one rank's KV cache (every rank's is the same)."""
+    def __init__(self, config: EngineConfig, dtype: str, block_bytes: int, transfer_cpu: int | None = None) -> None:
+        """``dtype`` and ``block_bytes``: one rank's KV cache (every rank's is the same).
+        ``transfer_cpu``: the core the pinning plan keeps for KV-transfer threads, where the
+        transfer server's and the fetches' threads run."""
         super().__init__(record_events=config.enable_kv_events)
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         self.bytes_per_block = block_bytes * config.world_size  # over every rank
@@ -149,7 +152,8 @@ class TieredConnector(OffloadConnector):
         if config.kv_transfer_port and config.kv_offload_disk_path is not None:
             from pagoda_daemon.kv_offload.transfer import BlockServer  # ZMQ only where blocks cross hosts
 
-            self.server = BlockServer(config.kv_offload_disk_path, config.kv_transfer_port, transfer_key())
+            self.server = BlockServer(config.kv_offload_disk_path, config.kv_transfer_port, transfer_key(),
+                                      cpu=transfer_cpu)
         # Fetching from other hosts: from one source, or from the one each request names
         self.fetches = is_remote(source) and self.disk is not None
         self._default_source = None if source == FROM_REQUEST or not self.fetches else source
@@ -163,7 +167,8 @@ class TieredConnector(OffloadConnector):
             self._context = zmq.Context()  # every source's sockets; terminated by close()
             self._incoming = Path(self.disk.root, INCOMING)
             shutil.rmtree(self._incoming, ignore_errors=True)  # what a run that crashed was still fetching
-            self._fetch_threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="pagoda-kv-fetch")
+            self._fetch_threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="pagoda-kv-fetch",
+                                                     initializer=pin_thread, initargs=(transfer_cpu,))
         # fetches under way, by source and the last hash each asks for (it names the whole chain
         # before it), with the requests waiting for each
         self._fetches: dict[tuple[str, BlockHash], tuple[Path, Future[list[BlockHash]], set[str]]] = {}
@@ -371,9 +376,12 @@ class TieredConnector(OffloadConnector):
 
 
 class TieredWorker(OffloadWorker):
-    def __init__(self, config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_bytes: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_bytes: int,
+                 transfer_cpu: int | None = None) -> None:
         """``block_bytes``: the rank's KV block size as the scheduler half was told it
-        (Worker.kv_block_bytes), so both halves size the tiers and name the engine alike."""
+        (Worker.kv_block_bytes), so both halves size the tiers and name the engine alike.
+        ``transfer_cpu``: the core the pinning plan keeps for KV-transfer threads on this rank's
+        NUMA node, where its disk I/O threads run (beside, not among, the cores its steps use)."""
         super().__init__()
         layers, two, _, block_size, heads, head_dim = kv_cache.shape
         shape = (layers, two, block_size, heads, head_dim)
@@ -385,7 +393,8 @@ class TieredWorker(OffloadWorker):
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
         # Disk reads and writes run here, several at once (file I/O and the CRC release the GIL):
         # one at a time on the engine's thread, a step waited for each file in turn.
-        self._io = ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-disk") if self.disk else None
+        self._io = (ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-disk", initializer=pin_thread,
+                                       initargs=(transfer_cpu,)) if self.disk else None)
 
     def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> list[bool]:
         """Host-memory copies in list order (batched; on a GPU, loads on the step's stream and
@@ -457,11 +466,13 @@ class TieredWorker(OffloadWorker):
         return failed
 
 
-def build_connector(config: EngineConfig, dtype: str, block_bytes: int) -> TieredConnector | None:
+def build_connector(config: EngineConfig, dtype: str, block_bytes: int,
+                    transfer_cpu: int | None = None) -> TieredConnector | None:
     """The scheduler half, or None with offload off."""
-    return TieredConnector(config, dtype, block_bytes) if enabled(config) else None
+    return TieredConnector(config, dtype, block_bytes, transfer_cpu) if enabled(config) else None
 
 
-def build_worker(config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_bytes: int) -> TieredWorker | None:
+def build_worker(config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_bytes: int,
+                 transfer_cpu: int | None = None) -> TieredWorker | None:
     """One rank's worker half, or None with offload off."""
-    return TieredWorker(config, rank, kv_cache, block_bytes) if enabled(config) else None
+    return TieredWorker(config, rank, kv_cache, block_bytes, transfer_cpu) if enabled(config) else None

@@ -39,6 +39,7 @@ import zmq
 from pagoda_daemon.engine.block_hash import BlockHash
 from pagoda_daemon.kv_offload.disk import file_name, rank_dir, write_whole
 from pagoda_daemon.kv_offload.transfer_auth import KEY_ENV, MAX_CLOCK_SKEW_S, check_url, is_fresh, now_ms
+from pagoda_daemon.topology.pinning import pin_thread
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,10 @@ def signed_ask(key: bytes, hashes: bytes, ranks: int, now_s: float | None = None
 class BlockServer:
     """Serves one engine's disk-tier block files to the engines that fetch them (a thread)."""
 
-    def __init__(self, root: str, port: int, key: bytes, host: str = "*") -> None:
+    def __init__(self, root: str, port: int, key: bytes, host: str = "*", cpu: int | None = None) -> None:
+        """``cpu``: the core its thread runs on (the one kept for KV-transfer threads), if any."""
         self.root = root
+        self._cpu = cpu
         self._key = key
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -91,6 +94,7 @@ class BlockServer:
         log.info("KV transfer: serving the disk tier's blocks on port %d", self.port)
 
     def _serve(self) -> None:
+        pin_thread(self._cpu)
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._closed.is_set():

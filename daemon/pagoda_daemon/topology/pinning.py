@@ -59,6 +59,7 @@ class WorkerPin:
     numa_node: int | None
     cpus: frozenset[int] | None
     reason: str
+    kv_transfer_cpu: int | None = None  # the core kept on its NUMA node for KV-transfer threads
 
 
 @dataclass(frozen=True)
@@ -180,13 +181,15 @@ def _plan_auto(
     for rank, (gpu, home) in enumerate(zip(ranks, homes)):
         if gpu is None:
             pins.append(
-                WorkerPin(rank, None, None, everywhere or None, "CPU-only worker: every allowed core")
+                WorkerPin(rank, None, None, everywhere or None, "CPU-only worker: every allowed core",
+                          next(iter(kept.values()), None))
             )
         elif home is None:
             pins.append(WorkerPin(rank, gpu, None, None, "GPU's NUMA node is unknown: affinity left alone"))
             warnings.append(f"GPU {gpu} has no known NUMA node; its worker is not pinned")
         elif usable.get(home):
-            pins.append(WorkerPin(rank, gpu, home, usable[home], f"physical cores of NUMA node {home}"))
+            pins.append(WorkerPin(rank, gpu, home, usable[home], f"physical cores of NUMA node {home}",
+                                  kept.get(home)))
         else:
             pins.append(WorkerPin(rank, gpu, home, None, f"no allowed CPU on NUMA node {home}: left alone"))
             warnings.append(
@@ -224,6 +227,17 @@ def apply_pinning(pin: WorkerPin) -> frozenset[int] | None:
         pin.reason,
     )
     return now
+
+
+def pin_thread(cpu: int | None) -> None:
+    """Run the calling thread on this one core (the one the plan keeps for KV-transfer threads:
+    a thread pool's initializer); None leaves it as it is. A failure costs a warning."""
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        os.sched_setaffinity(0, {cpu})  # on Linux, 0 is the calling thread
+    except OSError as exc:
+        log.warning("pinning: could not run a KV-transfer thread on CPU %d: %s", cpu, exc)
 
 
 def pin_this_process(

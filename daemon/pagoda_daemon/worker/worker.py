@@ -41,6 +41,7 @@ class WorkerInfo:
     attention_backend: str
     uses_cuda_graphs: bool
     kv_block_bytes: int = 0  # one KV block over every layer, K and V, of this rank's heads
+    kv_transfer_cpu: int | None = None  # the core its pinning plan keeps for KV-transfer threads
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,7 +139,7 @@ class Worker:
             gpu=None if pin is None or self.device.type != "cuda" else pin.gpu,
             numa_node=None if pin is None else pin.numa_node,
             attention_backend=self.backend.name, uses_cuda_graphs=self.uses_cuda_graphs,
-            kv_block_bytes=self.kv_block_bytes(),
+            kv_block_bytes=self.kv_block_bytes(), kv_transfer_cpu=None if pin is None else pin.kv_transfer_cpu,
         )
 
     # ---- KV cache ---------------------------------------------------------------------
@@ -204,7 +205,8 @@ class Worker:
         from pagoda_daemon.kv_offload.tiered import build_worker
 
         assert self.runner.kv_cache is not None
-        self.offload = build_worker(self.config, self.tp.rank, self.runner.kv_cache, self.kv_block_bytes())
+        self.offload = build_worker(self.config, self.tp.rank, self.runner.kv_cache, self.kv_block_bytes(),
+                                    transfer_cpu=None if self.cpu_pin is None else self.cpu_pin.kv_transfer_cpu)
         self.runner.prepare_eager_steps()
         if capture:
             self.capture_cuda_graphs()
