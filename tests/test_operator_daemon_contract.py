@@ -184,7 +184,7 @@ def test_the_disaggregated_pods_command_lines_are_the_daemons(tmp_path):
     assert options["decode"]["kv_offload_disk_source"] == options["prefill"]["kv_offload_disk_path"]
     assert options["prefill"]["kv_offload_disk_source"] is None
     proxy = build_parser().parse_args(containers["proxy"]["args"])
-    assert (proxy.prefill, proxy.decode, proxy.port) == ("http://127.0.0.1:8100", "http://127.0.0.1:8300", 8000)
+    assert (proxy.prefill, proxy.decode, proxy.port) == (["http://127.0.0.1:8100"], ["http://127.0.0.1:8300"], 8000)
 
 
 def test_every_option_a_layout_refusal_names_is_an_inferenceservice_field(tiny_models):
