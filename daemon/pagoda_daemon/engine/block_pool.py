@@ -82,9 +82,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
-            if self.evicted is not None and block.block_hash is not None and self.cached.get(block.block_hash) is block:
-                self.evicted.append((block.block_hash, block.block_id))
-            self._evict(block)
+            left_cache = self._evict(block)
+            if left_cache is not None and self.evicted is not None:
+                self.evicted.append((left_cache, block.block_id))
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -144,10 +144,14 @@ class BlockPool:
         events, self.events = self.events, []
         return events
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def _evict(self, block: KVCacheBlock) -> BlockHash | None:
+        """Drop the block's hash; returns it if the block was the prefix cache's entry for it."""
+        removed = None
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                removed = block.block_hash
                 if self.record_events:
                     self.events.append(RemovedBlock(block.block_hash))
             block.block_hash = None
+        return removed
