@@ -28,6 +28,7 @@ are what the proxy's clients see), followed by the proxy's own ``pagoda_pd_proxy
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request,
 # imported inside build_app so that the CLI does not import FastAPI) when they are defined.
 import argparse
+import asyncio
 import functools
 import itertools
 import json
@@ -240,15 +241,16 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
                 errors.append(describe(e))
         raise APIError(f"the decode instance did not answer: {'; '.join(errors)}", 502, code="bad_gateway")
 
+    async def probe(instance: Instance, path: str) -> Any:
+        try:
+            return await client.get(instance.url + path, timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return e
+
     async def answers(instances: Instances, path: str) -> list[tuple[Instance, Any]]:
-        """Each instance's answer to a probe (an exception for one that did not answer)."""
-        out: list[tuple[Instance, Any]] = []
-        for instance in instances.all:
-            try:
-                out.append((instance, await client.get(instance.url + path, timeout=PROBE_TIMEOUT_S)))
-            except httpx.HTTPError as e:
-                out.append((instance, e))
-        return out
+        """Each instance's answer to a probe (an exception for one that did not answer), asked
+        all at once: one by one, 64 instances that do not answer would outlast any probe."""
+        return list(zip(instances.all, await asyncio.gather(*(probe(i, path) for i in instances.all)), strict=True))
 
     @app.get("/health")
     async def health():
