@@ -16,7 +16,10 @@ among equals). A prefill instance that cannot be reached, or answers 429 or 5xx,
 request to the next; when none computed the prompt, the decode instance computes it itself (a
 slower answer, never a lost one). A decode instance that refuses the connection passes it to the
 next (nothing was sent); one that fails after that fails the request (502): its tokens may have
-been generated.
+been generated. ``--prefill-file`` names a file listing prefill instances, one URL a line (the
+operator's ConfigMap, mounted): the proxy reads it again by path at most once a second and routes
+to what it lists, keeping the last valid list while it cannot be read or is not valid; with none
+listed, the decode instance computes every prompt.
 
 The proxy holds no credentials of its own: a client's ``Authorization`` header goes to both
 instances, which check it (docs/security.md). ``/ready`` is ready while at least one instance
@@ -32,11 +35,16 @@ import asyncio
 import functools
 import itertools
 import json
+import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pagoda_daemon.kv_offload.transfer_auth import SOURCE_HEADER
 from pagoda_daemon.server.errors import APIError, bad_request
+
+log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
@@ -81,8 +89,87 @@ class Instances:
         self._turn = itertools.count()
 
     def by_load(self) -> list[Instance]:
+        if not self.all:
+            return []
         first = next(self._turn) % len(self.all)
         return sorted(self.all[first:] + self.all[:first], key=lambda i: i.in_flight)  # stable: in turn
+
+    def replace(self, urls: list[str]) -> tuple[list[Instance], list[Instance]]:
+        """Lists these instances from now on, and returns those added and those dropped. One still
+        listed keeps its object: its count of requests in flight stays right. A dropped one's
+        requests in flight finish on the object they hold."""
+        old = {i.url: i for i in self.all}
+        self.all = [old.get(url) or Instance(self.role, url) for url in dict.fromkeys(u.rstrip("/") for u in urls)]
+        now = {i.url for i in self.all}
+        return [i for i in self.all if i.url not in old], [i for url, i in old.items() if url not in now]
+
+
+RELOAD_S = 1.0  # an instance file is read again at most this often
+
+
+def listed_urls(text: str) -> list[str]:
+    """The instance URLs an instance file lists, one a line (blank lines and ``#`` comments
+    skipped), each once; ValueError for a line that is not an http(s) URL, or too many."""
+    urls: dict[str, None] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not line.startswith(("http://", "https://")):
+            raise ValueError(f"line {n} must be an http(s) URL, not {line!r}")
+        urls[line.rstrip("/")] = None
+    if len(urls) > MAX_INSTANCES:
+        raise ValueError(f"it lists {len(urls)} instances, at most {MAX_INSTANCES} are allowed")
+    return list(urls)
+
+
+class InstanceFile:
+    """The instances a file lists after the fixed ones (``--prefill``), followed while serving.
+    The kubelet swaps a mounted ConfigMap's file by replacing a symlink: the file is read again
+    by its path and compared by content, not watched. Content that cannot be read or is not
+    valid leaves the last valid list in place, with one warning per distinct bad content."""
+
+    def __init__(self, path: str, fixed: list[str]) -> None:
+        self.path, self.fixed = path, [u.rstrip("/") for u in fixed]
+        self._content = Path(path).read_bytes()  # at start, unreadable or invalid is an error
+        self.urls = self._parse(self._content)
+        self._checked = time.monotonic()
+        self._bad: bytes | str | None = None  # the last bad content (or read error) warned about
+
+    def _parse(self, content: bytes) -> list[str]:
+        urls = self.fixed + [u for u in listed_urls(content.decode()) if u not in self.fixed]
+        if len(urls) > MAX_INSTANCES:
+            raise ValueError(f"with --prefill it makes {len(urls)} instances, at most {MAX_INSTANCES} are allowed")
+        return urls
+
+    def changed(self) -> list[str] | None:
+        """The new list when the file has changed to another valid one; None otherwise or when
+        it was checked less than RELOAD_S ago."""
+        now = time.monotonic()
+        if now - self._checked < RELOAD_S:
+            return None
+        self._checked = now
+        try:
+            content = Path(self.path).read_bytes()
+        except OSError as e:
+            self._warn(describe(e), f"cannot be read ({describe(e)})")
+            return None
+        if content == self._content:
+            self._bad = None
+            return None
+        try:
+            urls = self._parse(content)
+        except ValueError as e:  # UnicodeDecodeError is one
+            self._warn(content, str(e))
+            return None
+        self._content, self.urls, self._bad = content, urls, None
+        return urls
+
+    def _warn(self, bad: bytes | str, why: str) -> None:
+        if bad != self._bad:
+            self._bad = bad
+            log.warning("pd-proxy: %s %s: still routing to the %d instance(s) it listed before",
+                        self.path, why, len(self.urls))
 
 
 PROBE_TIMEOUT_S = 5.0  # a probe of an instance: well inside a kubelet probe's own timeout
@@ -106,14 +193,18 @@ def not_ready_answer(role: str, status_code: int, body: Any) -> dict[str, Any]:
 
 
 def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeout_s: float = 600.0,
-              transport: Any = None):
-    """The proxy's ASGI app (``transport``: an httpx transport for the instances, for tests)."""
+              transport: Any = None, *, prefill_file: str | None = None):
+    """The proxy's ASGI app (``transport``: an httpx transport for the instances, for tests);
+    ``prefill_file`` lists more prefill instances, followed while serving (OSError or ValueError
+    when it cannot be read or is not valid now)."""
     import httpx  # here: `pagoda --help` and the delegated commands need neither it nor fastapi
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-    prefills = Instances("prefill", [prefill_urls] if isinstance(prefill_urls, str) else prefill_urls)
+    prefill_urls = [prefill_urls] if isinstance(prefill_urls, str) else prefill_urls
+    listed = InstanceFile(prefill_file, prefill_urls) if prefill_file is not None else None
+    prefills = Instances("prefill", listed.urls if listed is not None else prefill_urls)
     decodes = Instances("decode", [decode_urls] if isinstance(decode_urls, str) else decode_urls)
     registry = CollectorRegistry()  # this app's own: two proxies in one process do not mix counts
     routed = Counter("pagoda_pd_proxy_requests", "Requests sent to an instance, by how they ended (ok: answered "
@@ -123,8 +214,30 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
                                  "computed: the decode instance computed it", registry=registry)
     in_flight = Gauge("pagoda_pd_proxy_in_flight", "Requests an instance is answering", ["role", "instance"],
                       registry=registry)
-    for instance in prefills.all + decodes.all:
+    listed_count = Gauge("pagoda_pd_proxy_instances", "Instances listed, by role", ["role"], registry=registry)
+
+    def gauge(instance: Instance) -> None:
         in_flight.labels(instance.role, instance.url).set_function(functools.partial(getattr, instance, "in_flight"))
+
+    for instances in (prefills, decodes):
+        listed_count.labels(instances.role).set_function(functools.partial(lambda i: len(i.all), instances))
+        for instance in instances.all:
+            gauge(instance)
+
+    def reload() -> None:
+        """Routes to what the prefill file lists now, when it has changed (checked at most once a
+        second, when a request or probe needs the list)."""
+        urls = listed.changed() if listed is not None else None
+        if urls is None:
+            return
+        added, dropped = prefills.replace(urls)
+        for instance in added:
+            gauge(instance)
+        for instance in dropped:
+            in_flight.remove(instance.role, instance.url)
+        if added or dropped:
+            log.info("pd-proxy: %s now lists %d prefill instance(s): added %s, dropped %s", prefill_file,
+                     len(prefills.all), [i.url for i in added], [i.url for i in dropped])
     # Idle connections are dropped before the instances' (uvicorn closes them after 5 s): a request
     # sent on a connection the instance is closing fails with nothing received.
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
@@ -190,6 +303,7 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         headers = forwarded_headers(request.headers)
+        reload()
         try:
             first = await prefill(path, body, headers)
             if first is not None and first.status_code != 200:  # the request cannot be served: the prefill instance says why
@@ -254,6 +368,7 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
 
     @app.get("/health")
     async def health():
+        reload()
         ok = True
         for instances in (prefills, decodes):
             ok = ok and any(not isinstance(r, Exception) and r.status_code == 200
@@ -263,9 +378,14 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
     @app.get("/ready")
     async def ready():
         """Ready while an instance of each role is; otherwise the first instance's reason."""
+        reload()
         body: dict[str, Any] = {"status": "ready"}
         for instances in (prefills, decodes):
             role = instances.role
+            if not instances.all:
+                where = f" in {prefill_file}" if prefill_file is not None else ""
+                return JSONResponse({"status": "not ready", "startup": [],
+                                     "reason": f"no {role} instance is listed{where}"}, status_code=503)
             probes = await answers(instances, "/ready")
             ready_bodies = [_json(r) for _, r in probes if not isinstance(r, Exception) and r.status_code == 200]
             if not ready_bodies:
@@ -281,6 +401,7 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
 
     @app.get("/metrics")
     async def metrics():
+        reload()
         own = generate_latest(registry)
         if len(decodes.all) > 1:  # scrape each decode instance itself: their series would collide here
             return Response(own, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -308,8 +429,11 @@ def _json(response: Any) -> Any:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="append", required=True,
+    p.add_argument("--prefill", action="append", default=[],
                    help="a prefill instance's URL (http://host:port); repeat for several")
+    p.add_argument("--prefill-file", metavar="PATH",
+                   help="a file listing prefill instances' URLs, one a line (# comments), read again "
+                   "when it changes (a mounted ConfigMap); with --prefill too, the instances of both")
     p.add_argument("--decode", action="append", required=True, help="a decode instance's URL; repeat for several")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000)
@@ -319,6 +443,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if not args.prefill and args.prefill_file is None:
+        print("pagoda pd-proxy: name prefill instances with --prefill or --prefill-file")
+        return 2
     for name in ("prefill", "decode"):
         urls = getattr(args, name)
         if len(urls) > MAX_INSTANCES or len(set(urls)) != len(urls):
@@ -331,6 +458,15 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535 or not args.timeout > 0:
         print("pagoda pd-proxy: --port must be 1..65535 and --timeout positive")
         return 2
-    uvicorn.run(build_app(args.prefill, args.decode, args.timeout), host=args.host, port=args.port,
-                log_level="warning")
+    if args.prefill_file is not None:
+        try:
+            InstanceFile(args.prefill_file, args.prefill)
+        except OSError as e:
+            print(f"pagoda pd-proxy: --prefill-file {args.prefill_file} cannot be read: {describe(e)}")
+            return 2
+        except ValueError as e:
+            print(f"pagoda pd-proxy: --prefill-file {args.prefill_file}: {e}")
+            return 2
+    uvicorn.run(build_app(args.prefill, args.decode, args.timeout, prefill_file=args.prefill_file),
+                host=args.host, port=args.port, log_level="warning")
     return 0
