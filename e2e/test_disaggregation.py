@@ -3,7 +3,9 @@
 engine, decode engine, pd-proxy on the Service's port), answers chat completions through the
 openai client, and the decode engine took the prompts' KV blocks from the prefill engine's disk
 tier (its `vllm:external_prefix_cache_hits_total`, which the proxy's /metrics serves) while the
-prefill engine generated one token per request."""
+prefill engine generated one token per request. With `prefill.replicas` the prefill engine runs
+in a pod of its own and the decode engine fetches the blocks from it over TCP, at the pod IP the
+operator listed for the proxy and the prefill engine named in its answer."""
 
 from __future__ import annotations
 
@@ -56,5 +58,45 @@ def test_prefill_decode_and_proxy_serve_as_one_ready_pod(local_cluster):
         # the prefill engine (its own port, open on the pod IP for the kubelet's probes) generated
         # one token for each of the 4 requests
         assert metric(ip, PREFILL_PORT, "vllm:generation_tokens_total") == 4
+    finally:
+        local_cluster.delete_namespace(ns)
+
+
+def test_prefill_pods_apart_serve_through_the_decode_replicas_proxy(local_cluster):
+    ns = local_cluster.create_namespace("pd-apart")
+    doc = manifest(local_cluster, NAME)
+    doc["spec"]["disaggregation"] = {"kvDiskGiB": 0.05, "prefill": {"replicas": 1}}
+    try:
+        local_cluster.apply(doc, namespace=ns)
+        # the proxy is ready once the kubelet has refreshed its list with the ready prefill pod
+        obj = wait_ready(local_cluster, ns, replicas=1, timeout=600, name=NAME)
+        assert cond(obj, "Degraded")["status"] == "False"
+        pods = local_cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"pagoda.dev/inferenceservice={NAME}")[
+            "items"]
+        by_role = {p["metadata"]["labels"].get("pagoda.dev/role", "replica"): p for p in pods}
+        assert sorted(by_role) == ["prefill", "replica"], [p["metadata"]["name"] for p in pods]
+        prefill, replica = by_role["prefill"], by_role["replica"]
+        assert [c["name"] for c in prefill["spec"]["containers"]] == ["prefill"]
+        assert [c["name"] for c in replica["spec"]["containers"]] == ["decode", "proxy"]
+        prefill_ip, ip = prefill["status"]["podIP"], replica["status"]["podIP"]
+        assert prefill_ip != ip
+        # the Service has the replica only
+        assert local_cluster.endpoints(NAME, ns) == [ip]
+        roles = obj["status"]["disaggregation"]
+        assert roles["prefill"]["replicas"] == 1 and roles["prefill"]["readyPods"] == 1
+        assert [roles[r]["readyPods"] for r in ("decode", "proxy")] == [1, 1]
+        instances = local_cluster.kubectl_json("get", "configmap", f"{NAME}-prefill-instances", "-n", ns)
+        assert instances["data"]["prefill"] == f"http://{prefill_ip}:{PREFILL_PORT}\n"
+
+        c = client(ip)
+        for _ in range(3):
+            reply = c.chat.completions.create(model=doc["spec"]["model"]["name"], messages=MESSAGES, max_tokens=8,
+                                              temperature=0)
+            assert reply.choices[0].finish_reason in ("length", "stop") and reply.usage.completion_tokens >= 1
+        # the decode engine fetched the prompt's blocks from the prefill pod over TCP and loaded them
+        assert metric(ip, PORT, "pagoda:kv_transfer_fetched_bytes_total") > 0
+        assert metric(ip, PORT, "vllm:external_prefix_cache_hits_total") > 0
+        assert metric(prefill_ip, PREFILL_PORT, "vllm:generation_tokens_total") == 3
+        assert metric(ip, PORT, 'pagoda_pd_proxy_requests_total') >= 6  # 3 prefill + 3 decode, all ok
     finally:
         local_cluster.delete_namespace(ns)

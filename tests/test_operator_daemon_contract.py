@@ -187,6 +187,41 @@ def test_the_disaggregated_pods_command_lines_are_the_daemons(tmp_path):
     assert (proxy.prefill, proxy.decode, proxy.port) == (["http://127.0.0.1:8100"], ["http://127.0.0.1:8300"], 8000)
 
 
+def test_prefill_pods_apart_command_lines_are_the_daemons(tmp_path):
+    """spec.disaggregation.prefill.replicas: the prefill pod's engine serves its blocks on the
+    transfer port under its pod IP (the kubelet expands ``$(POD_IP)``), the decode engine fetches
+    each request's from the prefill instance that computed it, the proxy follows the mounted list
+    of prefill pods, and both engines read the transfer key from the variable the daemon reads."""
+    from pagoda_daemon.kv_offload.transfer_auth import KEY_ENV
+    from pagoda_operator import disaggregation
+
+    body = {"model": {"name": "m", "pvc": {"claimName": "w"}}, "resources": {"gpusPerReplica": 2},
+            "disaggregation": {"kvDiskGiB": 1.5, "prefill": {"replicas": 3, "maxNumSeqs": 4}}}
+    svc = spec.parse("llama", "default", body)
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text(yaml.safe_dump(builders.daemon_config(svc)))
+    settings = builders.Settings()
+    (prefill,) = disaggregation.prefill_pod(svc, settings, "hash")["spec"]["containers"]
+    decode, proxy = disaggregation.pod(svc, settings, "hash")["spec"]["containers"]
+    options = {}
+    for c in (prefill, decode):
+        argv = [a.replace("$(POD_IP)", "10.1.2.3") for a in c["args"]]
+        argv[argv.index("--config") + 1] = str(config_file)
+        options[c["name"]] = resolve_options(build_parser().parse_args(argv), _explicit_options(argv))
+        assert options[c["name"]]["kv_offload_disk_gib"] == 1.5
+        assert {"name": KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": "llama-kv-transfer", "key": "key"}}} in c["env"]
+    assert "$(POD_IP)" in prefill["args"] and {e["name"] for e in prefill["env"]} >= {"POD_IP", KEY_ENV}
+    assert (options["prefill"]["kv_transfer_port"], options["prefill"]["kv_transfer_host"]) == (
+        spec.KV_TRANSFER_PORT, "10.1.2.3")
+    assert options["prefill"]["max_num_seqs"] == 4 and options["prefill"]["kv_offload_disk_source"] is None
+    assert options["decode"]["kv_offload_disk_source"] == "request" and options["decode"]["kv_transfer_port"] == 0
+    args = build_parser().parse_args(proxy["args"])
+    mount = next(m for m in proxy["volumeMounts"] if m["name"] == disaggregation.INSTANCES_VOLUME)
+    assert args.prefill_file == f"{mount['mountPath']}/{disaggregation.INSTANCES_KEY}" and not args.prefill
+    assert args.decode == ["http://127.0.0.1:8200"] and args.port == svc.port
+
+
 def test_every_option_a_layout_refusal_names_is_an_inferenceservice_field(tiny_models):
     """check_layout's refusals, put in the spec's terms by the operator (status.pod_problems),
     name no daemon option the user did not write."""

@@ -76,12 +76,14 @@ class Children:
     network_policy: dict[str, Any] | None = None
     group_service: dict[str, Any] | None = None  # podsPerReplica > 1: the groups' headless Service
     workers: tuple[dict[str, Any], ...] = ()  # podsPerReplica > 1: a StatefulSet per group
+    # spec.disaggregation.prefill.replicas: the proxies' list of prefill pods and their Deployment
+    prefill: tuple[dict[str, Any], ...] = ()
 
     def all(self) -> list[dict[str, Any]]:
         """Every child to write, in the order they are applied."""
         kids = [self.config_map, self.service]
         kids += [self.group_service] if self.group_service else []
-        kids += [self.workload, *self.workers]
+        kids += [*self.prefill, self.workload, *self.workers]
         return kids + ([self.network_policy] if self.network_policy else [])
 
 
@@ -488,21 +490,29 @@ def deployment(
 
 def network_policy(spec: ServiceSpec, owner: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
     """Ingress to the daemon pods: the HTTP port (API, probes, /metrics) from ``settings.http_from``;
-    with podsPerReplica > 1 every port from the InferenceService's own pods (the ranks' store and
-    gloo/NCCL sockets); every other port (KV events, anything a custom image opens) from nowhere.
+    with podsPerReplica > 1 or prefill pods apart every port from the InferenceService's own pods
+    (the ranks' store and gloo/NCCL sockets; the prefill engines' API and KV transfer port); every other port (KV events, anything a custom image opens) from nowhere.
     Egress is not limited."""
+    d = spec.disaggregation
+    prefill_pods = d is not None and d.prefill_pods
+    # With prefill pods apart (disaggregation.py) the policy covers them too: their engine's HTTP
+    # port as the Service's (its API, probes and /metrics), every port from this InferenceService's
+    # own pods (the proxies ask the engine, the decode engines fetch KV blocks).
+    pods = {INSTANCE_LABEL: spec.name} if prefill_pods else selector_labels(spec.name)
+    http_ports = [spec.port, d.prefill.port] if d is not None and prefill_pods else [spec.port]
     ingress: list[dict[str, Any]] = [
-        {"ports": [{"protocol": "TCP", "port": spec.port}], "from": [dict(peer) for peer in settings.http_from]}
+        {"ports": [{"protocol": "TCP", "port": p} for p in http_ports],
+         "from": [dict(peer) for peer in settings.http_from]}
     ]
-    if spec.pods_per_replica > 1:
-        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(spec.name)}}]})
+    if spec.pods_per_replica > 1 or prefill_pods:
+        ingress.append({"from": [{"podSelector": {"matchLabels": pods}}]})
     return stamp(
         {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
             "metadata": metadata(spec, owner, spec.name),
             "spec": {
-                "podSelector": {"matchLabels": selector_labels(spec.name)},
+                "podSelector": {"matchLabels": pods},
                 "policyTypes": ["Ingress"],
                 "ingress": ingress,
             },

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -135,7 +136,8 @@ class Context:
     # not driven), and how a daemon's admin route is called (tests call a real server too)
     operator_secret: bytes | None = None
     elastic_call: Callable[..., dict[str, Any]] = elastic_mod._call
-    admin_secrets: set[str] = field(default_factory=set)  # uids whose admin-key Secret exists
+    # (uid, name) of the Secrets this process created or found (admin key, KV transfer key)
+    secrets_made: set[tuple[str, str]] = field(default_factory=set)
     # the daemon capabilities a spec may ask for (pagoda_daemon.capabilities; tests widen it)
     supports: Supports = supported
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
@@ -222,6 +224,11 @@ class Observed:
     elastic_states: dict[str, dict[str, Any]] | None = None
     admin_key: str | None = None
     model_config: dict[str, Any] | None = None  # the model's config.json, where this operator reads it
+    # spec.disaggregation.prefill.replicas (disaggregation.py): the prefill pods, their Deployment
+    # and the proxies' list of them, read in either layout so that a change removes them
+    prefill_pods: list[dict[str, Any]] = field(default_factory=list)
+    prefill_deployment: dict[str, Any] | None = None
+    prefill_instances: dict[str, Any] | None = None
 
     @property
     def leaders(self) -> dict[str, Any] | None:
@@ -231,7 +238,9 @@ class Observed:
     def live(self, kind: str, obj_name: str) -> dict[str, Any] | None:
         """The live child of this kind and name, as this pass read it."""
         if kind == "Deployment":
-            return self.deployment
+            return self.deployment if obj_name == self.body["metadata"]["name"] else self.prefill_deployment
+        if kind == "ConfigMap" and obj_name == disaggregation.instances_config_map_name(self.body["metadata"]["name"]):
+            return self.prefill_instances
         if kind == "StatefulSet":
             return next((s for s in self.stateful_sets if s["metadata"]["name"] == obj_name), None)
         if kind == "Service" and obj_name != self.body["metadata"]["name"]:
@@ -311,8 +320,12 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         except ApiError as e:
             log.debug("cannot read Events in %s: %s", namespace, e)
     model_config = ctx.model_configs.get(spec) if spec is not None and ctx.model_configs is not None else None
+    prefill_pods = list(kube.list("Pod", namespace, disaggregation.prefill_pods_selector(name)))
+    prefill_deployment = kube.get("Deployment", namespace, disaggregation.prefill_name(name))
+    prefill_instances = kube.get("ConfigMap", namespace, disaggregation.instances_config_map_name(name))
     return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events,
-                    stateful_sets, group_service, starting, elastic_states, admin_key, model_config)
+                    stateful_sets, group_service, starting, elastic_states, admin_key, model_config, prefill_pods,
+                    prefill_deployment, prefill_instances)
 
 
 def decide(observed: Observed, settings: builders.Settings, now: float) -> Decision:
@@ -375,6 +388,8 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
         else:
             kids = builders.children(spec, body, replicas, settings,
                                      disaggregation.pod if spec.disaggregation else builders.one_engine_pod)
+            kids = dataclasses.replace(kids, prefill=disaggregation.prefill_children(
+                spec, body, settings, builders.digest(kids.config_map["data"]), observed.prefill_pods))
     else:
         live = observed.deployment or observed.leaders
         replicas = int(((live or {}).get("spec") or {}).get("replicas") or 0)
@@ -434,7 +449,7 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
             events.append(("Normal", "Autoscaled", line))
 
     if spec is not None and spec.parallelism.elastic is not None and observed.admin_key is not None:
-        problem = _ensure_admin_secret(ctx, spec, body, observed.admin_key)
+        problem = _ensure_secret(ctx, body, elastic_mod.admin_secret(spec, body, observed.admin_key), "the admin key")
         if problem:
             events.append(("Warning", "AdminKeySecret", problem))
         for pod_name, size in decision.resizes:
@@ -445,6 +460,13 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
                           if why else ("Normal", "ElasticResize", f"{pod_name}: asked for {size} expert-parallel ranks"))
             log.info("elastic %s/%s: %s asked for %d expert-parallel ranks%s", namespace, name, pod_name, size,
                      f": {why}" if why else "")
+
+    if spec is not None and spec.disaggregation is not None and spec.disaggregation.prefill_pods:
+        # random, never read back: the roles read it from the Secret, the operator never needs it
+        secret = disaggregation.transfer_secret(spec, body, secrets.token_hex(32))
+        problem = _ensure_secret(ctx, body, secret, "the KV transfer key")
+        if problem:
+            events.append(("Warning", "KVTransferKeySecret", problem))
 
     lives = {(kind, n): observed.live(kind, n) for kind, n in
              [("Deployment", name), *(("StatefulSet", st["metadata"]["name"]) for st in observed.stateful_sets)]}
@@ -507,7 +529,7 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         autoscaling=decision.autoscaling,
         elastic=decision.elastic,
         scaling=decision.scaling,
-        disaggregation=disaggregation.status(spec, observed.pods),
+        disaggregation=disaggregation.status(spec, observed.pods, observed.prefill_pods),
     )
     warning = status_mod.degraded_event(previous, new)
     if warning:
@@ -524,19 +546,19 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
     return Result(status=new, wrote=wrote, events=events, body=body)
 
 
-def _ensure_admin_secret(ctx: Context, spec: ServiceSpec, body: Mapping[str, Any], key: str) -> str | None:
-    """Create the Secret holding this InferenceService's admin key, once per uid and operator
-    process (the operator may create Secrets, never read them: one that exists is taken as
-    ours; were it not, the daemon's 401s say so in status). None, or the problem."""
-    uid = body["metadata"].get("uid", "")
-    if uid in ctx.admin_secrets:
+def _ensure_secret(ctx: Context, body: Mapping[str, Any], secret: dict[str, Any], holding: str) -> str | None:
+    """Create a Secret holding a key of this InferenceService's, once per uid and operator process
+    (the operator may create Secrets, never read them: one that exists is taken as ours; were it
+    not, the daemons' refusals say so). None, or the problem."""
+    made = (body["metadata"].get("uid", ""), secret["metadata"]["name"])
+    if made in ctx.secrets_made:
         return None
     try:
-        ctx.kube.create(elastic_mod.admin_secret(spec, body, key))
+        ctx.kube.create(secret)
     except ApiError as e:
         if e.status != 409:
-            return f"cannot create Secret {elastic_mod.admin_secret_name(spec.name)} for the admin key: {e}"
-    ctx.admin_secrets.add(uid)
+            return f"cannot create Secret {made[1]} for {holding}: {e}"
+    ctx.secrets_made.add(made)
     return None
 
 
@@ -619,13 +641,15 @@ class _Conflict(Exception):
 
 def _remove_stale(kube: Kube, observed: Observed, children: builders.Children, replicas: int) -> list[str]:
     """Delete what this InferenceService controls and no longer wants: the other layout's objects
-    after podsPerReplica changed, the workers of groups scaled away. A group whose leader has no IP
+    after podsPerReplica or spec.disaggregation.prefill.replicas changed, the workers of groups
+    scaled away. A group whose leader has no IP
     this pass keeps its workers (its leader pod is being replaced). Returns ``-Kind`` per deletion."""
     wanted = {(c["kind"], c["metadata"]["name"]) for c in children.all()}
     name, uid = observed.body["metadata"]["name"], observed.body["metadata"]["uid"]
     grouped = children.group_service is not None
     candidates = [("Deployment", observed.deployment), ("Service", observed.group_service),
-                  *(("StatefulSet", st) for st in observed.stateful_sets)]
+                  *(("StatefulSet", st) for st in observed.stateful_sets),
+                  ("Deployment", observed.prefill_deployment), ("ConfigMap", observed.prefill_instances)]
     gone = []
     for kind, obj in candidates:
         if obj is None or (kind, obj["metadata"]["name"]) in wanted or not _controlled_by(obj, uid):

@@ -64,7 +64,10 @@ DEFAULT_PREFILL_PORT, DEFAULT_DECODE_PORT = 8100, 8200
 MAX_KV_DISK_GIB = 65536.0  # 64 TiB: above any node's local disk
 MAX_SCHEDULER_LIMIT = 2**20
 DISAGGREGATION_KEYS = ("enabled", "kvDiskGiB", "prefill", "decode")
-ROLE_KEYS = ("port", "maxNumSeqs", "maxNumBatchedTokens")
+ROLE_KEYS = ("port", "maxNumSeqs", "maxNumBatchedTokens", "replicas")
+MAX_PREFILL_REPLICAS = 1024
+# Where a prefill pod serves its disk tier's blocks to decode pods (spec.disaggregation.prefill.replicas).
+KV_TRANSFER_PORT = 8300
 
 
 class InvalidSpec(ValueError):
@@ -134,22 +137,31 @@ class KVOffload:
 @dataclass(frozen=True)
 class Role:
     """One engine of a prefill/decode unit (spec.disaggregation.prefill or .decode): the port it
-    serves on inside the pod, and the scheduler limits it sets apart from spec.engine's."""
+    serves on, the scheduler limits it sets apart from spec.engine's, and for the prefill role
+    how many pods of its own run it (None: it shares each replica's pod with the decode engine)."""
 
     port: int
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)
 class Disaggregation:
-    """spec.disaggregation: each replica is a prefill engine, a decode engine that loads the
-    prompts' KV blocks from the prefill engine's disk tier, and the pd-proxy in front of both, in
-    one pod (the blocks move by hard link, so both tiers share one filesystem; disaggregation.py)."""
+    """spec.disaggregation: prefill engines, decode engines that load the prompts' KV blocks from
+    a prefill engine's disk tier, and the pd-proxy in front. Either each replica is one pod of
+    the three (the blocks move by hard link), or with ``prefill.replicas`` the prefill engines
+    run in pods of their own and each replica's pod holds a decode engine and the proxy (the
+    blocks move over TCP; disaggregation.py)."""
 
     kv_disk_gib: float  # each engine's disk KV tier
     prefill: Role = field(default_factory=lambda: Role(DEFAULT_PREFILL_PORT))
     decode: Role = field(default_factory=lambda: Role(DEFAULT_DECODE_PORT))
+
+    @property
+    def prefill_pods(self) -> bool:
+        """Whether the prefill engines run in pods of their own."""
+        return self.prefill.replicas is not None
 
 
 @dataclass(frozen=True)
@@ -430,9 +442,14 @@ def _role(raw: Any, name: str, default_port: int, errors: list[str]) -> Role | N
     port = _bounded_int(_get(raw, "port", default_port), f"{name}.port", 1, 65535, errors)
     limits = {key: _bounded_int(raw[key], f"{name}.{key}", 1, MAX_SCHEDULER_LIMIT, errors)
               for key in ("maxNumSeqs", "maxNumBatchedTokens") if raw.get(key) is not None}
+    replicas = None
+    if raw.get("replicas") is not None:
+        replicas = _bounded_int(raw["replicas"], f"{name}.replicas", 1, MAX_PREFILL_REPLICAS, errors)
+        if replicas is None:
+            return None
     if port is None or None in limits.values():
         return None
-    return Role(port, limits.get("maxNumSeqs"), limits.get("maxNumBatchedTokens"))
+    return Role(port, limits.get("maxNumSeqs"), limits.get("maxNumBatchedTokens"), replicas)
 
 
 def _read_disaggregation(raw: Any) -> tuple[Disaggregation | None, list[str]]:
@@ -457,6 +474,9 @@ def _read_disaggregation(raw: Any) -> tuple[Disaggregation | None, list[str]]:
         errors.append(f"{name}.kvDiskGiB must be above 0 and at most {MAX_KV_DISK_GIB:g}; got {gib}")
     prefill = _role(raw.get("prefill"), f"{name}.prefill", DEFAULT_PREFILL_PORT, errors)
     decode = _role(raw.get("decode"), f"{name}.decode", DEFAULT_DECODE_PORT, errors)
+    if isinstance(raw.get("decode"), Mapping) and raw["decode"].get("replicas") is not None:
+        errors.append(f"{name}.decode.replicas is not set here: the decode engines are spec.replicas (each "
+                      "replica's pod holds one, and the proxy the Service sends to)")
     if errors or enabled is False or gib is None or prefill is None or decode is None:
         return None, errors
     return Disaggregation(float(gib), prefill, decode), []
@@ -493,9 +513,12 @@ def disaggregation_errors(s: ServiceSpec, supports: Supports = capabilities.supp
     if s.gpus % 2:
         errors.append(f"{name} needs an even resources.gpusPerReplica (got {s.gpus}): it is split evenly between "
                       "the prefill and the decode engine")
+    if d.prefill_pods and d.prefill.port == KV_TRANSFER_PORT:
+        errors.append(f"{name}.prefill.port must not be {KV_TRANSFER_PORT}: the prefill pods serve KV blocks on "
+                      "that port")
     if s.pods_per_replica > 1:
-        errors.append(f"{name} needs resources.podsPerReplica 1: both engines' KV tiers must be on one "
-                      "filesystem (the operator does not render the transfer between nodes)")
+        errors.append(f"{name} needs resources.podsPerReplica 1: each engine runs in one pod (for prefill "
+                      f"and decode engines in pods of their own, set {name}.prefill.replicas)")
     if s.parallelism.elastic is not None:
         errors.append(f"{name} does not combine with parallelism.elastic (the two engines' layouts must stay equal)")
     if s.kv_offload.cpu_gib or s.kv_offload.disk_path:
