@@ -486,8 +486,8 @@ if has pd; then
     esac
     label=disaggregated; [ "$transport" != directory ] && label=disaggregated-$transport
     PIDS=""; disk="--kv-offload-disk-gib ${PD_KV_GIB:-24}"
-    pd_serve prefill 18100 --kv-offload-disk-path "$KV/prefill" $disk "${serves[@]}" \
-      && pd_serve decode 18200 --kv-offload-disk-path "$KV/decode" $disk --kv-offload-disk-source "$source_of_decode" \
+    pd_serve prefill-$transport 18100 --kv-offload-disk-path "$KV/prefill" $disk "${serves[@]}" \
+      && pd_serve decode-$transport 18200 --kv-offload-disk-path "$KV/decode" $disk --kv-offload-disk-source "$source_of_decode" \
       || { kill -TERM $PIDS; wait $PIDS; continue; }
     python3 -m pagoda_daemon pd-proxy --prefill http://127.0.0.1:18100 --decode http://127.0.0.1:18200 --port 18000 \
       > "$OUT/pd-proxy-$transport.log" 2>&1 &
@@ -500,14 +500,16 @@ if has pd; then
       | tee "$OUT/pd-decode-hits-$transport.txt"
     kill -TERM $PIDS; wait $PIDS; rm -rf "$KV"
   done
-  PIDS=""; pd_serve single 18300
-  python3 -m benchmarks.pd_parity --url http://127.0.0.1:18300 --out "$OUT/pd-answers-single.json" || status=1
-  for answers in "$OUT"/pd-answers-disaggregated*.json; do
-    python3 -m benchmarks.pd_parity --compare "$answers" "$OUT/pd-answers-single.json" \
-      | tee -a "$OUT/pd-parity.txt" || status=1
-  done
-  pd_sweep single 18300
-  kill -TERM $PIDS; wait $PIDS
+  if [ "${PD_SINGLE:-1}" != 0 ]; then  # PD_SINGLE=0: the P/D runs alone (an A/B of two trees)
+    PIDS=""; pd_serve single 18300
+    python3 -m benchmarks.pd_parity --url http://127.0.0.1:18300 --out "$OUT/pd-answers-single.json" || status=1
+    for answers in "$OUT"/pd-answers-disaggregated*.json; do
+      python3 -m benchmarks.pd_parity --compare "$answers" "$OUT/pd-answers-single.json" \
+        | tee -a "$OUT/pd-parity.txt" || status=1
+    done
+    pd_sweep single 18300
+    kill -TERM $PIDS; wait $PIDS
+  fi
   tar czf "$OUT/pd-points.tgz" -C "$OUT" sweep
 fi
 if has serve-sweep; then

@@ -89,6 +89,39 @@ def test_a_reply_is_bounded_and_the_rest_comes_in_the_next_ask(server, tmp_path,
     assert struct.unpack("<IB", server.answer(ask(have))[2]) == (1, 0)  # always at least one block
 
 
+def test_a_file_evicted_between_its_size_and_its_read_ends_the_reply_there(server, tmp_path, monkeypatch):
+    """The server reads a reply's files in several threads after sizing them: one gone by then
+    (evicted, dropped) is a miss at its block, and the blocks before it still go."""
+    have = hashes_(6)
+    write_files(tmp_path / "served", have, ranks=2)
+    gone = disk_tier.file_name(have[3])
+    read = transfer._read_or_none
+    monkeypatch.setattr(transfer, "_read_or_none", lambda p: None if p.name == gone and "rank1" in str(p) else read(p))
+    reply = server.answer(ask(have, ranks=2))
+    assert struct.unpack("<IB", reply[2]) == (3, 1)
+    assert reply[3:] == [h + bytes([r]) * 64 for h in have[:3] for r in range(2)]
+
+
+@pytest.mark.parametrize("writers", [0, 3], ids=["fetching-thread", "writer-threads"])
+def test_fetch_writes_each_file_to_its_name_with_or_without_writer_threads(server, tmp_path, writers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    have = hashes_(40)
+    write_files(tmp_path / "served", have, ranks=3, size=300)
+    pool = ThreadPoolExecutor(writers) if writers else None
+    remote = transfer.RemoteBlocks(f"tcp://127.0.0.1:{server.port}", KEY.encode(), 3, block_bytes=300 + 32 + 1,
+                                   writers=pool)
+    try:
+        assert remote.fetch(have, tmp_path / "in") == have
+    finally:
+        remote.close()
+        if pool is not None:
+            pool.shutdown()
+    for h in have:
+        for r in range(3):
+            assert (disk_tier.rank_dir(tmp_path / "in", r) / disk_tier.file_name(h)).read_bytes() == h + bytes([r]) * 300
+
+
 def signed_raw(hashes: bytes, ranks: bytes, when: bytes = struct.pack("<Q", 0)) -> list[bytes]:
     """An ask signed with the right key over frames that do not parse (the time now unless given)."""
     when = struct.pack("<Q", int(time.time() * 1000)) if when == struct.pack("<Q", 0) else when

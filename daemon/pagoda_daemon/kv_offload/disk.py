@@ -24,6 +24,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -55,10 +56,15 @@ def file_name(block_hash: BlockHash) -> str:
     return block_hash.hex() + SUFFIX
 
 
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, not copied (the CRC and the file I/O read them in place)."""
+    return tensor.view(torch.uint8).numpy().data.cast("B") if tensor.numel() else memoryview(b"")
+
+
 def write_block(path: Path, ident: str, block_hash: BlockHash, block: torch.Tensor) -> int:
     """Write one block file (temp file + rename); returns the payload's bytes."""
     cpu = block.detach().to("cpu").contiguous()
-    payload = cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+    payload = _bytes_of(cpu)
     header = json.dumps({"identity": ident, "hash": block_hash.hex(), "shape": list(cpu.shape),
                          "dtype": str(cpu.dtype).removeprefix("torch."), "nbytes": len(payload),
                          "crc32": zlib.crc32(payload)}).encode()
@@ -98,12 +104,34 @@ def _header(data: bytes, ident: str, block_hash: BlockHash) -> tuple[dict, int]:
     return header, start + hlen
 
 
-def read_block(path: Path, ident: str, block_hash: BlockHash) -> tuple[dict, bytes]:
-    """The header and payload of a valid file; ValueError (or OSError) for anything else."""
-    data = path.read_bytes()
-    header, start = _header(data, ident, block_hash)
-    payload = data[start:]
-    if header.get("nbytes") != len(payload) or header.get("crc32") != zlib.crc32(payload):
+def _read_header(f: BinaryIO, ident: str, block_hash: BlockHash) -> dict:
+    """The checked header of an open block file, which is left at the payload's first byte."""
+    data = f.read(len(MAGIC) + _LEN.size)
+    if len(data) == len(MAGIC) + _LEN.size:
+        data += f.read(_LEN.unpack_from(data, len(MAGIC))[0])
+    return _header(data, ident, block_hash)[0]
+
+
+def read_block(path: Path, ident: str, block_hash: BlockHash, into: torch.Tensor | None = None) -> tuple[dict, memoryview]:
+    """The header and payload of a valid file; ValueError (or OSError) for anything else. The
+    payload is read straight into ``into`` (a contiguous CPU tensor of its size) when given: the
+    file's bytes are copied once, and the CRC reads them there. Measured on an H200 host
+    (2026-11-28, 128 files of 1.84 MB on tmpfs): whole-file reads, a slice and a bytearray came to
+    about 0.9 GB/s with 8 threads, copies holding the GIL."""
+    with open(path, "rb", buffering=0) as f:
+        header = _read_header(f, ident, block_hash)
+        nbytes = header.get("nbytes")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError("unreadable header (nbytes)")
+        payload = memoryview(bytearray(nbytes)) if into is None else _bytes_of(into)
+        if len(payload) != nbytes:
+            raise ValueError(f"holds {nbytes} bytes, not the {len(payload)} of a block here")
+        got = 0
+        while got < nbytes and (n := f.readinto(payload[got:])):
+            got += n
+        if got != nbytes or f.read(1):
+            raise ValueError("truncated or corrupt")
+    if header.get("crc32") != zlib.crc32(payload):
         raise ValueError("truncated or corrupt")
     return header, payload
 
@@ -112,10 +140,8 @@ def check_header(path: Path, ident: str, block_hash: BlockHash) -> None:
     """Whether the file is this engine's copy of this block, from its header alone (its first
     bytes): its payload is checked when it is loaded (a load that fails is recomputed)."""
     with open(path, "rb") as f:
-        data = f.read(len(MAGIC) + _LEN.size)
-        if len(data) == len(MAGIC) + _LEN.size:
-            data += f.read(_LEN.unpack_from(data, len(MAGIC))[0])
-    header, start = _header(data, ident, block_hash)
+        header = _read_header(f, ident, block_hash)
+        start = f.tell()
     nbytes = header.get("nbytes")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or path.stat().st_size != start + nbytes:
         raise ValueError("truncated, or a header without its payload's size")
@@ -312,10 +338,13 @@ class DiskStore:
             log.warning("KV offload: writing block file %s failed (%s): the block will be recomputed", path, e)
             path.unlink(missing_ok=True)
 
-    def read(self, block_hash: BlockHash) -> torch.Tensor:
+    def read(self, block_hash: BlockHash, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The block, read into ``into`` (a contiguous host buffer of its shape: the worker's
+        pinned staging slot) or a new tensor; RuntimeError when the file is gone or not valid."""
         path = self.dir / file_name(block_hash)
+        block = torch.empty(self.block_shape, dtype=self.dtype) if into is None else into
         try:
-            header, payload = read_block(path, self.ident, block_hash)
+            header, _ = read_block(path, self.ident, block_hash, into=block)
         except (OSError, ValueError) as e:
             # The scheduler checked the file before it planned this load: it changed since.
             raise RuntimeError(f"KV offload: block file {path} changed under the engine ({e})") from e
@@ -323,7 +352,7 @@ class DiskStore:
             raise RuntimeError(f"KV offload: block file {path} has shape {header['shape']} {header['dtype']}, "
                                f"expected {list(self.block_shape)} {self.dtype}")
         os.utime(path)  # its place in the LRU order after a restart
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+        return block
 
     def drop(self, block_hash: BlockHash) -> None:
         (self.dir / file_name(block_hash)).unlink(missing_ok=True)

@@ -32,6 +32,7 @@ import logging
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -54,6 +55,10 @@ ASK_TIMEOUT_S = 10.0  # one ask's round trip; a prefill instance that does not a
 # A whole fetch: a source that answers each ask just in time cannot hold a request much longer
 # (a 32k-token prompt is 32 asks of 64 blocks of 16 tokens).
 FETCH_DEADLINE_S = 60.0
+# Block files read (server) and written (fetching side) a reply at a time by this many threads:
+# one by one, a prompt's 235 MB crossed loopback at about 360 MB/s on an H100 host (2026-11-28,
+# docs/benchmarks/2026-11-28-pd-between-hosts-h100.md), the files' I/O taking most of it.
+FILE_THREADS = 4
 _COUNT = struct.Struct("<IB")
 _RANKS = struct.Struct("<I")
 _TIME = struct.Struct("<Q")
@@ -89,6 +94,8 @@ class BlockServer:
         self.port = int(endpoint.rsplit(":", 1)[1])
         self._closed = threading.Event()
         self._last_denied = 0.0
+        self._readers = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="pagoda-kv-serve", initializer=pin_thread,
+                                           initargs=(cpu,))
         self._thread = threading.Thread(target=self._serve, name="pagoda-kv-transfer", daemon=True)
         self._thread.start()
         log.info("KV transfer: serving the disk tier's blocks on port %d", self.port)
@@ -131,35 +138,53 @@ class BlockServer:
         (ranks,) = _RANKS.unpack(ranks_frame)
         if not 1 <= ranks <= MAX_RANKS:
             return [MAGIC, b"bad"]
-        files: list[bytes] = []
-        size = count = 0
+        chosen: list[list[Path]] = []  # the leading blocks that fit the reply, each rank's file
+        size = 0
         miss = False
         for i in range(0, len(hashes), HASH_BYTES):
             name = file_name(hashes[i : i + HASH_BYTES])
+            paths = [rank_dir(self.root, r).joinpath(name) for r in range(ranks)]
             try:
-                block = [rank_dir(self.root, r).joinpath(name).read_bytes() for r in range(ranks)]
+                block_size = sum(p.stat().st_size for p in paths)
             except OSError:  # not there (evicted, never saved, another layout): the fetch stops here
                 miss = True
                 break
-            block_size = sum(len(f) for f in block)
-            if count and size + block_size > MAX_REPLY_BYTES:
+            if chosen and size + block_size > MAX_REPLY_BYTES:
                 break  # the rest in the next ask
-            files += block
+            chosen.append(paths)
             size += block_size
+        read = list(self._readers.map(_read_or_none, [p for block in chosen for p in block]))
+        files: list[bytes] = []
+        count = 0
+        for b in range(len(chosen)):
+            block = read[b * ranks : (b + 1) * ranks]
+            if any(f is None for f in block):  # evicted since its size was read: the fetch stops here
+                miss = True
+                break
+            files += [f for f in block if f is not None]
             count += 1
         return [MAGIC, b"ok", _COUNT.pack(count, miss), *files]
 
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 class RemoteBlocks:
     """Fetches blocks from a prefill instance's :class:`BlockServer`."""
 
     def __init__(self, url: str, key: bytes, ranks: int, block_bytes: int, timeout_s: float | None = None,
-                 context: zmq.Context | None = None) -> None:
-        """``context``: shared with other sources (closed by its owner), else one of its own."""
+                 context: zmq.Context | None = None, writers: ThreadPoolExecutor | None = None) -> None:
+        """``context``: shared with other sources (closed by its owner), else one of its own;
+        ``writers``: the threads that write a reply's files (shared too), else the fetching one."""
         self.url = check_url(url)
         self._key = key
         self.ranks = ranks
@@ -167,6 +192,7 @@ class RemoteBlocks:
         self.timeout_ms = int((ASK_TIMEOUT_S if timeout_s is None else timeout_s) * 1000)
         self._own_context = context is None
         self._context = zmq.Context() if context is None else context
+        self._writers = writers
         self._warned = 0.0
 
     def fetch(self, hashes: list[BlockHash], into: Path) -> list[BlockHash]:
@@ -194,9 +220,13 @@ class RemoteBlocks:
                 ask = hashes[len(got) : len(got) + MAX_BLOCKS_PER_ASK]
                 socket.send_multipart(signed_ask(self._key, b"".join(ask), self.ranks))
                 count, miss, files = self._parse(socket.recv_multipart(copy=False), len(ask))
-                for i in range(count):
-                    for r in range(self.ranks):
-                        write_whole(rank_dir(into, r) / file_name(ask[i]), files[i * self.ranks + r].buffer)
+                targets = [rank_dir(into, r) / file_name(ask[i]) for i in range(count) for r in range(self.ranks)]
+                buffers = [f.buffer for f in files]
+                if self._writers is not None:
+                    list(self._writers.map(write_whole, targets, buffers))  # raises the first write's error
+                else:
+                    for target, buffer in zip(targets, buffers, strict=True):
+                        write_whole(target, buffer)
                 got += ask[:count]
                 if miss or count == 0:
                     break

@@ -1,0 +1,88 @@
+"""The worker's disk loads: files read straight into the staging slots, a window of slots at a
+time, then copied to the GPU blocks (here the CPU stand-in for them). More loads than slots, a
+file corrupted in the middle of a window, and loads beside host-memory copies: every good block
+lands where the plan says, the bad one alone is zeroed and reported failed."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.scheduler_output import KVTransfer
+from pagoda_daemon.kv_offload import disk as disk_tier
+from pagoda_daemon.kv_offload import tiered
+
+LAYERS, BLOCKS, BS, HEADS, DIM = 2, 32, 4, 2, 8
+
+
+def worker(tmp_path, cpu_gib: float = 0.0) -> tuple[tiered.TieredWorker, torch.Tensor]:
+    kv = torch.zeros(LAYERS, 2, BLOCKS, BS, HEADS, DIM)
+    block_bytes = kv[:, :, 0].numel() * kv.element_size()
+    config = EngineConfig(model=str(tmp_path / "model"), device="cpu", kv_offload_disk_path=str(tmp_path / "kv"),
+                          kv_offload_disk_gib=64 * block_bytes / 2**30, kv_offload_cpu_gib=cpu_gib)
+    return tiered.TieredWorker(config, 0, kv, block_bytes), kv
+
+
+@pytest.mark.parametrize("window", [1, 3, 64])
+def test_loads_more_than_the_window_land_in_their_blocks_and_a_bad_file_fails_alone(tmp_path, monkeypatch, window):
+    w, kv = worker(tmp_path)
+    assert w.disk is not None
+    slot_bytes = math.prod(kv[:, :, 0].shape) * kv.element_size()
+    monkeypatch.setattr(tiered, "DISK_STAGING_BYTES", window * slot_bytes)
+    rng = random.Random(window)
+    blocks = {bytes([i]) * 32: torch.randn(LAYERS, 2, BS, HEADS, DIM) for i in range(10)}
+    for h, block in blocks.items():
+        w.disk.write(h, block)
+    hashes = list(blocks)
+    bad = hashes[4]
+    data = (w.disk.dir / disk_tier.file_name(bad)).read_bytes()
+    (w.disk.dir / disk_tier.file_name(bad)).write_bytes(data[:-4] + bytes(b ^ 0xFF for b in data[-4:]))
+    targets = rng.sample(range(BLOCKS), len(hashes))
+    kv.normal_()  # whatever the blocks held before: every one loaded is overwritten
+    plan = [KVTransfer("load_disk", h, g) for h, g in zip(hashes, targets, strict=True)]
+    failed = w.run(plan, kv)
+    assert failed == [h == bad for h in hashes]
+    for h, g in zip(hashes, targets, strict=True):
+        want = torch.zeros_like(blocks[h]) if h == bad else blocks[h]
+        assert torch.equal(kv[:, :, g], want), (h, g)
+    assert w._staging is not None and w._staging.data.shape[0] == window
+    # the slots serve the next step's loads again
+    kv.zero_()
+    again = [KVTransfer("load_disk", h, g) for h, g in zip(hashes[:4], targets[:4], strict=True)]
+    assert w.run(again, kv) == [False] * 4
+    assert all(torch.equal(kv[:, :, g], blocks[h]) for h, g in zip(hashes[:4], targets[:4], strict=True))
+
+
+def test_disk_loads_beside_host_memory_loads_and_saves(tmp_path, monkeypatch):
+    """A plan mixing host-memory saves and loads with disk loads: the disk loads are batched after
+    the host copies (they fill fresh blocks), and every block ends up as planned."""
+    w, kv = worker(tmp_path, cpu_gib=8 * LAYERS * 2 * BS * HEADS * DIM * 4 / 2**30)
+    assert w.disk is not None and w.cpu is not None
+    monkeypatch.setattr(tiered, "DISK_STAGING_BYTES", 2 * kv[:, :, 0].numel() * kv.element_size())
+    kv.normal_()
+    on_disk = {bytes([100 + i]) * 32: torch.randn(LAYERS, 2, BS, HEADS, DIM) for i in range(5)}
+    for h, block in on_disk.items():
+        w.disk.write(h, block)
+    saved = kv[:, :, 0].clone()
+    plan = [KVTransfer("save_cpu", b"s" * 32, 0, 3)]
+    plan += [KVTransfer("load_disk", h, 10 + i) for i, h in enumerate(on_disk)]
+    plan += [KVTransfer("load_cpu", b"s" * 32, 20, 3)]
+    assert w.run(plan, kv) == [False] * len(plan)
+    assert torch.equal(kv[:, :, 20], saved)
+    for i, block in enumerate(on_disk.values()):
+        assert torch.equal(kv[:, :, 10 + i], block)
+
+
+def test_a_block_file_of_another_size_is_not_read_into_a_slot(tmp_path):
+    w, _ = worker(tmp_path)
+    assert w.disk is not None
+    h = b"x" * 32
+    w.disk.write(h, torch.randn(LAYERS, 2, BS + 1, HEADS, DIM))  # a block of another engine's size
+    slot = torch.full((LAYERS, 2, BS, HEADS, DIM), 7.0)
+    with pytest.raises(RuntimeError, match="changed under the engine"):
+        w.disk.read(h, slot)
+    assert torch.equal(slot, torch.full_like(slot, 7.0))  # nothing written into it
