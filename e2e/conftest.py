@@ -292,8 +292,8 @@ class LocalCluster(KubeCluster):
         self.helm(
             "upgrade", "--install", self.release, str(CHART), "--namespace", self.release_namespace,
             "--create-namespace", "-f", str(LOCAL_VALUES),
-            "--set", f"image.tag={self.operator_image.split(':', 1)[1]}",
-            "--set", f"daemonImage.tag={self.daemon_image.split(':', 1)[1]}",
+            "--set-string", f"image.tag={self.operator_image.split(':', 1)[1]}",
+            "--set-string", f"daemonImage.tag={self.daemon_image.split(':', 1)[1]}",
             "--wait", "--timeout", "300s",
         )
         # helm --wait sees the operator Ready; the endpoints controller adds it to the webhook's

@@ -157,7 +157,7 @@ install_and_apply() {
   local bin; bin=$(k8s_bin)
   "$bin/helm" --kubeconfig="$STATE/admin.kubeconfig" upgrade --install "$RELEASE" "$REPO/charts/pagoda" \
     --namespace "$RELEASE_NS" --create-namespace -f "$REPO/e2e/quickstart/values.yaml" \
-    --set "image.tag=${OPERATOR_IMAGE#*:}" --set "daemonImage.tag=${DAEMON_IMAGE#*:}" --wait --timeout 5m
+    --set-string "image.tag=${OPERATOR_IMAGE#*:}" --set-string "daemonImage.tag=${DAEMON_IMAGE#*:}" --wait --timeout 5m
   # The admission webhook answers once the endpoints controller has listed the operator behind
   # its Service, a moment after helm's --wait: until then the API server refuses the write.
   local i ready=""

@@ -338,6 +338,17 @@ def test_the_chart_gives_the_operator_its_heap_environment(helm):
     assert "from pagoda_operator.memory import ENVIRONMENT" in scale
 
 
+def test_an_image_tag_of_digits_alone_renders_as_written(helm):
+    """`--set image.tag=860232348115` (a content hash that happens to hold no letter): helm reads
+    it as a number, which the templates once rendered as `%!s(int64=...)`, an image name no
+    kubelet takes (seen in the e2e harness on 2026-11-28)."""
+    docs = render(helm, "image.tag=860232348115", "daemonImage.tag=1234567")
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-pagoda-operator")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "ghcr.io/pagoda-serving/pagoda-operator:860232348115"
+    assert "--daemon-image=ghcr.io/pagoda-serving/pagoda:1234567" in container["args"]
+
+
 def test_helm_template_defaults(helm):
     docs = render(helm)
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}

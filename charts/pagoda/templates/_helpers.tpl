@@ -35,9 +35,9 @@ app.kubernetes.io/component: topology-agent
 {{- end -}}
 
 {{- define "pagoda.operatorImage" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) -}}
 {{- end -}}
 
 {{- define "pagoda.daemonImage" -}}
-{{- printf "%s:%s" .Values.daemonImage.repository (default .Chart.AppVersion .Values.daemonImage.tag) -}}
+{{- printf "%s:%s" .Values.daemonImage.repository (toString (default .Chart.AppVersion .Values.daemonImage.tag)) -}}
 {{- end -}}
