@@ -98,5 +98,41 @@ def test_prefill_pods_apart_serve_through_the_decode_replicas_proxy(local_cluste
         assert metric(ip, PORT, "vllm:external_prefix_cache_hits_total") > 0
         assert metric(prefill_ip, PREFILL_PORT, "vllm:generation_tokens_total") == 3
         assert metric(ip, PORT, 'pagoda_pd_proxy_requests_total') >= 6  # 3 prefill + 3 decode, all ok
+
+        # the prefill pod replaced (a new IP): the operator lists the new one, the kubelet refreshes
+        # the proxy's file, the decode engine fetches from it; the replica's pod is not rolled
+        selector = f"pagoda.dev/inferenceservice={NAME},pagoda.dev/role=prefill"
+        local_cluster.kubectl("delete", "pod", prefill["metadata"]["name"], "-n", ns, "--wait=false")
+
+        def new_prefill() -> dict | None:
+            items = local_cluster.kubectl_json("get", "pods", "-n", ns, "-l", selector)["items"]
+            return next((p for p in items if p["metadata"]["name"] != prefill["metadata"]["name"]
+                         and p["status"].get("podIP") and any(c["type"] == "Ready" and c["status"] == "True"
+                                                               for c in p["status"].get("conditions") or [])), None)
+
+        replacement = local_cluster.wait_for(new_prefill, timeout=300, interval=2, what="a new ready prefill pod")
+        new_url = f"http://{replacement['status']['podIP']}:{PREFILL_PORT}\n"
+        local_cluster.wait_for(lambda: local_cluster.kubectl_json(
+            "get", "configmap", f"{NAME}-prefill-instances", "-n", ns)["data"]["prefill"] == new_url,
+            timeout=60, interval=1, what="the list naming the new prefill pod")
+        fetched = metric(ip, PORT, "pagoda:kv_transfer_fetched_bytes_total")
+
+        attempt = iter(range(1000))
+
+        def served_through_the_new_pod() -> bool:
+            n = next(attempt)  # a prompt of its own each time: none is in the decode engine's cache yet
+            other = [{"role": "user", "content": " ".join(f"v{n}x{i}" for i in range(80))}]
+            c.chat.completions.create(model=doc["spec"]["model"]["name"], messages=other, max_tokens=2,
+                                      temperature=0)
+            return metric(ip, PORT, "pagoda:kv_transfer_fetched_bytes_total") > fetched
+
+        local_cluster.wait_for(served_through_the_new_pod, timeout=240, interval=5,
+                               what="a prompt computed by the new prefill pod and fetched from it")
+        assert metric(replacement["status"]["podIP"], PREFILL_PORT, "vllm:generation_tokens_total") >= 1
+        (same,) = [p for p in local_cluster.kubectl_json("get", "pods", "-n", ns, "-l",
+                                                         f"pagoda.dev/inferenceservice={NAME}")["items"]
+                   if "pagoda.dev/role" not in p["metadata"]["labels"]]
+        assert same["metadata"]["uid"] == replica["metadata"]["uid"]
+        assert [cs["restartCount"] for cs in same["status"]["containerStatuses"]] == [0, 0]
     finally:
         local_cluster.delete_namespace(ns)
