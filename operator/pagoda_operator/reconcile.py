@@ -311,8 +311,9 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
     starting: dict[str, str] = {}
     if spec is not None:  # a starting engine says which phase it is in: shown in status.placement
         starting = scrape_mod.starting_phases(serving, spec.port, ctx.scrape_timeout, ctx.ready_fetcher)
+    prefill_pods = list(kube.list("Pod", namespace, disaggregation.prefill_pods_selector(name)))
     pod_events: list[dict[str, Any]] = []
-    if status_mod.needs_pod_events(pods):
+    if status_mod.needs_pod_events(pods + prefill_pods):
         # A pod stuck before its containers start (a hostPath that is not there, a PVC that
         # cannot attach) says why only in Events.
         try:
@@ -320,7 +321,6 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
         except ApiError as e:
             log.debug("cannot read Events in %s: %s", namespace, e)
     model_config = ctx.model_configs.get(spec) if spec is not None and ctx.model_configs is not None else None
-    prefill_pods = list(kube.list("Pod", namespace, disaggregation.prefill_pods_selector(name)))
     prefill_deployment = kube.get("Deployment", namespace, disaggregation.prefill_name(name))
     prefill_instances = kube.get("ConfigMap", namespace, disaggregation.instances_config_map_name(name))
     return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events,
@@ -517,7 +517,7 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         generation=int(body["metadata"].get("generation") or 1),
         desired=decision.replicas,
         workload=workload,
-        pods=observed.pods,
+        pods=observed.pods + observed.prefill_pods,  # a failing prefill pod is named in Degraded too
         previous=previous,
         now=autoscaler.to_iso(now),
         blocker=blocker,

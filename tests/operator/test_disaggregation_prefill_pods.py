@@ -254,3 +254,22 @@ def test_the_network_policy_covers_the_prefill_pods_and_opens_them_to_the_servic
                                       Settings(network_policy=True))["spec"]
     assert one_pod["podSelector"] == {"matchLabels": builders.selector_labels("llama")}
     assert [r["ports"] for r in one_pod["ingress"]] == [[{"protocol": "TCP", "port": 8000}]]
+
+
+def test_a_failing_prefill_pod_is_named_in_degraded(fake_kube):
+    """The replicas' pods may all run while no prefill pod can (a bad image, a key Secret that is
+    not there): Degraded names the prefill pod and why, not only the proxies' 503s."""
+    fake_kube.put(isvc(disaggregation=APART, **ONE_GPU_EACH))
+    pass_(fake_kube, "create")
+    settle(fake_kube)
+    put_prefill_pods(fake_kube, [False])
+    pod = fake_kube.objects[("Pod", "default", "llama-prefill-0")]
+    pod["status"]["containerStatuses"] = [{
+        "name": "prefill", "ready": False, "restartCount": 4,
+        "state": {"waiting": {"reason": "CreateContainerConfigError",
+                              "message": 'secret "llama-kv-transfer" not found'}}}]
+    pass_(fake_kube)
+    degraded = next(c for c in status(fake_kube)["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "ContainerConfigError"
+    assert degraded["message"].startswith("pod llama-prefill-0 container prefill: CreateContainerConfigError")
+    assert 'secret "llama-kv-transfer" not found' in degraded["message"]
