@@ -260,11 +260,12 @@ def test_another_models_files_are_never_loaded(tiny_models, model, block_bytes, 
     assert llm.get_stats().kv_offload.hits == 0
 
 
-@pytest.mark.slow  # about 30 s a policy on 2 cores
-@pytest.mark.parametrize("policy", ["write-through", "write-back"])
-def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path, policy):
-    """10,000 requests over 8 prefixes, one in seven aborted mid-flight, a host tier and a disk
-    tier both smaller than the working set (issue #19's leak check): every request finishes or is
+@pytest.mark.slow  # about 40 s for 10,000 requests on 2 cores
+@pytest.mark.parametrize("policy, requests", [("write-back", 10_000), ("write-through", 2_000)])
+def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path, policy, requests):
+    """10,000 requests over 8 prefixes with the default policy (2,000 written through: the same
+    paths, a fifth of the CI time), one in seven aborted mid-flight, a host tier and a disk tier
+    both smaller than the working set (issue #19's leak check): every request finishes or is
     aborted, and afterwards every GPU block is free and each tier's accounting matches its
     capacity and its contents."""
     llm = LLM(model, **ENGINE, max_num_seqs=4, max_num_batched_tokens=64, kv_offload_cpu_gib=gib(10, block_bytes),
@@ -272,7 +273,7 @@ def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path, 
               kv_offload_write_policy=policy)
     engine = llm.engine
     rng = random.Random(1)
-    prompts = workload(seed=3, num_prefixes=8, repeats=1250, prefix_len=60)
+    prompts = workload(seed=3, num_prefixes=8, repeats=requests // 8, prefix_len=60)
     rng.shuffle(prompts)
     aborted, finished = 0, 0
     live: list[str] = []
@@ -293,9 +294,9 @@ def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path, 
                 aborted += 1
     while engine.has_unfinished_requests():
         step()
-    assert len(prompts) == 10_000 and finished + aborted == 10_000 and not live
+    assert len(prompts) == requests and finished + aborted == requests and not live
     stats = llm.get_stats().kv_offload
-    assert aborted > 1000 and stats.hits > 0 and stats.loaded_bytes.get("disk", 0) > 0
+    assert aborted > requests // 10 and stats.hits > 0 and stats.loaded_bytes.get("disk", 0) > 0
     assert_idle_and_consistent(llm)
     connector = engine.core.connector
     assert len(connector.cpu) == connector.cpu.num_slots == 10
