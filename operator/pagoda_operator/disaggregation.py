@@ -45,6 +45,7 @@ from typing import Any
 
 from pagoda_operator import builders
 from pagoda_operator.builders import INSTANCE_LABEL, ROLE_LABEL
+from pagoda_operator.placement import pod_ready
 from pagoda_operator.spec import KV_TRANSFER_PORT, Disaggregation, Role, ServiceSpec
 
 PREFILL, DECODE, PROXY = "prefill", "decode", "proxy"
@@ -199,11 +200,6 @@ def prefill_deployment(spec: ServiceSpec, owner: Mapping[str, Any], settings: bu
     })
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
 def _alive(pod: Mapping[str, Any]) -> bool:
     return not (pod.get("metadata") or {}).get("deletionTimestamp")
 
@@ -212,7 +208,7 @@ def prefill_urls(spec: ServiceSpec, prefill_pods: Sequence[Mapping[str, Any]]) -
     """The ready prefill pods' engines, sorted (the file changes only when the set does)."""
     d = spec.disaggregation
     assert d is not None
-    ips = {(p.get("status") or {}).get("podIP") for p in prefill_pods if _alive(p) and _ready(p)}
+    ips = {(p.get("status") or {}).get("podIP") for p in prefill_pods if _alive(p) and pod_ready(p)}
     return sorted(f"http://{ip}:{d.prefill.port}" for ip in ips if ip)
 
 
