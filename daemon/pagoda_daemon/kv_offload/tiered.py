@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -406,15 +405,14 @@ class TieredWorker(OffloadWorker):
         # one at a time on the engine's thread, a step waited for each file in turn.
         self._io = (ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-disk", initializer=pin_thread,
                                        initargs=(transfer_cpu,)) if self.disk else None)
-        self._staging_shape, self._staging_dtype, self._device = shape, kv_cache.dtype, kv_cache.device
         self._staging: CpuStore | None = None  # made at the first disk load: engines that never load pay nothing
         self._staging_read: torch.cuda.Event | None = None  # recorded after the copies out of the slots
 
-    def _disk_staging(self) -> CpuStore:
+    def _disk_staging(self, kv_cache: torch.Tensor) -> CpuStore:
         if self._staging is None:
-            slot_bytes = math.prod(self._staging_shape) * self._staging_dtype.itemsize
-            self._staging = CpuStore(max(1, DISK_STAGING_BYTES // slot_bytes), self._staging_shape,
-                                     self._staging_dtype, self._device)
+            block = kv_cache[:, :, 0]  # one block's slot: every layer, K and V
+            slots = max(1, DISK_STAGING_BYTES // (block.numel() * block.element_size()))
+            self._staging = CpuStore(slots, tuple(block.shape), kv_cache.dtype, kv_cache.device)
         return self._staging
 
     def _load_from_disk(self, loads: list[tuple[int, KVTransfer]], kv_cache: torch.Tensor, failed: list[bool]) -> None:
@@ -424,7 +422,7 @@ class TieredWorker(OffloadWorker):
         window's, or the next step's)."""
         disk, io = self.disk, self._io
         assert disk is not None and io is not None
-        staging = self._disk_staging()
+        staging = self._disk_staging(kv_cache)
         window = staging.data.shape[0]
         for first in range(0, len(loads), window):
             chunk = loads[first : first + window]
