@@ -249,12 +249,15 @@ def _moe_sum_kernel(down_ptr, ids_ptr, out_ptr, H, stride_it, stride_ik, first_e
 
 
 def moe_sum(down: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_experts: int,
-            dtype: torch.dtype) -> torch.Tensor:
-    """down [T * k, H] -> [T, H] in dtype: each token's k rows summed (float32), the rows
-    routed to experts outside first_expert .. first_expert + num_experts - 1 left out."""
+            dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """down [T * k, H] -> [T, H] in dtype (into ``out`` when given, contiguous): each token's k
+    rows summed (float32), the rows routed to experts outside first_expert .. first_expert +
+    num_experts - 1 left out."""
     num_tokens, top_k = topk_ids.shape
     hidden = down.shape[1]
-    out = torch.empty((num_tokens, hidden), dtype=dtype, device=down.device)
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=dtype, device=down.device)
+    assert out.shape == (num_tokens, hidden) and out.dtype == dtype and out.is_contiguous()
     block_h = min(1024, next_pow2(hidden))
     _moe_sum_kernel[(num_tokens, cdiv(hidden, block_h))](
         down, topk_ids, out, hidden, topk_ids.stride(0), topk_ids.stride(1), first_expert, num_experts,
@@ -263,8 +266,10 @@ def moe_sum(down: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_e
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None, first_expert: int = 0) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights/ids [T, k] -> [T, H] in x's dtype.
+              topk_ids: torch.Tensor, config: dict | None = None, first_expert: int = 0,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights/ids [T, k] -> [T, H] in x's dtype
+    (written into ``out`` when given: the all-reduce's buffer, sparing a copy).
     Under expert parallelism w13/w2 hold experts first_expert .. first_expert + E - 1 and the
     ids are global: a row routed to another expert (or with an id of -1) adds nothing."""
     num_tokens, hidden = x.shape
@@ -272,7 +277,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     top_k = topk_ids.shape[1]
     rows = num_tokens * top_k
     if num_tokens == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x) if out is None else out
     cfg = config or _gemm_config(rows, two_inter, hidden)
     block_m = cfg["BLOCK_M"]
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, block_m, first_expert)
@@ -282,7 +287,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)  # rows left out: never read
     grouped_gemm(h, w2, down, sorted_ids, expert_ids, num_padded, 1, block_m,
                  topk_weights=topk_weights.flatten().float(), config=cfg)
-    return moe_sum(down, topk_ids, first_expert, num_experts, x.dtype)
+    return moe_sum(down, topk_ids, first_expert, num_experts, x.dtype, out)
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,

@@ -80,6 +80,13 @@ def test_fused_moe_matches_twin(gen, dtype, experts, top_k, hidden, inter):
     # the default (decode-sized) config too
     out = fused_moe(x, w13, w2, w, ids)
     assert_close(out, moe_ref(x, w13, w2, w, ids), 1e-5 if dtype == torch.float32 else 3e-3)
+    # into a given buffer (the all-reduce's slot under tensor parallelism): every element
+    # written there, nothing past it
+    buffer = poisoned((tokens * hidden + 7,), dtype)
+    into = buffer[:tokens * hidden].view(tokens, hidden)
+    assert fused_moe(x, w13, w2, w, ids, SMALL, out=into) is into
+    assert_close(into, moe_ref(x, w13, w2, w, ids), 1e-5 if dtype == torch.float32 else 3e-3)
+    assert buffer[tokens * hidden:].isnan().all()
 
 
 @pytest.mark.parametrize(("dtype", "groups"), [(torch.float32, 2), (torch.float16, 4)])

@@ -121,8 +121,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
         slots = self._slot_ids(ids)  # this rank computes slots first_expert.. (the kernel skips the others)
-        if self._fused is not None:
-            out = self._fused(x, self.w13, self.w2, weights, slots, first_expert=self.first_expert)
+        if self._fused is not None:  # written where the all-reduce sums it from (the peers' buffer), if anywhere
+            out = self._fused(x, self.w13, self.w2, weights, slots, first_expert=self.first_expert,
+                              out=self.tp.all_reduce_input(tuple(x.shape), x.dtype))
         else:
             local = self.w13.shape[0]
             every_expert_here = local == self.num_experts and not self.eplb

@@ -94,14 +94,12 @@ class Worker:
         # Pin before anything big is allocated on the host, so it lands on local memory.
         self.cpu_pin = pin_worker(self.device, config.numa_policy)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
-        # Small all-reduces read from the other GPUs' memory (peer_all_reduce.py) for dense models
-        # in one pod. Not for MoE models: at the Qwen3-30B-A3B shape, EP = 2, decode was 0.7-2.7%
-        # slower with its first, two-barrier form than with NCCL alone in three same-call pairs
-        # (2 × H100, 2026-11-27; not yet explained, not rerun with one barrier), where Llama-3-8B at
-        # TP = 2 gained 1.2-1.5% (3.2-3.4% with one barrier, 2 × H200). Elastic EP changes its group as it
+        # Small all-reduces read from the other GPUs' memory (peer_all_reduce.py) in one pod: the
+        # attention's and, for MoE models, the experts' combine (Qwen3-30B-A3B at EP = 2: +1.8%
+        # against NCCL for the combine, 2 × H200, 2026-11-28). Elastic EP changes its group as it
         # resizes, and ranks in other pods cannot map this GPU's memory: NCCL there.
         if (self.tp.enabled and not self.tp.replicated_dense and config.nnodes == 1
-                and not config.disable_custom_all_reduce and not num_experts_of(model_config)):
+                and not config.disable_custom_all_reduce):
             from pagoda_daemon.distributed import peer_all_reduce
 
             self.tp = dataclasses.replace(self.tp, peer=peer_all_reduce.create(self.tp.group, self.tp.size,
