@@ -142,7 +142,8 @@ def _launch_everything(torch) -> None:
     fused_moe.route_topk(torch.zeros(4, 128, dtype=bf16), 8, True)
     for dtype in (bf16, torch.float32):
         for ranks in (2, 4, 8):
-            peer_sum.peer_sum(torch.zeros(ranks, dtype=torch.int64), torch.zeros(256 * 4096, dtype=dtype))
+            addresses = torch.zeros(ranks, dtype=torch.int64)
+            peer_sum.peer_sum(addresses, addresses, 0, torch.zeros(256 * 4096, dtype=dtype))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ def test_not_set_up_off_the_gpu_or_alone():
 
 
 def test_takes_only_what_fits_its_buffer():
-    peer = PeerAllReduce(torch.empty(2048, dtype=torch.bfloat16), "0", None, torch.zeros(2, 2, dtype=torch.int64))
+    peer = PeerAllReduce(torch.empty(2048, dtype=torch.bfloat16), "0", None, torch.zeros(2, 2, dtype=torch.int64),
+                         torch.zeros(2, dtype=torch.int64), 0, 1)
     fits = torch.randn(4, 256).to(torch.bfloat16)
     assert peer.takes(fits)
     assert not peer.takes(torch.randn(5, 256).to(torch.bfloat16))  # larger than the buffer

@@ -156,13 +156,26 @@ def test_silu_and_mul_matches_twin(gen, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_peer_sum_adds_every_buffer_in_rank_order(gen, dtype, ranks):
+def test_peer_sum_adds_every_buffer_in_rank_order_after_the_barrier(gen, dtype, ranks):
+    """One rank's launch, the others' flags already raised in its pad: it takes them down,
+    raises its own in theirs (one per program and rank), and sums. Two ranks really waiting on
+    each other: tests/kernels/test_peer_all_reduce_slots.py."""
     from pagoda_kernels.peer_sum import peer_sum
 
     n = randint(gen, 1, 5000, 1)[0]
+    rank, max_programs, block = ranks - 1, 3, 1024
+    programs = min(-(-n // block), max_programs)
     buffers = [randn(gen, n + 64, dtype=dtype, scale=3.0) for _ in range(ranks)]  # longer than the span
     table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    pads = [torch.zeros(max_programs * ranks, dtype=torch.int32) for _ in range(ranks)]
+    flags = pads[rank].view(max_programs, ranks)
+    flags[:programs] = 1
+    flags[:, rank] = 0  # no rank signals itself
     out = poisoned((n,), dtype)
-    peer_sum(table, out, block=1024)
+    peer_sum(table, torch.tensor([p.data_ptr() for p in pads]), rank, out, max_programs, block=block)
     expected = sum(b[:n].float() for b in buffers).to(dtype)  # float32, in rank order, rounded once
     assert torch.equal(out, expected)
+    assert not pads[rank].any()  # every flag of the others taken down
+    for other in range(ranks - 1):  # this rank's raised in each of theirs, once per program
+        raised = pads[other].view(max_programs, ranks)
+        assert raised[:programs, rank].eq(1).all() and not raised[programs:].any() and not raised[:, :rank].any()

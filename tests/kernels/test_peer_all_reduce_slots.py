@@ -1,61 +1,85 @@
-"""The peer all-reduce's two slots (daemon/pagoda_daemon/distributed/peer_all_reduce.py), on CPU
-under Triton's interpreter: two ranks' buffers in one process, rank 0's view. Consecutive sums
-use the two slots in turn, a partial product written into the slot by the caller is not copied
-again, and a capture that ends on slot 0 ends with a barrier. (The barrier is a cross-GPU kernel;
-here a recorder stands in for it, one process having no one to wait for. The real thing runs in
-tests/gpu/test_peer_all_reduce.py on two GPUs.)"""
+"""The peer all-reduce (daemon/pagoda_daemon/distributed/peer_all_reduce.py) on CPU under Triton's
+interpreter: two ranks in two processes, their buffers and signal pads in shared memory, so that
+each sum's barrier really waits for the other rank's launch. Consecutive sums use the two slots
+in turn and give both ranks the same sums, a partial product written into the slot by the caller
+is not copied again, a capture that ends on slot 0 ends with a barrier, and every flag raised is
+taken down. (On two GPUs, through NVLink: tests/gpu/test_peer_all_reduce.py.)"""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import time
 
 import torch
 
 from pagoda_daemon.distributed.parallel_state import TensorParallel
 from pagoda_daemon.distributed.peer_all_reduce import PeerAllReduce
 
-
-class BarrierRecorder:
-    def __init__(self) -> None:
-        self.channels: list[int] = []
-
-    def barrier(self, channel: int) -> None:
-        self.channels.append(channel)
+NUMEL, ROWS, COLS, CALLS, MAX_PROGRAMS = 4096, 8, 96, 5, 4
 
 
-def _two_ranks(numel: int) -> tuple[TensorParallel, torch.Tensor, BarrierRecorder]:
-    mine, theirs = torch.empty(2 * numel), torch.empty(2 * numel)
-    tables = torch.tensor([[b.data_ptr() + s * numel * 4 for b in (mine, theirs)] for s in (0, 1)])
-    barriers = BarrierRecorder()
-    peer = PeerAllReduce(mine, "0", barriers, tables)
-    return TensorParallel(0, 2, None, peer=peer), theirs, barriers
+def _inputs(seed: int, call: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s factors at ``call``: both processes can compute either rank's product."""
+    gen = torch.Generator().manual_seed(seed + 10 * call + rank)
+    return torch.randn(ROWS, 64, generator=gen), torch.randn(64, COLS, generator=gen)
 
 
-def test_sums_alternate_slots_and_skip_the_copy_of_what_was_written_there(gen):
-    numel, rows, cols = 4096, 8, 96
-    tp, theirs, barriers = _two_ranks(numel)
-    assert tp.all_reduce_input((rows, cols), torch.float32) is None  # not capturing: anywhere
+def _rank(rank: int, seed: int, buffers: list[torch.Tensor], pads: list[torch.Tensor],
+          results: torch.Tensor) -> None:
+    import pagoda_kernels.peer_sum as kernel
+
+    launches: list[int] = []
+    summed = kernel.peer_sum
+
+    def recorded(table, pad_table, r, out, *args, **kwargs):
+        launches.append(out.numel())
+        return summed(table, pad_table, r, out, *args, **kwargs)
+
+    kernel.peer_sum = recorded
+    tables = torch.tensor([[b.data_ptr() + s * NUMEL * 4 for b in buffers] for s in (0, 1)])
+    peer = PeerAllReduce(buffers[rank], "0", None, tables, torch.tensor([p.data_ptr() for p in pads]), rank,
+                         MAX_PROGRAMS)
+    tp = TensorParallel(rank, 2, None, peer=peer)
+    checks = [tp.all_reduce_input((ROWS, COLS), torch.float32) is None]  # not capturing: anywhere
     with tp.graph_capture():
-        for call in range(5):
+        for call in range(CALLS):
             slot = call % 2
-            partner = torch.randn(rows * cols, generator=gen)
-            theirs[slot * numel: slot * numel + rows * cols] = partner  # the other rank's part
-            target = tp.all_reduce_input((rows, cols), torch.float32)
-            assert target is not None and target.data_ptr() == tp.peer.buffer.data_ptr() + slot * numel * 4
-            a, b = torch.randn(rows, 64, generator=gen), torch.randn(64, cols, generator=gen)
+            target = tp.all_reduce_input((ROWS, COLS), torch.float32)
+            checks.append(target is not None and target.data_ptr() == buffers[rank].data_ptr() + slot * NUMEL * 4)
+            a, b = _inputs(seed, call, rank)
             mine = torch.mm(a, b, out=target) if call % 3 else torch.mm(a, b)  # in the slot, or copied there
             total = tp.all_reduce(mine)
-            assert torch.equal(total, (mine.flatten().float() + partner).view(rows, cols))
-        assert tp.all_reduce_input((numel + 1,), torch.float32) is None  # larger than a slot
-        assert tp.all_reduce_input((rows, cols), torch.float16) is None
-    assert barriers.channels == [0] * 5 + [1]  # one per sum; five ended on slot 0: one more
-
-
-def test_a_capture_that_ends_on_slot_one_needs_no_closing_barrier(gen):
-    tp, theirs, barriers = _two_ranks(1024)
-    theirs.zero_()
-    with tp.graph_capture():
-        for _ in range(2):
-            x = torch.randn(16, 32, generator=gen)
-            assert torch.equal(tp.all_reduce(x), x)
-    assert barriers.channels == [0, 0]
+            parts = [torch.mm(*_inputs(seed, call, r)) for r in range(2)]
+            checks.append(torch.equal(total, parts[0] + parts[1]))  # float32, rank 0's part first
+        checks.append(tp.all_reduce_input((NUMEL + 1,), torch.float32) is None)  # larger than a slot
+        checks.append(tp.all_reduce_input((ROWS, COLS), torch.float16) is None)
+    # one launch per sum (4 programs of 2,048 elements at most: 768 each), then, five having
+    # ended on slot 0, an empty one: the closing barrier
+    checks.append(launches == [ROWS * COLS] * CALLS + [0])
     with tp.graph_capture():  # every capture starts on slot 0
-        assert tp.all_reduce_input((4,), torch.float32).data_ptr() == tp.peer.buffer.data_ptr()
+        checks.append(tp.all_reduce_input((4,), torch.float32).data_ptr() == buffers[rank].data_ptr())
+    results[rank, :len(checks)] = torch.tensor(checks)
+    results[rank, -1] = 1  # finished
+
+
+def test_two_ranks_sum_in_alternate_slots_each_sum_behind_a_barrier():
+    seed = int.from_bytes(os.urandom(4), "little")
+    buffers = [torch.full((2 * NUMEL,), float("nan")).share_memory_() for _ in range(2)]
+    pads = [torch.zeros(MAX_PROGRAMS * 2, dtype=torch.int32).share_memory_() for _ in range(2)]
+    results = torch.zeros(2, 32, dtype=torch.bool).share_memory_()
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=_rank, args=(r, seed, buffers, pads, results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    deadline = time.monotonic() + 120
+    for p in ranks:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [p.pid for p in ranks if p.is_alive()]
+    for p in ranks:
+        p.kill()
+    assert not hung, "a rank waited for the other's flag for two minutes"
+    assert results[:, -1].all(), "a rank failed before its checks"
+    checks = 1 + 2 * CALLS + 2 + 1 + 1
+    assert results[:, :checks].all(), results[:, :checks]
+    assert not any(p.any() for p in pads)  # every flag raised was taken down

@@ -1,8 +1,8 @@
 """The tensor-parallel all-reduce of small tensors, read straight from the other GPUs over
 NVLink: each rank puts its partial sum in a buffer every rank of the node has mapped (torch
-symmetric memory; the row-parallel projections write their products there directly), and a
-kernel reads every rank's part and adds them up (pagoda_kernels.peer_sum). vLLM's custom
-all-reduce does the same for the same reason.
+symmetric memory; the row-parallel projections and the MoE combine write their products there
+directly), and one kernel waits until every rank's part is in place, then reads them all and adds
+them up (pagoda_kernels.peer_sum). vLLM's custom all-reduce does the same for the same reason.
 
 Why: a Llama-3-8B decode step at TP = 2 and 256 sequences runs 64 all-reduces of 2 MiB, and
 NCCL's ring took 2.02 ms of the step's 11.57 ms on 2 × H100 (NV18), 31.6 µs each. Measured by
@@ -48,16 +48,20 @@ class PeerAllReduce:
     """One rank's end of the buffer: sums tensors of at most ``max_numel`` elements of ``dtype``,
     inside the CUDA graphs captured under :meth:`graph_capture`.
 
-    The buffer has two slots, used in turn, so that one barrier per all-reduce is enough: a rank
-    writes slot s again only two all-reduces later, after the barrier of the one between, which
-    no rank passes before it has finished reading slot s. (With one slot a second barrier after
-    each sum kept the writers off the buffer: 65 more barriers of 4.1 µs in each decode step of
-    Llama-3-8B at TP = 2 on 2 × H100, 2026-11-27.)"""
+    The buffer has two slots, used in turn, so that the barrier at the start of each sum is
+    the only one: a rank writes slot s again only two all-reduces later, after the barrier of
+    the one between, which no rank passes before it has finished reading slot s. (With one slot
+    a second barrier after each sum kept the writers off the buffer: 65 more barriers of 4.1 µs
+    in each decode step of Llama-3-8B at TP = 2 on 2 × H100, 2026-11-27.) The barrier is part of
+    the summing kernel (pagoda_kernels.peer_sum)."""
 
     buffer: torch.Tensor  # this rank's part of the symmetric buffer: two slots of max_numel
     group_name: str
-    handle: Any  # the rendezvous' handle: the barrier across the ranks
+    handle: Any  # the rendezvous' handle, kept for as long as the peers' memory is mapped
     tables: torch.Tensor  # [2, ranks] int64 on the GPU: each slot's address on every rank, rank 0 first
+    pads: torch.Tensor  # [ranks] int64 on the GPU: each rank's signal pad (the barrier's flags)
+    rank: int
+    max_programs: int  # as many as the pads have flags for
     capturing: bool = False  # inside graph_capture: the only place this path is taken
     calls: int = 0  # all-reduces since the capture began; slot = calls % 2
 
@@ -85,18 +89,23 @@ class PeerAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in a new tensor: ``x`` in this rank's slot (copied there
-        unless it was computed there), a barrier (every rank's part is in place), every rank's
-        slot read and added up in rank order (pagoda_kernels.peer_sum)."""
-        from pagoda_kernels.peer_sum import peer_sum
-
+        unless it was computed there), then one kernel: a barrier (every rank's part is in place),
+        every rank's slot read and added up in rank order."""
         dst = self.slot(tuple(x.shape))
         if x.data_ptr() != dst.data_ptr():
             dst.copy_(x)
-        out = torch.empty_like(x)
-        self.handle.barrier(channel=0)
-        peer_sum(self.tables[self.calls % 2], out)
+        out = self._sum(self.calls % 2, torch.empty_like(x))
         self.calls += 1
         return out
+
+    def barrier(self) -> None:
+        """Every rank here, none still reading a slot (the summing kernel with nothing to sum)."""
+        self._sum(0, self.buffer[:0])
+
+    def _sum(self, slot: int, out: torch.Tensor) -> torch.Tensor:
+        from pagoda_kernels.peer_sum import peer_sum
+
+        return peer_sum(self.tables[slot], self.pads, self.rank, out, self.max_programs)
 
     @contextmanager
     def graph_capture(self) -> Iterator[None]:
@@ -108,7 +117,7 @@ class PeerAllReduce:
             yield
         finally:
             if self.calls % 2:
-                self.handle.barrier(channel=1)
+                self.barrier()
             self.capturing, self.calls = False, 0
 
 
@@ -125,6 +134,7 @@ def create(group: Any, ranks: int, device: torch.device, dtype: torch.dtype,
     if device.type != "cuda" or ranks < 2 or dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
     from pagoda_daemon.distributed.parallel_state import min_over_group  # it imports this module
+    from pagoda_kernels.peer_sum import max_programs_for
 
     max_bytes = max_bytes or max_bytes_for(ranks)
     element_size = torch.empty((), dtype=dtype).element_size()
@@ -153,7 +163,10 @@ def create(group: Any, ranks: int, device: torch.device, dtype: torch.dtype,
         bases = [handle.get_buffer(r, (2 * numel,), dtype).data_ptr() for r in range(ranks)]
         tables = torch.tensor([[base + s * numel * element_size for base in bases] for s in (0, 1)], dtype=torch.int64,
                               device=device)
-        peer = PeerAllReduce(buffer, group.group_name, handle, tables)
+        pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        pad = handle.get_signal_pad(handle.rank)  # zeroed by torch: no flag raised
+        peer = PeerAllReduce(buffer, group.group_name, handle, tables, pads, handle.rank,
+                             max_programs_for(ranks, pad.numel() * pad.element_size()))
     except (RuntimeError, AttributeError) as e:
         log.warning("all-reduce through the peers' memory: rendezvous failed on this rank (%s); NCCL sums every "
                     "tensor", e)
