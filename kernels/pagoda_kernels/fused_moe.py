@@ -283,7 +283,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, block_m, first_expert)
     gate_up = torch.empty((rows, two_inter), dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, gate_up, sorted_ids, expert_ids, num_padded, top_k, block_m, config=cfg)
-    h = silu_and_mul(gate_up)
+    # only the rows of this rank's experts: the others' are never read (half or more under EP)
+    h = silu_and_mul(gate_up, expert_ids=topk_ids.reshape(-1), first_expert=first_expert, num_experts=num_experts)
     down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)  # rows left out: never read
     grouped_gemm(h, w2, down, sorted_ids, expert_ids, num_padded, 1, block_m,
                  topk_weights=topk_weights.flatten().float(), config=cfg)

@@ -154,6 +154,21 @@ def test_silu_and_mul_matches_twin(gen, dtype):
     assert_close(out, ref, 1e-6 if dtype == torch.float32 else 5e-3)
 
 
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_silu_and_mul_of_a_ranks_own_expert_rows_only(gen, ids_dtype):
+    """Under expert parallelism only the rows routed to this rank's experts are computed; the
+    others' stay as they were (poisoned here), ids of -1 included."""
+    rows, first, count = 40, 4, 3
+    x = randn(gen, rows, 2 * 96, scale=3.0)
+    ids = torch.tensor(randint(gen, -1, 10, rows), dtype=ids_dtype)
+    out = poisoned((rows, 96), torch.float32)
+    silu_and_mul(x, out=out, expert_ids=ids, first_expert=first, num_experts=count)
+    mine = (ids >= first) & (ids < first + count)
+    assert mine.any() and (~mine).any()
+    assert_close(out[mine], silu_and_mul_ref(x[mine]), 1e-6)
+    assert out[~mine].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_peer_sum_adds_every_buffer_in_rank_order_after_the_barrier(gen, dtype, ranks):
