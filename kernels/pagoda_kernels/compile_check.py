@@ -134,7 +134,7 @@ def _launch_everything(torch) -> None:
         for rows in (1, 256):  # one chunk per row (direct) and several (two stages)
             sampling.sample_tokens(torch.zeros(rows, 151936 if rows > 1 else 2000, dtype=logits_dtype),
                                    torch.zeros(rows), seed=1)
-    for tokens in (4, 512):
+    for tokens in (4, 512, 1024):  # moe_align: one program up to 512 tokens at top-8, three kernels past it
         x = torch.zeros(tokens, 2048, dtype=bf16)
         ids = torch.zeros(tokens, 8, dtype=torch.int32)
         fused_moe.fused_moe(x, torch.zeros(128, 1536, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16),

@@ -117,6 +117,48 @@ def _moe_place_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, first_expert, num_
     tl.store(sorted_ids_ptr + place, offs.to(tl.int32), mask=mine)
 
 
+@triton.jit(do_not_specialize=["n", "max_rows", "max_tiles"])
+def _moe_align_small_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, n, first_expert, num_experts,
+                            max_rows, max_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+                            ROWS: tl.constexpr, SLOTS: tl.constexpr):
+    # Every program counts all n rows (BLOCK >= n) and those before its own ROWS rows, so it
+    # knows where each of its rows goes without atomics or another launch: after the rows of its
+    # expert in earlier programs, in row order within its own. It also fills its SLOTS places of
+    # the layout that are padding and names the expert of its tiles; padding and rows never share
+    # a place, so nothing needs ordering between programs.
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    every = _local_expert(ids_ptr, offs, n, first_expert, num_experts)
+    offs_e = tl.arange(0, BLOCK_E)
+    local = offs_e < num_experts
+    counts = tl.where(local, tl.histogram(every, BLOCK_E), 0)
+    earlier = tl.where(local, tl.histogram(tl.where(offs < pid * ROWS, every, num_experts), BLOCK_E), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    if pid == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    e = _local_expert(ids_ptr, rows, n, first_expert, num_experts)
+    one_hot = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [ROWS, BLOCK_E]
+    rank = tl.sum(tl.cumsum(one_hot, 0) * one_hot, 1) - 1  # among this program's rows of its expert
+    place = tl.sum(one_hot * (starts + earlier)[None, :], 1) + rank
+    tl.store(sorted_ids_ptr + place, rows.to(tl.int32), mask=e < num_experts)
+    slots = pid * SLOTS + tl.arange(0, SLOTS)
+    run = tl.sum((ends[None, :] <= slots[:, None]).to(tl.int32), axis=1)  # the expert run each slot is in
+    filled_to = tl.sum(tl.where(offs_e[None, :] == run[:, None], (starts + counts)[None, :], 0), 1)
+    padding = (run >= num_experts) | (slots >= filled_to)
+    tl.store(sorted_ids_ptr + slots, tl.full([SLOTS], n, tl.int32), mask=padding & (slots < max_rows))
+    tiles = pid * (SLOTS // BLOCK_M) + tl.arange(0, SLOTS // BLOCK_M)
+    expert = tl.sum((ends[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(expert_ids_ptr + tiles, tl.minimum(expert, num_experts - 1), mask=tiles < max_tiles)
+
+
+# Up to this many rows moe_align is one launch (a decode step of 256 sequences at top-8 is 2,048
+# rows); past it every program's count of all rows costs more than the three kernels' launches.
+SMALL_MAX_ROWS = 4096
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0):
     """Group the (token, slot) rows by expert and pad each expert's run to a multiple of
     block_m. Under expert parallelism this rank holds experts first_expert .. first_expert +
@@ -129,10 +171,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expe
     max_rows is a static bound, (ceil(T*k / block_m) + min(E, T*k)) * block_m, so nothing here
     waits for the device.
 
-    Three small kernels (count, lay out, place). Rows take their place in an expert's run by an
-    atomic counter, so their order within the run varies from run to run; no result depends on
-    it (each row of a grouped GEMM is computed on its own). Replacing the torch version (a stable
-    sort, scatters, a search: 15 launches per MoE layer), with moe_sum, took a decode step of the
+    Up to SMALL_MAX_ROWS rows (decode steps) one launch places every row by counting, in each
+    program, the rows before it (rows in row order within a run). More rows take three kernels
+    (count, lay out, place) and a zeroing of the counts; there rows take their place in a run by
+    an atomic counter, so their order within it varies from run to run. No result depends on
+    the order (each row of a grouped GEMM is computed on its own). Replacing the torch version (a
+    stable sort, scatters, a search: 15 launches per MoE layer), with moe_sum, took a decode step of the
     Qwen3-30B-A3B shape at EP = 2 from 25.0 to 21.4 ms (2 x H100, 2026-11-26).
     """
     flat = topk_ids.flatten()
@@ -141,14 +185,19 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expe
     max_tiles = cdiv(n, block_m) + min(num_experts, n)
     max_rows = max_tiles * block_m
     block_e = next_pow2(num_experts + 1)  # one bin more: the rows of other ranks' experts
-    counts = torch.zeros(block_e, dtype=torch.int32, device=device)
-    cursor = torch.empty(block_e, dtype=torch.int32, device=device)
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
     expert_ids = torch.empty(max_tiles, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    block = 1024
+    if n <= SMALL_MAX_ROWS:
+        rows, slots = 32, max(block_m, 64)
+        _moe_align_small_kernel[(max(1, cdiv(n, rows), cdiv(max_rows, slots)),)](
+            flat, sorted_ids, expert_ids, num_padded, n, first_expert, num_experts, max_rows, max_tiles,
+            BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=next_pow2(max(n, 16)), ROWS=rows, SLOTS=slots, num_warps=4)
+        return sorted_ids, expert_ids, num_padded
+    counts = torch.zeros(block_e, dtype=torch.int32, device=device)
+    cursor = torch.empty(block_e, dtype=torch.int32, device=device)
+    block, layout_block = 1024, max(block_m, 2048)
     _moe_count_kernel[(max(1, cdiv(n, block)),)](flat, counts, n, first_expert, num_experts, BLOCK_E=block_e, BLOCK=block)
-    layout_block = max(block_m, 2048)
     _moe_layout_kernel[(max(1, cdiv(max_rows, layout_block)),)](
         counts, cursor, sorted_ids, expert_ids, num_padded, n, num_experts, max_rows, max_tiles,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=layout_block)

@@ -139,22 +139,33 @@ def test_moe_align_leaves_out_the_experts_of_other_ranks(gen, first):
         assert rows.numel() > 0 and (local[rows] == expert_ids[tile]).all()
 
 
-def test_moe_align_many_rows_and_experts(gen):
-    """Several blocks of rows and 160 experts: each expert's run holds exactly its rows (in any
-    order) and then padding, and the padded total is the sum of the padded runs."""
-    tokens, experts, top_k, block_m = 400, 160, 8, 16
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
-    sorted_ids, expert_ids, num_padded = moe_align(ids, experts, block_m)
-    flat = ids.flatten().long()
-    counts = torch.bincount(flat, minlength=experts)
+@pytest.mark.parametrize("tokens", [400, 700])  # 3,200 rows: one launch; 5,600: the three kernels
+@pytest.mark.parametrize("first", [0, 160])  # the first or the second of two expert-parallel ranks
+def test_moe_align_many_rows_and_experts(gen, tokens, first):
+    """Several blocks of rows and 160 experts on this rank of 320: each expert's run holds exactly
+    its rows (in any order) and then padding, the padded total is the sum of the padded runs, and
+    no row routed to the other rank's experts is anywhere."""
+    from pagoda_kernels.fused_moe import SMALL_MAX_ROWS
+
+    experts, top_k, block_m = 160, 8, 16
+    assert (tokens * top_k <= SMALL_MAX_ROWS) == (tokens == 400)
+    ids = torch.stack([torch.randperm(2 * experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    sorted_ids, expert_ids, num_padded = moe_align(ids, experts, block_m, first_expert=first)
+    local = ids.flatten().long() - first
+    mine = (local >= 0) & (local < experts)
+    counts = torch.bincount(local[mine], minlength=experts)
     assert int(num_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
     ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
+    real = sorted_ids[: int(num_padded)]
+    assert torch.equal(real[real < local.numel()].long().sort().values, mine.nonzero().flatten())
+    assert (sorted_ids[int(num_padded):] == local.numel()).all()
     for e in torch.randint(0, experts, (12,), generator=gen).tolist():
         begin = int(ends[e - 1]) if e else 0
         run = sorted_ids[begin:int(ends[e])]
-        want = (flat == e).nonzero().flatten()
-        assert torch.equal(run[: want.numel()].long().sort().values, want)
-        assert (run[want.numel():] == flat.numel()).all()
+        want = (local == e).nonzero().flatten()
+        got = run[: want.numel()].long()
+        assert torch.equal(got if tokens == 400 else got.sort().values, want)  # one launch keeps row order
+        assert (run[want.numel():] == local.numel()).all()
         assert (expert_ids[begin // block_m:int(ends[e]) // block_m] == e).all()
 
 
