@@ -3,7 +3,7 @@
 | module | kernels |
 |---|---|
 | `cache_write` | K/V of a step into their paged-cache slots (slot mapping), fp8 quantisation |
-| `decode_attention` | paged decode attention: a per-step work plan, balanced chunks (flash-decoding), a combine kernel |
+| `decode_attention` | paged decode attention: a per-step work plan, balanced chunks (flash-decoding), combined by the last chunk of each sequence to finish |
 | `prefill_attention` | paged prefill/extend attention (varlen, causal, cached prefix) and varlen on fresh K/V |
 | `rmsnorm` | RMSNorm with optional fused residual add |
 | `rope` | neox-style rotary embedding from a cos/sin table |

@@ -130,6 +130,39 @@ def test_decode_variants(head_dim, page, chunking, window, fp8):
     check(out, ref, dtype)
 
 
+def test_decode_plan_shared_by_layers_in_a_cuda_graph():
+    """256 sequences in one-tile chunks (tens of thousands of programs arriving at once), eight
+    layers on one plan in a CUDA graph replayed on new queries: every layer equals the twin, so
+    each (sequence, KV head)'s last chunk to arrive saw every partial and left its count at 0
+    for the next layer (the plan kernel, outside the graph, zeroes them only once)."""
+    seed = int(torch.randint(2**31, ()))
+    head_dim, dtype, layers = 128, BF16, 8
+    b = Batch([1] * 256, _ragged(256, 1, 2000, seed), 16, 2, head_dim, 16, dtype, seed=seed)
+    plan = plan_decode(b.seq_lens, 2, decode_block_n(head_dim, dtype), 1 << 12, 1)
+    assert int(plan.num_chunks.min()) > 1 or int(b.seq_lens.min()) <= decode_block_n(head_dim, dtype)
+    queries = [torch.randn_like(b.q) for _ in range(layers)]
+    outs = [nan_like(b.q) for _ in range(layers)]
+
+    def run():
+        for q, out in zip(queries, outs):
+            paged_decode_attention(q, b.kv_cache, b.block_tables, b.seq_lens, head_dim**-0.5, plan=plan, out=out)
+
+    run()  # compile and allocate the partials outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _replay in range(3):
+        for q, out in zip(queries, outs):
+            q.copy_(torch.randn_like(q))
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for q, out in zip(queries, outs):
+            check(out, paged_attention_ref(q.double(), b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens,
+                                           head_dim**-0.5), dtype)
+        assert not plan.arrivals.any()
+
+
 # ---- prefill / extend ---------------------------------------------------------------------
 
 

@@ -68,7 +68,8 @@ def test_decode_strided_query_and_default_plan(gen):
 
 
 def test_decode_plan_serves_every_layer_of_a_step(gen):
-    """One plan, and its partial-result buffers, for all layers (as the backend shares them)."""
+    """One plan, its partial-result buffers and its arrival counts, for all layers (as the
+    backend shares them)."""
     b = PagedBatch(gen, [1] * 4, randint(gen, 40, 120, 4), 4, 2, 64, 16, F16)
     plan = plan_decode(b.seq_lens, 2, 16, work_per_sm=1 << 12, min_chunk_tiles=1)  # one-tile chunks
     assert plan.num_chunks.min() > 1
@@ -77,6 +78,7 @@ def test_decode_plan_serves_every_layer_of_a_step(gen):
         out = poisoned(b.q.shape, F16)
         paged_decode_attention(b.q, b.kv_cache, b.block_tables, b.seq_lens, 0.125, plan=plan, out=out, block_n=16)
         assert_close(out, ref, TOL[F16])
+        assert not plan.arrivals.any()  # each (sequence, KV head)'s last chunk left its count at 0
     assert len(plan.scratch) == 1
 
 

@@ -13,7 +13,8 @@ device sync):
   context per query head with a mostly empty query tile: on the H100, 2026-11-26, a
   prefill-heavy run spent 5.3 s of 14.2 s of GPU time in it, most of it on decode rows).
   Only when those decodes read little context does the whole step go to the extend kernel:
-  the split costs two more launches a layer (decode chunks and their combine), and an eager
+  the split costs another launch a layer (the decode kernel; its combine ran as a third
+  kernel until 2026-11-28), and an eager
   step is paced by the host (a 562-token prompt joining 4 decodes on an H100, 2026-11-27:
   25.8 ms of host time in the forward passes until its first token, 46 µs of Python per
   Triton launch; docs/benchmarks/2026-11-27-serving-ttft-h100.md).
@@ -37,7 +38,8 @@ class TritonPagedAttention(AttentionBackend):
     # A mixed step gives its leading decodes their own kernel from this much context on (their
     # context tokens summed). Below it the extend kernel's extra reads for them (about 2x the
     # decode kernel's per token, the 2026-11-26 profile above) cost less than the two launches
-    # a layer the split adds: 32k tokens of 4 KiB a layer (Qwen3-0.6B, Llama-3-8B at 8 KV
+    # a layer the split added when this was set (the decode kernel and its combine, since
+    # folded into it): 32k tokens of 4 KiB a layer (Qwen3-0.6B, Llama-3-8B at 8 KV
     # heads) are 128 MiB, ~45 us at 3 TB/s, against ~100 us of host time for the launches.
     split_decodes_from_context = 32_768
 
