@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,9 +20,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, free_port
+from tests.server.conftest import MODEL_NAME, ServerProcess, free_port
 
 PROMPTS = [[(13 * i + j) % 400 + 3 for j in range(100)] for i in range(4)]  # 6 full blocks each
+OWN_PROMPTS = [[(17 * i + j) % 400 + 5 for j in range(100)] for i in range(2)]  # the error test's: no block shared
 
 
 def metric(url: str, name: str) -> float:
@@ -32,26 +34,40 @@ def metric(url: str, name: str) -> float:
 TRANSFER_KEY = {"PAGODA_KV_TRANSFER_KEY": "pd-test-key-0123456789"}
 
 
-@pytest.fixture(params=["directory", "tcp", "request"])
-def pd(start_server, tmp_path, request):
+@pytest.fixture(scope="module", params=["directory", "tcp", "request"])
+def pd(tiny_models, tmp_path_factory, request):
     """The decode instance takes the prefill instance's blocks from its directory (one host), or
     fetches them from its transfer port (between hosts; here both on loopback): the one port it
     was given, or the one each request names (the prefill instance's signed answer header, which
-    the proxy passes on)."""
+    the proxy passes on). One set per source for the module's tests (about 15 s to start each):
+    the tests read the metrics as differences."""
+    tmp_path = tmp_path_factory.mktemp(f"pd-{request.param}")
     disk = ("--kv-offload-disk-gib", "0.01")
-    if request.param == "directory":
-        prefill = start_server("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk)
-        source = str(tmp_path / "prefill-kv")
-    else:
-        transfer_port = free_port()
-        prefill = start_server("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk,
-                               "--kv-transfer-port", str(transfer_port), "--kv-transfer-host", "127.0.0.1",
-                               env=TRANSFER_KEY)
-        source = f"tcp://127.0.0.1:{transfer_port}" if request.param == "tcp" else "request"
-    decode = start_server("--kv-offload-disk-path", str(tmp_path / "decode-kv"), *disk,
-                          "--kv-offload-disk-source", source, env=TRANSFER_KEY)
-    with pd_proxy([prefill.url], [decode.url], tmp_path) as url:
-        yield prefill, decode, url
+    started: list[ServerProcess] = []
+
+    def start(*extra: str, **kwargs) -> ServerProcess:
+        srv = ServerProcess(tiny_models["llama"], "--max-model-len", "512", *extra, log_dir=tmp_path, **kwargs)
+        started.append(srv)
+        srv.wait_ready()
+        return srv
+
+    try:
+        if request.param == "directory":
+            prefill = start("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk)
+            source = str(tmp_path / "prefill-kv")
+        else:
+            transfer_port = free_port()
+            prefill = start("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk,
+                            "--kv-transfer-port", str(transfer_port), "--kv-transfer-host", "127.0.0.1",
+                            env=TRANSFER_KEY)
+            source = f"tcp://127.0.0.1:{transfer_port}" if request.param == "tcp" else "request"
+        decode = start("--kv-offload-disk-path", str(tmp_path / "decode-kv"), *disk,
+                       "--kv-offload-disk-source", source, env=TRANSFER_KEY)
+        with pd_proxy([prefill.url], [decode.url], tmp_path) as url:
+            yield prefill, decode, url
+    finally:
+        for srv in started:
+            srv.stop(signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -93,13 +109,16 @@ def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
     both = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     ask = dict(model=MODEL_NAME, max_tokens=12, temperature=0.0)
     want = [one.completions.create(prompt=p, **ask).choices[0].text for p in PROMPTS]
+    hits, fetched, generated = (metric(decode.url, "vllm:external_prefix_cache_hits_total"),
+                                metric(decode.url, "pagoda:kv_transfer_fetched_bytes_total"),
+                                metric(prefill.url, "vllm:generation_tokens_total"))
     got = [both.completions.create(prompt=p, **ask).choices[0].text for p in PROMPTS]
     assert got == want
     # the decode instance took every prompt's 6 full blocks from the prefill instance's disk tier
-    assert metric(decode.url, "vllm:external_prefix_cache_hits_total") >= len(PROMPTS) * 6 * 16
-    fetched = metric(decode.url, "pagoda:kv_transfer_fetched_bytes_total")
+    assert metric(decode.url, "vllm:external_prefix_cache_hits_total") - hits >= len(PROMPTS) * 6 * 16
+    fetched = metric(decode.url, "pagoda:kv_transfer_fetched_bytes_total") - fetched
     assert fetched > 0 if decode_fetches(decode) else fetched == 0
-    assert metric(prefill.url, "vllm:generation_tokens_total") == len(PROMPTS)  # one token each
+    assert metric(prefill.url, "vllm:generation_tokens_total") - generated == len(PROMPTS)  # one token each
     # streamed through the proxy: the same text in pieces
     stream = both.completions.create(prompt=PROMPTS[0], stream=True, **ask)
     assert "".join(c.choices[0].text for c in stream) == want[0]
@@ -149,16 +168,16 @@ def test_requests_that_cannot_be_served_come_back_as_openai_errors(pd):
     prefill, decode, url = pd
     if decode.cmd[-1] == "request":  # a source header not signed by the prefill instance: refused
         forged = httpx.post(decode.url + "/v1/completions", timeout=30,
-                            json={"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 2},
+                            json={"model": MODEL_NAME, "prompt": OWN_PROMPTS[0], "max_tokens": 2},
                             headers={"x-pagoda-kv-source": "tcp://127.0.0.1:9 1 " + "0" * 64})
         assert forged.status_code == 400 and forged.json()["error"]["param"] == "x-pagoda-kv-source"
         # the prefill instance's own header, from an answer, is taken (the source it names is real)
         answer = httpx.post(prefill.url + "/v1/completions", timeout=30,
-                            json={"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 1})
+                            json={"model": MODEL_NAME, "prompt": OWN_PROMPTS[1], "max_tokens": 1})
         signed = answer.headers["x-pagoda-kv-source"]
         assert signed.startswith("tcp://127.0.0.1:")
         direct = httpx.post(decode.url + "/v1/completions", timeout=30, headers={"x-pagoda-kv-source": signed},
-                            json={"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 2})
+                            json={"model": MODEL_NAME, "prompt": OWN_PROMPTS[1], "max_tokens": 2})
         assert direct.status_code == 200
     bad = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "w3", "temperature": -1}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["message"]
