@@ -39,14 +39,14 @@ lint: setup
 	$(BIN)/mypy --cache-dir $(HOME)/.cache/pagoda/mypy
 
 unit: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 
 ## Kubernetes binaries and helm for the e2e tests (and helm lint/template in the unit tests).
 cluster-tools:
 	e2e/cluster/ensure-k8s.sh
 
 e2e: setup cluster-tools
-	PATH="$(CURDIR)/$(BIN):$$PATH" PAGODA_E2E_BUILD=1 $(BIN)/python -m pytest e2e
+	PATH="$(CURDIR)/$(BIN):$$PATH" PAGODA_E2E_BUILD=1 $(BIN)/python -m pytest e2e --durations=25
 
 ## Copy the CRDs into the Helm chart (the chart must carry the same files; a test checks).
 sync-crds:
