@@ -79,6 +79,13 @@ def _local_expert(ids_ptr, offs, n, first_expert, num_experts):
     return tl.where((e >= 0) & (e < num_experts) & (offs < n), e, num_experts)
 
 
+@triton.jit
+def _run_of(ends, positions):
+    """The expert run each place of the layout is in: how many runs end at or before it (the
+    number of experts when past the last run)."""
+    return tl.sum((ends[None, :] <= positions[:, None]).to(tl.int32), axis=1)
+
+
 # The row counts change with every step's batch: not specialised on (one compiled variant, not
 # one per divisibility class of the count).
 @triton.jit(do_not_specialize=["n"])
@@ -104,8 +111,7 @@ def _moe_layout_kernel(counts_ptr, cursor_ptr, sorted_ids_ptr, expert_ids_ptr, n
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(sorted_ids_ptr + rows, tl.full([BLOCK], n, tl.int32), mask=rows < max_rows)  # padding: one past the last row
     tiles = tl.program_id(0) * (BLOCK // BLOCK_M) + tl.arange(0, BLOCK // BLOCK_M)
-    expert = tl.sum((ends[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), axis=1)  # runs ending before it
-    tl.store(expert_ids_ptr + tiles, tl.minimum(expert, num_experts - 1), mask=tiles < max_tiles)
+    tl.store(expert_ids_ptr + tiles, tl.minimum(_run_of(ends, tiles * BLOCK_M), num_experts - 1), mask=tiles < max_tiles)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -145,13 +151,12 @@ def _moe_align_small_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_
     place = tl.sum(one_hot * (starts + earlier)[None, :], 1) + rank
     tl.store(sorted_ids_ptr + place, rows.to(tl.int32), mask=e < num_experts)
     slots = pid * SLOTS + tl.arange(0, SLOTS)
-    run = tl.sum((ends[None, :] <= slots[:, None]).to(tl.int32), axis=1)  # the expert run each slot is in
+    run = _run_of(ends, slots)
     filled_to = tl.sum(tl.where(offs_e[None, :] == run[:, None], (starts + counts)[None, :], 0), 1)
     padding = (run >= num_experts) | (slots >= filled_to)
     tl.store(sorted_ids_ptr + slots, tl.full([SLOTS], n, tl.int32), mask=padding & (slots < max_rows))
     tiles = pid * (SLOTS // BLOCK_M) + tl.arange(0, SLOTS // BLOCK_M)
-    expert = tl.sum((ends[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-    tl.store(expert_ids_ptr + tiles, tl.minimum(expert, num_experts - 1), mask=tiles < max_tiles)
+    tl.store(expert_ids_ptr + tiles, tl.minimum(_run_of(ends, tiles * BLOCK_M), num_experts - 1), mask=tiles < max_tiles)
 
 
 # Up to this many rows moe_align is one launch (a decode step of 256 sequences at top-8 is 2,048
