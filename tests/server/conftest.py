@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -107,17 +109,27 @@ def openai_client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture
-def start_server(tiny_models, tmp_path):
-    """Start a dedicated server (for tests that break or stop it)."""
-    started = []
+@contextlib.contextmanager
+def server_starter(model: str, log_dir: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """A function that starts dedicated servers of `model`, ready when it returns; every one
+    started is killed on exit."""
+    started: list[ServerProcess] = []
 
     def start(*extra: str, **kwargs) -> ServerProcess:
-        srv = ServerProcess(tiny_models["llama"], "--max-model-len", "512", *extra, log_dir=tmp_path, **kwargs)
+        srv = ServerProcess(model, "--max-model-len", "512", *extra, log_dir=log_dir, **kwargs)
         started.append(srv)
         srv.wait_ready()
         return srv
 
-    yield start
-    for srv in started:
-        srv.stop(signal.SIGKILL)
+    try:
+        yield start
+    finally:
+        for srv in started:
+            srv.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def start_server(tiny_models, tmp_path):
+    """Start a dedicated server (for tests that break or stop it)."""
+    with server_starter(tiny_models["llama"], tmp_path) as start:
+        yield start

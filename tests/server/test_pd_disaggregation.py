@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, ServerProcess, free_port
+from tests.server.conftest import MODEL_NAME, free_port, server_starter
 
 PROMPTS = [[(13 * i + j) % 400 + 3 for j in range(100)] for i in range(4)]  # 6 full blocks each
 OWN_PROMPTS = [[(17 * i + j) % 400 + 5 for j in range(100)] for i in range(2)]  # the error test's: no block shared
@@ -43,15 +42,7 @@ def pd(tiny_models, tmp_path_factory, request):
     the tests read the metrics as differences."""
     tmp_path = tmp_path_factory.mktemp(f"pd-{request.param}")
     disk = ("--kv-offload-disk-gib", "0.01")
-    started: list[ServerProcess] = []
-
-    def start(*extra: str, **kwargs) -> ServerProcess:
-        srv = ServerProcess(tiny_models["llama"], "--max-model-len", "512", *extra, log_dir=tmp_path, **kwargs)
-        started.append(srv)
-        srv.wait_ready()
-        return srv
-
-    try:
+    with server_starter(tiny_models["llama"], tmp_path) as start:
         if request.param == "directory":
             prefill = start("--kv-offload-disk-path", str(tmp_path / "prefill-kv"), *disk)
             source = str(tmp_path / "prefill-kv")
@@ -65,9 +56,6 @@ def pd(tiny_models, tmp_path_factory, request):
                        "--kv-offload-disk-source", source, env=TRANSFER_KEY)
         with pd_proxy([prefill.url], [decode.url], tmp_path) as url:
             yield prefill, decode, url
-    finally:
-        for srv in started:
-            srv.stop(signal.SIGKILL)
 
 
 @contextlib.contextmanager
