@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def warmup_only(self, *a, grid, warmup, **kw):
         kernel = run(self, *a, grid=grid, warmup=True, **kw)
-        keys = ("HEAD_DIM", "IS_FP8", "IEEE", "SLIDING_WINDOW", "PAGED", "BLOCK_M", "BLOCK_N")
+        keys = ("HEAD_DIM", "IS_FP8", "IEEE", "SLIDING_WINDOW", "PAGED", "BLOCK_M", "BLOCK_N", "RANKS", "BLOCK")
         compiled.append((self.fn.__name__, {k: kw[k] for k in keys if k in kw}, kernel))
         return kernel
 
@@ -144,6 +144,9 @@ def _launch_everything(torch) -> None:
         for ranks in (2, 4, 8):
             addresses = torch.zeros(ranks, dtype=torch.int64)
             peer_sum.peer_sum(addresses, addresses, 0, torch.zeros(256 * 4096, dtype=dtype))
+            for hidden in (2048, 4096, 8192):
+                x, w = torch.zeros(256, hidden, dtype=dtype), torch.zeros(hidden, dtype=dtype)
+                peer_sum.peer_sum_add_norm(addresses, addresses, 0, x, w, 1e-6, x, x)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """On two or more GPUs: the all-reduce through the peers' memory (peer_all_reduce.py) gives
 NCCL's sums on random inputs, eagerly and replayed from a CUDA graph on new inputs (three in a
 row, one of them a matmul written straight into the buffer, the graph replayed back to back), in
-bf16 and float32; tensors it does not take (too large, another dtype), and those of eager steps,
+bf16 and float32; the sum fused with the next RMSNorm gives NCCL's sum normed by the norm kernel; tensors it does not take (too large, another dtype), and those of eager steps,
 are summed by NCCL.
 
 Skipped where fewer than two GPUs are visible (CI; a one-GPU machine); run on the GPU machine
@@ -69,6 +69,32 @@ def _rank(rank: int, store: str, out: str, dtype: torch.dtype) -> None:
             expected.append(static[1] * 0.5)
             dist.all_reduce(expected[2], group=group)
             checks[f"{dtype} {rows} replay {replay}"] = all(map(torch.equal, static, expected))
+    # The sum with the next RMSNorm's residual add and norm in one kernel (one program per row;
+    # Qwen3-30B-A3B's rows of 2,048 and Llama-3-8B's of 4,096): NCCL's sum, then the norm kernel.
+    from pagoda_kernels.rmsnorm import rmsnorm
+
+    for rows, hidden in ((1, 2048), (256, 2048), (300, 4096)):
+        x = torch.randn(rows, hidden, generator=gen, device=device, dtype=dtype)
+        residual = torch.randn(rows, hidden, generator=gen, device=device, dtype=dtype)
+        weight = 1 + 0.3 * torch.randn(hidden, generator=gen, device=device, dtype=dtype)
+        checks[f"{dtype} {rows}x{hidden} eager: not fused"] = tp.sum_add_norm(x, residual, weight, 1e-6) is None
+        graph = torch.cuda.CUDAGraph()
+        peer.capturing = True  # both kernels compiled outside the capture, the ranks in step
+        peer(x.clone())
+        tp.sum_add_norm(x, residual, weight, 1e-6)
+        peer.capturing, peer.calls = False, 0
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph), tp.graph_capture():
+            fused = tp.sum_add_norm(x, residual, weight, 1e-6)
+        for replay in range(2):
+            x.copy_(torch.randn(x.shape, generator=gen, device=device, dtype=dtype))
+            residual.copy_(torch.randn(x.shape, generator=gen, device=device, dtype=dtype))
+            graph.replay()
+            total = x.clone()
+            dist.all_reduce(total, group=group)
+            expected = rmsnorm(total, weight, 1e-6, residual=residual)
+            checks[f"{dtype} {rows}x{hidden} sum, add and norm, replay {replay}"] = (
+                fused is not None and torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1]))
     big = torch.randn(peer.max_numel + 4096, generator=gen, device=device, dtype=dtype)
     half = big.to(torch.float16)
     for name, t in (("too large", big), ("other dtype", half)):

@@ -194,3 +194,42 @@ def test_peer_sum_adds_every_buffer_in_rank_order_after_the_barrier(gen, dtype, 
     for other in range(ranks - 1):  # this rank's raised in each of theirs, once per program
         raised = pads[other].view(max_programs, ranks)
         assert raised[:programs, rank].eq(1).all() and not raised[programs:].any() and not raised[:, :rank].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 1000])
+def test_peer_sum_add_norm_is_the_sum_then_the_fused_norm(gen, dtype, hidden):
+    """The sum, the residual add and RMSNorm in one launch equal peer_sum then rmsnorm with the
+    residual (two launches) bit for bit, with more rows than programs (each program takes
+    several), after the same barrier; and the result is the engine's norm of the sum."""
+    from pagoda_kernels.peer_sum import peer_sum, peer_sum_add_norm
+
+    ranks, rank, max_programs = 3, 1, 3
+    rows = randint(gen, max_programs + 1, 12, 1)[0]
+    buffers = [randn(gen, rows * hidden + 64, dtype=dtype, scale=3.0) for _ in range(ranks)]
+    table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    residual = randn(gen, rows, hidden, dtype=dtype, scale=2.0)
+    weight = (1 + randn(gen, hidden, scale=0.3)).to(dtype)
+
+    def raised_pads() -> tuple[list[torch.Tensor], torch.Tensor]:
+        pads = [torch.zeros(max_programs * ranks, dtype=torch.int32) for _ in range(ranks)]
+        for r in range(ranks):
+            if r != rank:
+                pads[rank].view(max_programs, ranks)[:, r] = 1  # every other rank already here
+        return pads, torch.tensor([p.data_ptr() for p in pads])
+
+    pads, pad_table = raised_pads()
+    out, res_out = poisoned((rows, hidden), dtype), poisoned((rows, hidden), dtype)
+    peer_sum_add_norm(table, pad_table, rank, residual, weight, 1e-6, out, res_out, max_programs)
+    assert not pads[rank].any()  # the barrier ran: every flag taken down
+    assert all(p.view(max_programs, ranks)[:, rank].eq(1).all() for r, p in enumerate(pads) if r != rank)
+
+    pads, pad_table = raised_pads()
+    total = poisoned((rows, hidden), dtype)
+    peer_sum(table, pad_table, rank, total.view(-1), max_programs)
+    expected, expected_res = rmsnorm(total, weight, 1e-6, residual=residual)
+    assert torch.equal(res_out, expected_res) and torch.equal(out, expected)
+    ref, ref_res = rmsnorm_ref(sum(b[: rows * hidden].float() for b in buffers).to(dtype).view(rows, hidden),
+                               weight, 1e-6, residual=residual)
+    assert torch.equal(res_out, ref_res)
+    assert_close(out, ref, 1e-5 if dtype == torch.float32 else 5e-3)

@@ -59,6 +59,22 @@ def _rank(rank: int, seed: int, buffers: list[torch.Tensor], pads: list[torch.Te
     checks.append(launches == [ROWS * COLS] * CALLS + [0])
     with tp.graph_capture():  # every capture starts on slot 0
         checks.append(tp.all_reduce_input((4,), torch.float32).data_ptr() == buffers[rank].data_ptr())
+    # The sum with the next RMSNorm's residual add and norm in one kernel takes its turn in the
+    # slots as a plain sum does, and gives the sum's norm.
+    from pagoda_kernels.rmsnorm import rmsnorm
+
+    gen = torch.Generator().manual_seed(seed)
+    residual, weight = torch.randn(ROWS, COLS, generator=gen), 1 + 0.3 * torch.randn(COLS, generator=gen)
+    checks.append(tp.sum_add_norm(torch.mm(*_inputs(seed, 0, rank)), residual, weight, 1e-6) is None)  # eager: NCCL
+    with tp.graph_capture():
+        fused = tp.sum_add_norm(torch.mm(*_inputs(seed, CALLS, rank)), residual, weight, 1e-6)
+        parts = [torch.mm(*_inputs(seed, CALLS, r)) for r in range(2)]
+        expected = rmsnorm(parts[0] + parts[1], weight, 1e-6, residual=residual)
+        checks.append(fused is not None and torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1]))
+        target = tp.all_reduce_input((ROWS, COLS), torch.float32)
+        checks.append(target is not None and target.data_ptr() == buffers[rank].data_ptr() + NUMEL * 4)  # slot 1 next
+        checks.append(torch.equal(tp.all_reduce(torch.mm(*_inputs(seed, 0, rank), out=target)),
+                                  torch.mm(*_inputs(seed, 0, 0)) + torch.mm(*_inputs(seed, 0, 1))))
     results[rank, :len(checks)] = torch.tensor(checks)
     results[rank, -1] = 1  # finished
 
@@ -80,6 +96,6 @@ def test_two_ranks_sum_in_alternate_slots_each_sum_behind_a_barrier():
         p.kill()
     assert not hung, "a rank waited for the other's flag for two minutes"
     assert results[:, -1].all(), "a rank failed before its checks"
-    checks = 1 + 2 * CALLS + 2 + 1 + 1
+    checks = 1 + 2 * CALLS + 2 + 1 + 1 + 4
     assert results[:, :checks].all(), results[:, :checks]
     assert not any(p.any() for p in pads)  # every flag raised was taken down

@@ -85,6 +85,17 @@ class TensorParallel:
         which may be ``x`` itself, summed in place, or a new one."""
         return sum_over(self.group, x, self.peer) if self.enabled else x
 
+    def sum_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sum of ``x`` over the group, the residual added and RMSNorm applied, in one kernel
+        (``(normed, new residual)``), where the peer path sums ``x``; None elsewhere (the caller
+        sums by :meth:`all_reduce` and norms)."""
+        if not self.enabled or self.peer is None or not (self.peer.capturing and self.peer.takes(x)):
+            return None
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            return None
+        return self.peer.sum_add_norm(x, residual, weight, eps)
+
     def all_reduce_input(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """Where a partial product of ``shape`` that :meth:`all_reduce` sums next is best written
         (the peer path's buffer, sparing a copy), or None: anywhere."""
@@ -107,6 +118,24 @@ class TensorParallel:
         if total % self.size:
             raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {self.size}")
         return total // self.size
+
+
+@dataclass(frozen=True)
+class Unsummed:
+    """A row-parallel product not yet summed over ``tp``: what a layer hands the RMSNorm after
+    it, which sums it (``RMSNorm`` in models/layers.py), through the peers' memory together with
+    its residual add and norm where it can (:meth:`TensorParallel.sum_add_norm`)."""
+
+    partial: torch.Tensor
+    tp: TensorParallel
+
+    def total(self) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial)
+
+
+def summed(x: torch.Tensor | Unsummed) -> torch.Tensor:
+    """``x`` itself, or its partial products summed over their group."""
+    return x.total() if isinstance(x, Unsummed) else x
 
 
 SINGLE = TensorParallel()

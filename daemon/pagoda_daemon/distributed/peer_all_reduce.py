@@ -98,6 +98,21 @@ class PeerAllReduce:
         self.calls += 1
         return out
 
+    def sum_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum + residual) * weight, sum + residual), where sum is every rank's ``x``: the
+        all-reduce and the RMSNorm after it in one kernel, ``x`` placed as :meth:`__call__` places it."""
+        from pagoda_kernels.peer_sum import peer_sum_add_norm
+
+        dst = self.slot(tuple(x.shape))
+        if x.data_ptr() != dst.data_ptr():
+            dst.copy_(x)
+        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        normed = peer_sum_add_norm(self.tables[self.calls % 2], self.pads, self.rank, residual.contiguous(), weight,
+                                   eps, out, torch.empty_like(x), self.max_programs)
+        self.calls += 1
+        return normed
+
     def barrier(self) -> None:
         """Every rank here, none still reading a slot (the summing kernel with nothing to sum)."""
         self._sum(0, self.buffer[:0])

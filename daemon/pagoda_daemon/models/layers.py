@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel
+from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel, Unsummed, summed
 
 
 class RMSNorm(nn.Module):
@@ -28,8 +28,17 @@ class RMSNorm(nn.Module):
 
             self._kernel = rmsnorm
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor | Unsummed, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual). An
+        ``Unsummed`` x is summed over its group first: with the add and the norm in the same
+        kernel where the group's peer path takes it (a decode step's graph), else before them."""
+        if isinstance(x, Unsummed):
+            fused = None
+            if residual is not None and self._kernel is not None:
+                fused = x.tp.sum_add_norm(x.partial, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = x.total()
         if self._kernel is not None:
             return self._kernel(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -127,6 +136,14 @@ class RowParallelLinear(Linear):
         self.checkpoint_cols = (tp.rank * local, local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return summed(self.partial(x))
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return summed(self.partial_silu_mul(gate_up))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor | Unsummed:
+        """The product, left for the RMSNorm after it to sum over the ranks (where there is a
+        bias, which is added after the sum, or one rank: the product itself)."""
         if not self.tp.enabled:
             return super().forward(x)
         target = self.tp.all_reduce_input((*x.shape[:-1], self.weight.shape[0]), x.dtype)
@@ -136,15 +153,18 @@ class RowParallelLinear(Linear):
             out = torch.mm(x, self.weight.t(), out=target)
         else:
             out = F.linear(x, self.weight)
-        out = self.tp.all_reduce(out)
-        return out if self.bias is None else out + self.bias
+        return self._unsummed(out)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def partial_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | Unsummed:
         if not self.tp.enabled:
             return super().forward_silu_mul(gate_up)
         target = self.tp.all_reduce_input((gate_up.shape[0], self.weight.shape[0]), gate_up.dtype)
-        out = self.tp.all_reduce(self._gemv(gate_up, self.weight, None, out=target, silu_mul=True))
-        return out if self.bias is None else out + self.bias
+        return self._unsummed(self._gemv(gate_up, self.weight, None, out=target, silu_mul=True))
+
+    def _unsummed(self, partial: torch.Tensor) -> torch.Tensor | Unsummed:
+        if self.bias is None:
+            return Unsummed(partial, self.tp)
+        return self.tp.all_reduce(partial) + self.bias
 
 
 def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:

@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from pagoda_daemon.attention.backend import AttentionBackend, AttentionMetadata, KVCacheSpec
-from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel, kv_heads_per_rank
+from pagoda_daemon.distributed.parallel_state import (
+    SINGLE,
+    TensorParallel,
+    Unsummed,
+    kv_heads_per_rank,
+    summed,
+)
 from pagoda_daemon.models.layers import (
     MergedLinear,
     ParallelLMHead,
@@ -57,7 +63,7 @@ class Attention(nn.Module):
 
     def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project(positions, hidden)
-        return self.output(self.attend(q, k, v, kv_cache, meta))
+        return summed(self.output(self.attend(q, k, v, kv_cache, meta)))
 
     def project(self, positions, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D]: views of one projection, q and k rotated in place."""
@@ -82,8 +88,9 @@ class Attention(nn.Module):
         self.attn.forward(q[:n], k[:n], v[:n], kv_cache, meta, out=out[:n])
         return out
 
-    def output(self, o: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(o.reshape(-1, self.q_size))
+    def output(self, o: torch.Tensor) -> torch.Tensor | Unsummed:
+        """The output projection of ``o``, its sum over the ranks left to the norm after it."""
+        return self.o_proj.partial(o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -99,11 +106,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, kernels=kernels, tp=tp)
         self.act = SiluAndMul(kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Unsummed:
+        """Its sum over the ranks left to the norm after it."""
         gate_up = self.gate_up_proj(x)
         if self.down_proj.skinny(gate_up):  # batch-1 decode: the activation inside the down projection
-            return self.down_proj.forward_silu_mul(gate_up)
-        return self.down_proj(self.act(gate_up))
+            return self.down_proj.partial_silu_mul(gate_up)
+        return self.down_proj.partial(self.act(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -124,7 +132,7 @@ class DecoderLayer(nn.Module):
     # CUDA graphs (worker/piecewise_graphs.py) capture everything but the attention.
     def before_attention(self, positions, hidden, residual):
         """(q, k, v, residual): the norm (adding the residual stream) and the projections."""
-        if residual is None:
+        if residual is None:  # the first layer: the embedding, summed
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
@@ -132,7 +140,9 @@ class DecoderLayer(nn.Module):
         return (*self.self_attn.project(positions, hidden), residual)
 
     def after_attention(self, o, residual):
-        """(hidden, residual) from the attention's output: its projection, the norm, the MLP."""
+        """(hidden, residual) from the attention's output: its projection, the norm, the MLP.
+        Under tensor parallelism the projections' sums are left to the norms after them (the
+        next layer's, or the model's last, sums the MLP's), which can do both in one kernel."""
         hidden, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
         return self.mlp(hidden), residual
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel
+from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel, Unsummed
 from pagoda_daemon.models.layers import Linear
 from pagoda_daemon.models.llama import MLP, DecoderLayer, Qwen3ForCausalLM
 
@@ -118,7 +118,8 @@ class SparseMoE(nn.Module):
         copy = token % self.replica_counts[ids]
         return self.replica_slots[ids, copy]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Unsummed:
+        """The experts' output, its sum over the ranks left to the norm after it."""
         weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
         slots = self._slot_ids(ids)  # this rank computes slots first_expert.. (the kernel skips the others)
         if self._fused is not None:  # written where the all-reduce sums it from (the peers' buffer), if anywhere
@@ -129,7 +130,7 @@ class SparseMoE(nn.Module):
             every_expert_here = local == self.num_experts and not self.eplb
             out = moe_reference(x, self.w13, self.w2, weights,
                                 slots if every_expert_here else local_expert_ids(slots, self.first_expert, local))
-        return self.tp.all_reduce(out)
+        return Unsummed(out, self.tp) if self.tp.enabled else out
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
