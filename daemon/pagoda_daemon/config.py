@@ -78,6 +78,10 @@ class EngineConfig:
     eplb_step_interval: int = option(
         3000, "with EPLB: engine steps between rebalances (the load is counted over them)", minimum=1,
         maximum=10**9)
+    eplb_async_steps: int = option(
+        0, "with EPLB: move the experts' weights in the background while serving on the old placement, MoE layer "
+        "i switching to the new one this many steps + i after the rebalance (vLLM's eplb use_async); 0: move them "
+        "at the rebalance, serving paused meanwhile", minimum=0, maximum=10**6)
     # Elastic expert parallelism (docs/elastic-ep.md): the replica's expert-parallel size changes
     # while it serves, between these bounds; attention and the dense layers are then whole on
     # every rank and only the experts are spread.
@@ -145,6 +149,8 @@ class EngineConfig:
         if self.world_size % self.nnodes:
             raise ValueError(f"{self.world_size} ranks (tensor × expert parallel size) cannot be split evenly over "
                              f"nnodes {self.nnodes}")
+        if self.eplb_async_steps and not self.enable_eplb:
+            raise ValueError("eplb_async_steps needs enable_eplb")
         if self.elastic_ep or self.elastic_ep_min_size:
             self._check_elastic()
         if self.node_rank >= self.nnodes:
@@ -181,5 +187,7 @@ class EngineConfig:
             problems.append("elastic expert parallelism runs its ranks in one pod (nnodes 1)")
         if self.kv_offload_cpu_gib or self.kv_offload_disk_path:
             problems.append("elastic expert parallelism does not combine with KV offload yet")
+        if self.eplb_async_steps:
+            problems.append("elastic expert parallelism moves the experts at each resize itself (eplb_async_steps 0)")
         if problems:
             raise ValueError("; ".join(problems))

@@ -110,6 +110,7 @@ class Parallelism:
     elastic: Elastic | None = None
     eplb_redundant_experts: int | None = None  # set: EPLB on
     eplb_step_interval: int = 3000
+    eplb_async_steps: int = 0  # > 0: the experts move in the background (the daemon's eplb_async_steps)
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,7 @@ def parse(
         elastic=elastic,
         eplb_redundant_experts=int(_get(eplb, "redundantExperts", 0)) if eplb is not None else None,
         eplb_step_interval=int(_get(eplb, "stepInterval", 3000)),
+        eplb_async_steps=int(_get(eplb, "asyncSteps", 0)),
     )
     e = _get(spec, "engine", {})
     engine = Engine(
@@ -658,6 +660,8 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
     if p.eplb_redundant_experts is not None or p.elastic is not None:  # elastic EP places experts by EPLB
         optional.update(enable_eplb=True, num_redundant_experts=p.eplb_redundant_experts or 0,
                         eplb_step_interval=p.eplb_step_interval)
+    if p.eplb_async_steps:  # only when set: the pods of InferenceServices without it stay as rendered
+        optional["eplb_async_steps"] = p.eplb_async_steps
     if p.elastic is not None:
         optional.update(elastic_ep_min_size=p.elastic.min_expert, elastic_ep_max_size=p.elastic.max_expert)
     cfg.update({k: v for k, v in optional.items() if v is not None})
@@ -686,6 +690,7 @@ WRITE_POLICIES: tuple[str, ...] = next(d.info.choices or () for d in declared(En
 CRD_FIELD_OF_LAYOUT_OPTION = {
     "enable_eplb": "spec.parallelism.eplb",
     "num_redundant_experts": "spec.parallelism.eplb.redundantExperts",
+    "eplb_async_steps": "spec.parallelism.eplb.asyncSteps",
     "elastic_ep_max_size": "spec.parallelism.elastic.maxExpert",
 }
 
@@ -756,6 +761,9 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
             )
     if par.eplb_redundant_experts is not None and par.expert < 2:
         errors.append("parallelism.eplb needs parallelism.expert of 2 or more (it balances experts between ranks)")
+    if par.eplb_async_steps and par.elastic is not None:
+        errors.append("parallelism.eplb.asyncSteps does not combine with parallelism.elastic (a resize moves the "
+                      "experts itself)")
     el = par.elastic
     if el is not None:
         if not 1 <= el.min_expert <= par.expert <= el.max_expert or el.max_expert < 2:

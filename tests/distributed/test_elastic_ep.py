@@ -178,3 +178,6 @@ def test_elastic_requirements_are_named_in_one_message(tiny_models):
         EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, elastic_ep_min_size=1, elastic_ep_max_size=1)
     with pytest.raises(ValueError, match="at most elastic_ep_max_size"):
         EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, elastic_ep_min_size=4, elastic_ep_max_size=0)
+    with pytest.raises(ValueError, match=r"moves the experts at each resize itself \(eplb_async_steps 0\)"):
+        EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, elastic_ep_min_size=1, elastic_ep_max_size=4,
+                     eplb_async_steps=5)

@@ -68,3 +68,14 @@ def test_replica_table_has_a_fixed_width_and_refuses_a_missing_expert():
 def test_eplb_settings_the_model_cannot_take_are_refused(tiny_models, arch, expert, eplb, redundant, message):
     with pytest.raises(ValueError, match=message):
         check_layout(load_config(tiny_models[arch]), 1, expert, eplb, redundant)
+
+
+@pytest.mark.parametrize("value", [-1, 10**6 + 1])
+def test_eplb_async_steps_out_of_bounds_or_without_eplb_is_refused(tiny_models, value):
+    from pagoda_daemon.config import EngineConfig
+
+    with pytest.raises(ValueError, match="eplb_async_steps"):
+        EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, eplb_async_steps=value)
+    with pytest.raises(ValueError, match="eplb_async_steps needs enable_eplb"):
+        EngineConfig(model=tiny_models["qwen3_moe"], eplb_async_steps=2)
+    EngineConfig(model=tiny_models["qwen3_moe"], enable_eplb=True, eplb_async_steps=10**6)  # the largest: accepted

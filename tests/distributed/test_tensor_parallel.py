@@ -169,18 +169,22 @@ def test_expert_parallel_matches_transformers(tiny_models, tmp_path, tensor, exp
 
 
 EPLB = {"enable_eplb": True, "num_redundant_experts": 2, "eplb_step_interval": 3}
+# moved in the background: the tiny model's two MoE layers switch 1 and 2 steps after each rebalance
+EPLB_ASYNC = {**EPLB, "eplb_async_steps": 1}
 
 
-@pytest.mark.parametrize(("tensor", "expert"), [(1, 2), (2, 2)])
-def test_eplb_moves_experts_while_serving_and_the_output_stays_right(tiny_models, tmp_path, tensor, expert):
+@pytest.mark.parametrize(("tensor", "expert", "eplb"), [(1, 2, EPLB), (2, 2, EPLB), (1, 2, EPLB_ASYNC),
+                                                        (2, 2, EPLB_ASYNC)], ids=["1-2", "2-2", "1-2-async", "2-2-async"])
+def test_eplb_moves_experts_while_serving_and_the_output_stays_right(tiny_models, tmp_path, tensor, expert, eplb):
     """EPLB every 3 steps with 2 redundant slots: experts move between ranks during the run
-    (each rank's copies filled by sends from the others), and greedy output and prompt logprobs
+    (each rank's copies filled by sends from the others; synchronously, or by a thread while the
+    ranks serve on, each layer switching at its step), and greedy output and prompt logprobs
     still equal transformers'."""
     from pagoda_daemon.distributed.eplb import initial_placement
 
     path = tiny_models["qwen3_moe"]
     seed = int(torch.randint(0, 2**31, ()).item())
-    ranks = run_ranks(tensor * expert, path, seed, tmp_path, expert, EPLB)
+    ranks = run_ranks(tensor * expert, path, seed, tmp_path, expert, eplb)
     start = initial_placement(8, expert, (8 + 2) // expert)
     for case in CASES:
         got = ranks[0][case]
@@ -193,6 +197,7 @@ def test_eplb_moves_experts_while_serving_and_the_output_stays_right(tiny_models
 
 @pytest.mark.parametrize(("arch", "tensor", "expert", "extra"), [
     ("llama", 2, 1, None), ("qwen3_moe", 2, 1, None), ("qwen3_moe", 1, 2, None), ("qwen3_moe", 1, 2, EPLB),
+    ("qwen3_moe", 1, 2, EPLB_ASYNC),
     # steps padded to the token grid and run piece by piece (the GPU's piecewise graphs, here
     # without graphs): the row-parallel sums and the expert-parallel MoE inside the pieces
     ("llama", 2, 1, {"pad_eager_steps": True}), ("qwen3_moe", 1, 2, {"pad_eager_steps": True}),

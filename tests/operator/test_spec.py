@@ -274,3 +274,11 @@ def test_eplb_renders_the_daemons_eplb_options():
     assert "enable_eplb" not in daemon_config(parse("svc", "ns", {"model": MODEL}))
     with pytest.raises(InvalidSpec, match=r"parallelism\.eplb needs parallelism\.expert of 2 or more"):
         parse("svc", "ns", {"model": MODEL, "parallelism": {"eplb": {}}})
+    assert "eplb_async_steps" not in cfg  # rendered only when set: existing pods stay as they were
+    two = {"gpusPerReplica": 2}
+    cfg = daemon_config(parse("svc", "ns", {"model": MODEL, "resources": two,
+                                            "parallelism": {"expert": 2, "eplb": {"asyncSteps": 8}}}))
+    assert (cfg["enable_eplb"], cfg["eplb_async_steps"]) == (True, 8)
+    with pytest.raises(InvalidSpec, match=r"parallelism\.eplb\.asyncSteps does not combine with parallelism\.elastic"):
+        parse("svc", "ns", {"model": MODEL, "resources": two, "parallelism": {
+            "expert": 2, "eplb": {"asyncSteps": 8}, "elastic": {"minExpert": 1, "maxExpert": 4}}})

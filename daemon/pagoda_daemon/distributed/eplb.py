@@ -9,6 +9,18 @@ the same placement from the same numbers. Weights move with point-to-point sends
 ranks (``batch_isend_irecv``, NCCL or gloo) and in-place copies, so CUDA graphs captured over
 the expert tensors stay valid.
 
+Synchronously (the default) every layer's weights move at the rebalance and serving waits for
+them. Asynchronously (``eplb_async_steps`` > 0, vLLM's ``use_async``) a thread moves them while
+the replica serves on the old placement: it reads the slots this rank sends from the GPU on a
+stream of its own and exchanges them over a gloo group of their own through host memory, so
+nothing it does runs on the GPUs beside the steps' collectives (the NCCL kernels of two
+communicators on concurrent streams can wait on each other across ranks: vLLM forces
+synchronous EPLB where its all-to-all is NCCL's for that reason). Layer ``i`` takes its new
+experts and placement ``eplb_async_steps + i`` steps after the rebalance, one layer a step, by
+the same count on every rank, so the ranks switch together with no message; a rank whose thread
+has not finished that layer by then waits for it. The next rebalance is due only after the last
+layer has switched.
+
 A physical slot is one expert-sized place in a rank's stacked weights: rank ``r`` holds slots
 ``r·S .. r·S + S − 1`` with ``S = (experts + redundant) / ranks``.
 """
@@ -16,8 +28,10 @@ A physical slot is one expert-sized place in a rank's stacked weights: rank ``r`
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +43,7 @@ log = logging.getLogger(__name__)
 class EplbConfig:
     num_redundant_experts: int
     step_interval: int
+    async_steps: int = 0  # > 0: weights moved in the background, layer i switching async_steps + i steps later
 
 
 def initial_placement(num_experts: int, num_ranks: int, slots_per_rank: int) -> list[int]:
@@ -143,42 +158,134 @@ def move_plan(old: list[int], new: list[int], slots_per_rank: int) -> list[tuple
     return plan
 
 
-def move_weights(tensors: list[torch.Tensor], plan: list[tuple[int, int]], expert_group: int,
-                 slots_per_rank: int, peer: Callable[[int], int], group) -> None:
-    """Carry out `plan` on this rank's stacked expert tensors (each [S, ...]): receive what
-    other ranks send, send what they need, then copy, all from the weights as they were.
-    `peer(g)` is the rank of expert group g that holds the same slice of each expert as this one."""
-    first = expert_group * slots_per_rank
-    mine = range(first, first + slots_per_rank)
-    before = [t.clone() for t in tensors] if any(d in mine and s in mine for d, s in plan) else tensors
-    ops, received = [], []
-    for dest, src in plan:  # the same order on every rank: each pair's sends and receives match
-        if dest in mine and src not in mine:
-            bufs = [torch.empty_like(t[0]) for t in tensors]
-            received.append((dest - first, bufs))
-            ops += [dist.P2POp(dist.irecv, b, peer(src // slots_per_rank), group) for b in bufs]
-        elif src in mine and dest not in mine:
-            ops += [dist.P2POp(dist.isend, t[src - first].contiguous(), peer(dest // slots_per_rank), group)
-                    for t in tensors]
+@dataclass(frozen=True)
+class RankMoves:
+    """This rank's part of a move plan, each list in the plan's order (the same on every rank, so
+    each send meets its receive): ``receives`` (local slot, sending rank), ``sends`` (local slot,
+    receiving rank), ``copies`` (local slot, local slot it is copied from)."""
+
+    receives: list[tuple[int, int]]
+    sends: list[tuple[int, int]]
+    copies: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, plan: list[tuple[int, int]], expert_group: int, slots_per_rank: int,
+           peer: Callable[[int], int]) -> RankMoves:
+        """`peer(g)`: the rank of expert group g that holds the same slice of each expert as this one."""
+        first = expert_group * slots_per_rank
+        mine = range(first, first + slots_per_rank)
+        moves = cls([], [], [])
+        for dest, src in plan:
+            if dest in mine and src in mine:
+                moves.copies.append((dest - first, src - first))
+            elif dest in mine:
+                moves.receives.append((dest - first, peer(src // slots_per_rank)))
+            elif src in mine:
+                moves.sends.append((src - first, peer(dest // slots_per_rank)))
+        return moves
+
+
+def exchange(receives: list[tuple[list[torch.Tensor], int]], sends: list[tuple[list[torch.Tensor], int]],
+             group) -> None:
+    """Point-to-point: each (buffers, rank) of ``receives`` filled from that rank, each (tensors,
+    rank) of ``sends`` sent to it, all at once."""
+    ops = ([dist.P2POp(dist.irecv, b, rank, group) for bufs, rank in receives for b in bufs]
+           + [dist.P2POp(dist.isend, t, rank, group) for ts, rank in sends for t in ts])
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    for dest, src in plan:
-        if dest in mine and src in mine:
-            for t, old in zip(tensors, before):
-                t[dest - first].copy_(old[src - first])
-    for local, bufs in received:
-        for t, b in zip(tensors, bufs):
-            t[local].copy_(b)
+
+
+def place(tensors: list[torch.Tensor], copies: list[tuple[int, int]],
+          received: list[tuple[int, list[torch.Tensor]]]) -> None:
+    """Write a rank's new slots into its stacked expert tensors in place: its own slots copied
+    from the weights as they were, then the ones received."""
+    kept = [(dest, [t[src].clone() for t in tensors]) for dest, src in copies]
+    for slot, weights in [*kept, *received]:
+        for t, w in zip(tensors, weights, strict=True):
+            t[slot].copy_(w)
+
+
+def move_weights(tensors: list[torch.Tensor], plan: list[tuple[int, int]], expert_group: int,
+                 slots_per_rank: int, peer: Callable[[int], int], group) -> None:
+    """Carry out `plan` on this rank's stacked expert tensors (each [S, ...]), serving paused:
+    receive what other ranks send, send what they need, then copy, all from the weights as they were."""
+    moves = RankMoves.of(plan, expert_group, slots_per_rank, peer)
+    received = [(slot, [torch.empty_like(t[0]) for t in tensors]) for slot, _ in moves.receives]
+    exchange([(bufs, rank) for (_, bufs), (_, rank) in zip(received, moves.receives, strict=True)],
+             [([t[slot].contiguous() for t in tensors], rank) for slot, rank in moves.sends], group)
+    place(tensors, moves.copies, received)
+
+
+@dataclass
+class _LayerMove:
+    """One MoE layer's share of an asynchronous rebalance: what the thread fetched for it."""
+
+    placement: list[int] | None  # the layer's new placement; None once the layer has switched
+    plan: list[tuple[int, int]]
+    received: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)  # (local slot, host copies)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # this rank's own slots copied (dest, src)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Transfer:
+    """The background half of an asynchronous rebalance: for each layer in turn, this rank's
+    outgoing slots copied to the host (from a stream of their own on a GPU) and exchanged with
+    the other ranks over ``group`` (gloo) into host buffers."""
+
+    def __init__(self, layers: list, moves: list[_LayerMove], expert_group: int, slots_per_rank: int,
+                 peer: Callable[[int], int], group, first_switch_step: int) -> None:
+        self.moves = moves
+        self.first_switch_step = first_switch_step
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(layers, expert_group, slots_per_rank, peer, group),
+                                        name="pagoda-eplb-transfer", daemon=True)
+        self._thread.start()
+
+    def _run(self, layers: list, expert_group: int, slots_per_rank: int, peer: Callable[[int], int], group) -> None:
+        try:
+            device = layers[0].w13.device if layers else torch.device("cpu")
+            # its own stream: the steps go on meanwhile. Reading the weights there is safe: the
+            # rebalance read the loads on the host, so every earlier write to them has finished,
+            # and none comes until this layer switches, after this thread is done with it.
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            for layer, move in zip(layers, self.moves, strict=True):
+                tensors = [layer.w13.data, layer.w2.data]
+                moves = RankMoves.of(move.plan, expert_group, slots_per_rank, peer)
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    sends = [([t[slot].to("cpu") for t in tensors], rank) for slot, rank in moves.sends]
+                move.received = [(slot, [torch.empty(t.shape[1:], dtype=t.dtype) for t in tensors])
+                                 for slot, _ in moves.receives]
+                exchange([(bufs, rank) for (_, bufs), (_, rank) in zip(move.received, moves.receives, strict=True)],
+                         sends, group)
+                move.copies = moves.copies
+                move.done.set()
+        except BaseException as e:  # raised on the serving thread when the layer is due
+            self.error = e
+            for move in self.moves:
+                move.done.set()
+
+    def wait(self, index: int) -> _LayerMove:
+        move = self.moves[index]
+        move.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"EPLB: moving the experts in the background failed: {self.error}") from self.error
+        return move
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 class ExpertBalancer:
-    """Counts steps on one rank and rebalances every MoE layer every `step_interval` steps."""
+    """Counts steps on one rank and rebalances every MoE layer every `step_interval` steps.
+    ``transfer_group``: a gloo group over the same ranks, for asynchronous moves (``config.async_steps``)."""
 
-    def __init__(self, layers: list, config: EplbConfig, tp) -> None:
+    def __init__(self, layers: list, config: EplbConfig, tp, transfer_group=None) -> None:
         self.layers = layers
         self.config = config
         self.tp = tp
+        self.transfer_group = transfer_group
+        self._pending: _Transfer | None = None  # an asynchronous rebalance whose layers have not all switched
         self.steps = 0
         self.rebalances = 0
         self.slots_moved = 0
@@ -195,14 +302,22 @@ class ExpertBalancer:
 
     def reset(self) -> None:
         """Forget the load counted so far (warm-up and graph capture run the model too)."""
+        assert self._pending is None, "reset during an asynchronous rebalance"
         for layer in self.layers:
             layer.expert_load.zero_()
         self.steps = self._window_start = 0
 
+    @property
+    def is_async(self) -> bool:
+        return self.config.async_steps > 0 and self.tp.enabled and self.transfer_group is not None
+
     def step(self) -> None:
         self.steps += 1
-        if self.steps % self.config.step_interval == 0:
+        if self._pending is not None:
+            self._switch_due_layers()
+        if self.steps % self.config.step_interval == 0 and self._pending is None:
             self.rebalance()
+
 
     def take_stats(self) -> tuple[int, int, float, float, float]:
         """(rebalances, slots moved) since the previous call, the last rebalance's imbalance and
@@ -214,6 +329,7 @@ class ExpertBalancer:
     @torch.no_grad()
     def rebalance(self) -> None:
         moved = 0
+        moves: list[_LayerMove] = []
         before = [0.0] * self.tp.expert_groups
         after = [0.0] * self.tp.expert_groups
         for layer in self.layers:
@@ -228,12 +344,18 @@ class ExpertBalancer:
                 before[r] += b
                 after[r] += a
             plan = move_plan(old, new, layer.slots_per_rank)
-            if plan:
+            if self.is_async:
+                moves.append(_LayerMove(new, plan))
+            elif plan:
                 move_weights([layer.w13.data, layer.w2.data], plan, self.tp.expert_group, layer.slots_per_rank,
                              self._peer, self.tp.group)
                 layer.set_placement(new)
                 moved += len(plan)
             layer.expert_load.zero_()
+        if self.is_async and any(m.plan for m in moves):
+            slots = self.layers[0].slots_per_rank
+            self._pending = _Transfer(self.layers, moves, self.tp.expert_group, slots, self._peer,
+                                      self.transfer_group, self.steps + self.config.async_steps)
         self.rebalances += 1
         self.slots_moved += moved
         mean = sum(before) / len(before)
@@ -245,3 +367,28 @@ class ExpertBalancer:
         self._window_start = self.steps
         log.info("EPLB: rebalance %d after %d steps moved %d expert slots over %d layers", self.rebalances,
                  self.steps, moved, len(self.layers))
+        if self._pending is not None:
+            log.info("EPLB: the experts move in the background; layers switch from step %d, one a step",
+                     self._pending.first_switch_step)
+
+    @torch.no_grad()
+    def _switch_due_layers(self) -> None:
+        """Layers whose turn has come take their new experts (this rank's local moves from the
+        weights as they were, the rest from the thread's host copies) and placement."""
+        pending = self._pending
+        assert pending is not None
+        due = min(len(self.layers), self.steps - pending.first_switch_step + 1)
+        for index in range(due):
+            move = pending.moves[index]
+            if move.placement is None:
+                continue
+            layer = self.layers[index]
+            pending.wait(index)
+            place([layer.w13.data, layer.w2.data], move.copies, move.received)
+            if move.plan:
+                layer.set_placement(move.placement)
+            self.slots_moved += len(move.plan)
+            move.placement, move.received = None, []  # switched: its host copies freed
+        if due == len(self.layers):
+            pending.join()
+            self._pending = None

@@ -11,12 +11,14 @@ vLLM's ``v1/worker/gpu_worker.py`` is the model.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagoda_daemon.distributed.layout import num_experts_of
@@ -28,6 +30,9 @@ from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker.model_runner import LaunchedStep, ModelRunner
 
 log = logging.getLogger(__name__)
+# A background EPLB move gives up (and the engine with it) when a peer has not answered for this
+# long: a rank that died mid-transfer, rather than a wait for ever.
+EPLB_TRANSFER_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -122,13 +127,22 @@ class Worker:
             from pagoda_daemon.distributed.eplb import EplbConfig, ExpertBalancer
 
             layers = [m for m in model.modules() if getattr(m, "eplb", False)]
-            self.balancer = ExpertBalancer(layers, EplbConfig(config.num_redundant_experts, config.eplb_step_interval),
-                                           self.tp)
+            self.balancer = ExpertBalancer(
+                layers, EplbConfig(config.num_redundant_experts, config.eplb_step_interval, config.eplb_async_steps),
+                self.tp, transfer_group=self._eplb_transfer_group() if config.eplb_async_steps else None)
         self.runner = ModelRunner(model, model_config, config, self.device, self.dtype, max_model_len)
         self.uses_cuda_graphs = (self.device.type == "cuda" and self.backend.uses_kernels
                                  and not config.enforce_eager)
         self.offload: OffloadWorker | None = None  # KV offload's worker half, once the cache exists
         self._failed_kv_blocks: list[int] = []  # the latest step's blocks whose KV loads failed
+
+    def _eplb_transfer_group(self):
+        """A gloo group over this replica's ranks for EPLB's background moves (through host memory,
+        beside the steps' NCCL collectives; distributed/eplb.py); every rank creates it together."""
+        if not self.tp.enabled:
+            return None
+        return dist.new_group(dist.get_process_group_ranks(self.tp.group), backend="gloo",
+                              timeout=datetime.timedelta(seconds=EPLB_TRANSFER_TIMEOUT_S))
 
     def info(self) -> WorkerInfo:
         pin = self.cpu_pin
