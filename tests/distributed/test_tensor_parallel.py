@@ -227,7 +227,9 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_models):
 @pytest.mark.parametrize("layout", [
     ["--tensor-parallel-size", "2"], ["--expert-parallel-size", "2"],
     ["--expert-parallel-size", "2", "--enable-eplb", "--num-redundant-experts", "2", "--eplb-step-interval", "2"],
-], ids=["tensor", "expert", "expert-eplb"])
+    ["--expert-parallel-size", "2", "--enable-eplb", "--num-redundant-experts", "2", "--eplb-step-interval", "2",
+     "--eplb-async-steps", "1"],
+], ids=["tensor", "expert", "expert-eplb", "expert-eplb-async"])
 def test_pagoda_serve_with_ranks_in_processes(tiny_models, tmp_path, layout):
     """`pagoda serve --tensor-parallel-size 2` (or expert, with or without EPLB) on CPU: the
     engine core's worker is rank 0, the executor starts rank 1 in a process of its own (gloo),
