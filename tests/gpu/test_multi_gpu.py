@@ -15,7 +15,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.test_tensor_parallel import CASES, _run_cases, check_against_transformers
+from tests.distributed.test_tensor_parallel import (
+    CASES,
+    EPLB,
+    EPLB_ASYNC,
+    _run_cases,
+    check_against_transformers,
+)
 
 JOIN_TIMEOUT_S = 60 + 30 * len(CASES)
 pytestmark = [
@@ -24,7 +30,7 @@ pytestmark = [
 ]
 
 
-def _main(path: str, tensor: int, expert: int, seed: int, out: str) -> None:
+def _main(path: str, tensor: int, expert: int, seed: int, out: str, extra: dict | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 5)  # where it hangs, if it does
 
@@ -33,19 +39,22 @@ def _main(path: str, tensor: int, expert: int, seed: int, out: str) -> None:
         with open(out, "a") as f:
             f.write(json.dumps({case: result}) + "\n")
 
-    _run_cases(tensor * expert, path, seed, CASES, expert, device="cuda", on_case=record)
+    _run_cases(tensor * expert, path, seed, CASES, expert, device="cuda", on_case=record, extra=extra)
 
 
-@pytest.mark.parametrize(("arch", "tensor", "expert"), [
-    ("llama", 2, 1), ("qwen3", 2, 1), ("qwen3_moe", 2, 1), ("qwen3_moe", 1, 2),
-])
-def test_float32_on_two_gpus_matches_transformers(tiny_models, tmp_path, arch, tensor, expert):
+@pytest.mark.parametrize(("arch", "tensor", "expert", "extra"), [
+    ("llama", 2, 1, None), ("qwen3", 2, 1, None), ("qwen3_moe", 2, 1, None), ("qwen3_moe", 1, 2, None),
+    # EPLB every 3 steps, the experts moved at the rebalance (NCCL) or in the background (host
+    # memory, a gloo group, a CUDA stream of its own)
+    ("qwen3_moe", 1, 2, EPLB), ("qwen3_moe", 1, 2, EPLB_ASYNC),
+], ids=["llama-2-1", "qwen3-2-1", "qwen3_moe-2-1", "qwen3_moe-1-2", "qwen3_moe-1-2-eplb", "qwen3_moe-1-2-eplb-async"])
+def test_float32_on_two_gpus_matches_transformers(tiny_models, tmp_path, arch, tensor, expert, extra):
     """Every case's tokens against transformers, then that every case's engine shut down (the
-    ranks left their NCCL world) within the time allowed."""
+    ranks left their NCCL world) within the time allowed; with EPLB, that experts moved."""
     path = tiny_models[arch]
     seed = int(torch.randint(0, 2**31, ()).item())
     out = tmp_path / "result.jsonl"
-    proc = mp.get_context("spawn").Process(target=_main, args=(path, tensor, expert, seed, str(out)))
+    proc = mp.get_context("spawn").Process(target=_main, args=(path, tensor, expert, seed, str(out), extra))
     proc.start()
     proc.join(timeout=JOIN_TIMEOUT_S)
     hung = proc.is_alive()
@@ -54,6 +63,12 @@ def test_float32_on_two_gpus_matches_transformers(tiny_models, tmp_path, arch, t
         proc.join()
     result = {k: v for line in (out.read_text().splitlines() if out.exists() else []) for k, v in json.loads(line).items()}
     check_against_transformers(path, result, seed)
+    if extra is not None:
+        from pagoda_daemon.distributed.eplb import initial_placement
+
+        start = initial_placement(8, expert, (8 + extra["num_redundant_experts"]) // expert)
+        assert all(r["rebalances"] >= 1 for r in result.values()), {c: r["rebalances"] for c, r in result.items()}
+        assert any(p != start for r in result.values() for p in r["placements"]), "no expert moved"
     assert not hung and proc.exitcode == 0 and len(result) == len(CASES), (
         f"{len(result)} of {len(CASES)} cases ran; the process {'hung' if hung else f'exited {proc.exitcode}'}")
 
