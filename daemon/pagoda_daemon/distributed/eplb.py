@@ -318,7 +318,6 @@ class ExpertBalancer:
         if self.steps % self.config.step_interval == 0 and self._pending is None:
             self.rebalance()
 
-
     def take_stats(self) -> tuple[int, int, float, float, float]:
         """(rebalances, slots moved) since the previous call, the last rebalance's imbalance and
         the busiest rank's load per layer and step."""
