@@ -33,6 +33,7 @@ import triton.language as tl
 
 from pagoda_kernels._device import cast_to
 from pagoda_kernels._utils import next_pow2
+from pagoda_kernels.rmsnorm import add_residual, norm_row
 
 # At most this many programs (each needs one flag per rank in every pad: torch's default signal
 # pad of 9,216 bytes holds 2,304): the rest of a large tensor is summed by the same programs in
@@ -91,16 +92,11 @@ def _peer_sum_add_norm_kernel(table_ptr, pads_ptr, res_ptr, w_ptr, out_ptr, res_
     for row in range(pid.to(tl.int64), rows, tl.num_programs(0)):
         offs = row * N + cols
         x = cast_to(_rank_sum(table_ptr, offs, mask, dtype, RANKS), dtype)  # the sum, rounded as peer_sum's
-        # then rmsnorm's fused add and norm, in its order and casts (pagoda_kernels.rmsnorm)
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-        x = cast_to(x.to(tl.float32) + r.to(tl.float32), dtype)
+        # then rmsnorm's fused add and norm, by its own helpers
+        x = add_residual(x, tl.load(res_ptr + offs, mask=mask, other=0.0), dtype)
         tl.store(res_out_ptr + offs, x, mask=mask)
-        h = x.to(tl.float32)
-        var = tl.sum(h * h, 0) / N
-        h = h * tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-        # loaded per row: held across the rows it spilled at 8 ranks and rows of 8,192 (sm_90)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = w * cast_to(h, dtype).to(tl.float32)
+        # the weight loaded per row (norm_row): held across the rows it spilled at 8 ranks and rows of 8,192
+        out = norm_row(x, w_ptr, cols, mask, eps, N, dtype)
         tl.store(out_ptr + offs, cast_to(out, out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -17,6 +17,25 @@ from pagoda_kernels._utils import next_pow2
 
 
 @triton.jit
+def add_residual(x, r, dtype):
+    """x + r in the input dtype, as the engine adds them: the new residual stream."""
+    return cast_to(x.to(tl.float32) + r.to(tl.float32), dtype)
+
+
+@triton.jit
+def norm_row(x, w_ptr, cols, mask, eps, N, dtype):
+    """One row's RMSNorm in float32, rounded to ``dtype`` (x's), times the weight: the engine's
+    casts, in float32. Shared with peer_sum's fused sum and norm, so both give the same bits. The
+    weight is loaded after the row's reduction: held across it, peer_sum's at 8 ranks and rows of
+    8,192 spilled (sm_90)."""
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, 0) / N
+    h = h * tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return w.to(tl.float32) * cast_to(h, dtype).to(tl.float32)
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
     stride_x, stride_r, stride_o, stride_ro, N,
@@ -25,16 +44,13 @@ def _rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = cast_to(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)  # the add in the input dtype
+        x = add_residual(x, r, dtype)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, 0) / N
-    h = h * tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * cast_to(h, x_ptr.dtype.element_ty).to(tl.float32)
+    out = norm_row(x, w_ptr, cols, mask, eps, N, dtype)
     tl.store(out_ptr + row * stride_o + cols, cast_to(out, out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -90,7 +90,7 @@ class TensorParallel:
         """The sum of ``x`` over the group, the residual added and RMSNorm applied, in one kernel
         (``(normed, new residual)``), where the peer path sums ``x``; None elsewhere (the caller
         sums by :meth:`all_reduce` and norms)."""
-        if not self.enabled or self.peer is None or not (self.peer.capturing and self.peer.takes(x)):
+        if not self.enabled or self.peer is None or not self.peer.sums_now(x):
             return None
         if residual.shape != x.shape or residual.dtype != x.dtype:
             return None

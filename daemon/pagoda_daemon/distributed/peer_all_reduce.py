@@ -76,6 +76,10 @@ class PeerAllReduce:
         """Whether ``x`` goes this way: on the buffer's device, of its dtype, contiguous, small enough."""
         return x.device == self.buffer.device and x.is_contiguous() and self.fits(x.numel(), x.dtype)
 
+    def sums_now(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is summed this way now: inside a capture, and one it takes."""
+        return self.capturing and self.takes(x)
+
     def slot(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The slot the next all-reduce sums, as a tensor of ``shape``."""
         start = (self.calls % 2) * self.max_numel
@@ -91,12 +95,16 @@ class PeerAllReduce:
         """The sum of every rank's ``x``, in a new tensor: ``x`` in this rank's slot (copied there
         unless it was computed there), then one kernel: a barrier (every rank's part is in place),
         every rank's slot read and added up in rank order."""
-        dst = self.slot(tuple(x.shape))
-        if x.data_ptr() != dst.data_ptr():
-            dst.copy_(x)
+        self._stage(x)
         out = self._sum(self.calls % 2, torch.empty_like(x))
         self.calls += 1
         return out
+
+    def _stage(self, x: torch.Tensor) -> None:
+        """``x`` in this rank's slot for the next sum, copied there unless it was computed there."""
+        dst = self.slot(tuple(x.shape))
+        if x.data_ptr() != dst.data_ptr():
+            dst.copy_(x)
 
     def sum_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,9 +112,7 @@ class PeerAllReduce:
         all-reduce and the RMSNorm after it in one kernel, ``x`` placed as :meth:`__call__` places it."""
         from pagoda_kernels.peer_sum import peer_sum_add_norm
 
-        dst = self.slot(tuple(x.shape))
-        if x.data_ptr() != dst.data_ptr():
-            dst.copy_(x)
+        self._stage(x)
         out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         normed = peer_sum_add_norm(self.tables[self.calls % 2], self.pads, self.rank, residual.contiguous(), weight,
                                    eps, out, torch.empty_like(x), self.max_programs)
@@ -196,7 +202,7 @@ def sum_over(group: Any, x: torch.Tensor, peer: PeerAllReduce | None) -> torch.T
     """``x`` summed over ``group``: through the peers' memory where it fits and a CUDA graph is
     being captured under ``peer.graph_capture`` (the decode steps), else NCCL in place. Eager
     steps stay on NCCL: there the launches (copy, barrier, sum) cost the host more than NCCL's one."""
-    if peer is not None and peer.capturing and peer.takes(x):
+    if peer is not None and peer.sums_now(x):
         return peer(x)
     dist.all_reduce(x, group=group)
     return x

@@ -33,10 +33,8 @@ class RMSNorm(nn.Module):
         ``Unsummed`` x is summed over its group first: with the add and the norm in the same
         kernel where the group's peer path takes it (a decode step's graph), else before them."""
         if isinstance(x, Unsummed):
-            fused = None
-            if residual is not None and self._kernel is not None:
-                fused = x.tp.sum_add_norm(x.partial, residual, self.weight, self.eps)
-            if fused is not None:
+            if (residual is not None and self._kernel is not None
+                    and (fused := x.tp.sum_add_norm(x.partial, residual, self.weight, self.eps)) is not None):
                 return fused
             x = x.total()
         if self._kernel is not None:
