@@ -184,16 +184,21 @@ class RankMoves:
                 moves.sends.append((src - first, peer(dest // slots_per_rank)))
         return moves
 
-
-def exchange(receives: list[tuple[list[torch.Tensor], int]], sends: list[tuple[list[torch.Tensor], int]],
-             group) -> None:
-    """Point-to-point: each (buffers, rank) of ``receives`` filled from that rank, each (tensors,
-    rank) of ``sends`` sent to it, all at once."""
-    ops = ([dist.P2POp(dist.irecv, b, rank, group) for bufs, rank in receives for b in bufs]
-           + [dist.P2POp(dist.isend, t, rank, group) for ts, rank in sends for t in ts])
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    def exchange(self, outgoing: list[list[torch.Tensor]], tensors: list[torch.Tensor], device: torch.device | str,
+                 group) -> list[tuple[int, list[torch.Tensor]]]:
+        """Point-to-point, all at once: ``outgoing`` (the tensors of each of ``sends``, in order)
+        sent, each of ``receives`` filled into new buffers on ``device``, one slot of each of
+        ``tensors`` (the stacked expert tensors); the received (local slot, buffers)."""
+        received = [(slot, [torch.empty(t.shape[1:], dtype=t.dtype, device=device) for t in tensors])
+                    for slot, _ in self.receives]
+        ops = ([dist.P2POp(dist.irecv, b, rank, group) for (_, bufs), (_, rank) in zip(received, self.receives, strict=True)
+                for b in bufs]
+               + [dist.P2POp(dist.isend, t, rank, group)
+                  for ts, (_, rank) in zip(outgoing, self.sends, strict=True) for t in ts])
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return received
 
 
 def place(tensors: list[torch.Tensor], copies: list[tuple[int, int]],
@@ -211,9 +216,8 @@ def move_weights(tensors: list[torch.Tensor], plan: list[tuple[int, int]], exper
     """Carry out `plan` on this rank's stacked expert tensors (each [S, ...]), serving paused:
     receive what other ranks send, send what they need, then copy, all from the weights as they were."""
     moves = RankMoves.of(plan, expert_group, slots_per_rank, peer)
-    received = [(slot, [torch.empty_like(t[0]) for t in tensors]) for slot, _ in moves.receives]
-    exchange([(bufs, rank) for (_, bufs), (_, rank) in zip(received, moves.receives, strict=True)],
-             [([t[slot].contiguous() for t in tensors], rank) for slot, rank in moves.sends], group)
+    received = moves.exchange([[t[slot].contiguous() for t in tensors] for slot, _ in moves.sends], tensors,
+                              tensors[0].device, group)
     place(tensors, moves.copies, received)
 
 
@@ -223,8 +227,8 @@ class _LayerMove:
 
     placement: list[int] | None  # the layer's new placement; None once the layer has switched
     plan: list[tuple[int, int]]
+    mine: RankMoves  # this rank's part of the plan
     received: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)  # (local slot, host copies)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # this rank's own slots copied (dest, src)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -233,16 +237,15 @@ class _Transfer:
     outgoing slots copied to the host (from a stream of their own on a GPU) and exchanged with
     the other ranks over ``group`` (gloo) into host buffers."""
 
-    def __init__(self, layers: list, moves: list[_LayerMove], expert_group: int, slots_per_rank: int,
-                 peer: Callable[[int], int], group, first_switch_step: int) -> None:
+    def __init__(self, layers: list, moves: list[_LayerMove], group, first_switch_step: int) -> None:
         self.moves = moves
         self.first_switch_step = first_switch_step
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(layers, expert_group, slots_per_rank, peer, group),
-                                        name="pagoda-eplb-transfer", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(layers, group), name="pagoda-eplb-transfer",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, layers: list, expert_group: int, slots_per_rank: int, peer: Callable[[int], int], group) -> None:
+    def _run(self, layers: list, group) -> None:
         try:
             device = layers[0].w13.device if layers else torch.device("cpu")
             # its own stream: the steps go on meanwhile. Reading the weights there is safe: the
@@ -251,26 +254,20 @@ class _Transfer:
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None
             for layer, move in zip(layers, self.moves, strict=True):
                 tensors = [layer.w13.data, layer.w2.data]
-                moves = RankMoves.of(move.plan, expert_group, slots_per_rank, peer)
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    sends = [([t[slot].to("cpu") for t in tensors], rank) for slot, rank in moves.sends]
-                move.received = [(slot, [torch.empty(t.shape[1:], dtype=t.dtype) for t in tensors])
-                                 for slot, _ in moves.receives]
-                exchange([(bufs, rank) for (_, bufs), (_, rank) in zip(move.received, moves.receives, strict=True)],
-                         sends, group)
-                move.copies = moves.copies
+                    outgoing = [[t[slot].to("cpu") for t in tensors] for slot, _ in move.mine.sends]
+                move.received = move.mine.exchange(outgoing, tensors, "cpu", group)
                 move.done.set()
         except BaseException as e:  # raised on the serving thread when the layer is due
             self.error = e
             for move in self.moves:
                 move.done.set()
 
-    def wait(self, index: int) -> _LayerMove:
-        move = self.moves[index]
-        move.done.wait()
+    def wait(self, index: int) -> None:
+        """Until layer ``index``'s weights are here; the thread's error, if it failed."""
+        self.moves[index].done.wait()
         if self.error is not None:
             raise RuntimeError(f"EPLB: moving the experts in the background failed: {self.error}") from self.error
-        return move
 
     def join(self) -> None:
         self._thread.join()
@@ -309,7 +306,7 @@ class ExpertBalancer:
 
     @property
     def is_async(self) -> bool:
-        return self.config.async_steps > 0 and self.tp.enabled and self.transfer_group is not None
+        return self.config.async_steps > 0 and self.transfer_group is not None
 
     def step(self) -> None:
         self.steps += 1
@@ -344,7 +341,8 @@ class ExpertBalancer:
                 after[r] += a
             plan = move_plan(old, new, layer.slots_per_rank)
             if self.is_async:
-                moves.append(_LayerMove(new, plan))
+                moves.append(_LayerMove(new, plan, RankMoves.of(plan, self.tp.expert_group, layer.slots_per_rank,
+                                                                self._peer)))
             elif plan:
                 move_weights([layer.w13.data, layer.w2.data], plan, self.tp.expert_group, layer.slots_per_rank,
                              self._peer, self.tp.group)
@@ -352,9 +350,7 @@ class ExpertBalancer:
                 moved += len(plan)
             layer.expert_load.zero_()
         if self.is_async and any(m.plan for m in moves):
-            slots = self.layers[0].slots_per_rank
-            self._pending = _Transfer(self.layers, moves, self.tp.expert_group, slots, self._peer,
-                                      self.transfer_group, self.steps + self.config.async_steps)
+            self._pending = _Transfer(self.layers, moves, self.transfer_group, self.steps + self.config.async_steps)
         self.rebalances += 1
         self.slots_moved += moved
         mean = sum(before) / len(before)
@@ -383,7 +379,7 @@ class ExpertBalancer:
                 continue
             layer = self.layers[index]
             pending.wait(index)
-            place([layer.w13.data, layer.w2.data], move.copies, move.received)
+            place([layer.w13.data, layer.w2.data], move.mine.copies, move.received)
             if move.plan:
                 layer.set_placement(move.placement)
             self.slots_moved += len(move.plan)
