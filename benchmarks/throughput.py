@@ -86,7 +86,11 @@ def build_core(args):
                       **({} if args.max_piecewise_graph_tokens is None
                          else {"max_piecewise_graph_tokens": args.max_piecewise_graph_tokens}),
                       **({} if args.kv_offload_write_policy is None
-                         else {"kv_offload_write_policy": args.kv_offload_write_policy}))
+                         else {"kv_offload_write_policy": args.kv_offload_write_policy}),
+                      **({} if not args.eplb_step_interval else {
+                          "enable_eplb": True, "eplb_step_interval": args.eplb_step_interval,
+                          "num_redundant_experts": args.num_redundant_experts,
+                          "eplb_async_steps": args.eplb_async_steps}))
 
 
 def token_workload(num_seqs: int, min_input: int, max_input: int, min_output: int, max_output: int,
@@ -195,9 +199,12 @@ def throughput(args) -> dict:
             with open(args.step_log, "w") as f:
                 f.writelines(json.dumps(rec) + "\n" for rec in step_log)
         offload = core.connector.take_stats() if core.connector is not None else None
+        balancer = core.make_stats().balancer if args.eplb_step_interval else None
         rounds.append({"time_s": round(elapsed, 3), "output_tok_per_s": round(generated / elapsed, 1),
                        **({"kv_offload_saved_bytes": offload.saved_bytes, "kv_offload_hits": offload.hits}
                           if offload is not None else {}),
+                       **({"eplb_rebalances": balancer.rebalances, "eplb_slots_moved": balancer.slots_moved,
+                           "eplb_imbalance_after": balancer.imbalance_after} if balancer is not None else {}),
                        "output_tokens_generated": generated, "steps": len(steps),
                        "triton_compiles": compiles.summary(), **stalls, **kernels,
                        **({"sm_clock_mhz_before_step": clocks} if clocks else {})})
@@ -516,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-offload-cpu-gib", type=float, default=0.0, help="KV offload to this much host memory")
     ap.add_argument("--kv-offload-write-policy", choices=("write-through", "write-back"), default=None,
                     help="when the host tier gets a copy of a block (the engine's default otherwise)")
+    ap.add_argument("--eplb-step-interval", type=int, default=0, help="EPLB on, rebalancing every this many steps")
+    ap.add_argument("--num-redundant-experts", type=int, default=0, help="with EPLB: extra expert slots")
+    ap.add_argument("--eplb-async-steps", type=int, default=0, help="with EPLB: move the experts in the background")
     ap.add_argument("--profile-run", action="store_true", help="GPU time per kernel over each round")
     ap.add_argument("--step-log", default=None, metavar="FILE",
                     help="what each step of the first round scheduled, one JSON line a step")
