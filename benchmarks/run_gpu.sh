@@ -8,7 +8,7 @@
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               prefill-profile|kernels-prefill|
-#                                               all-reduce] ...
+#                                               all-reduce|dp] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -578,6 +578,56 @@ if has serve-sweep; then
     measure vllm 18001 /health $!
   fi
   tar czf "$OUT/sweep-points.tgz" -C "$OUT" sweep  # the points lie deeper than the device tool brings back
+fi
+if has dp; then
+  # Issue #17: data parallelism. `pagoda serve --data-parallel-size N` (N engines, one GPU each, behind
+  # one API server) for each of DP_SIZES, the same requests at once from `pagoda bench serve`
+  # (DP_PROMPTS streamed token-id prompts of 103-921 tokens, 103-921 out); /health says where they
+  # went. With the vLLM kit unpacked (a `vllm-stash` call first, .vllm_b carried, DP_VLLM=1), `vllm
+  # serve --data-parallel-size N` after each model's Pagoda runs. DP_MODELS: configs under $CFG.
+  step "data parallelism: pagoda serve --data-parallel-size ${DP_SIZES:-1 2}, same requests"
+  [ -z "${DP_VLLM:-}" ] || unpack_vllm || status=1
+  dp_bench() {  # LABEL PORT DP PID: the requests once the server is ready, then stop it
+    if wait_ready "$2" "$5" "$4"; then
+      python3 -m pagoda_daemon bench serve --base-url "http://127.0.0.1:$2" --model m --vocab-size "$vocab" \
+        --num-prompts "${DP_PROMPTS:-1024}" --input-len 512 --range-ratio 0.8 --output-len 512 --seed 0 --no-progress \
+        --result-file "$OUT/dp-$1-$cfg-$3.json" > /dev/null || status=1
+      curl -s "localhost:$2/health" > "$OUT/dp-$1-$cfg-$3-health.json"
+      python3 - "$1" "$cfg" "$3" "$OUT/dp-$1-$cfg-$3.json" "$OUT/dp-$1-$cfg-$3-health.json" <<'PY' | tee -a "$OUT/dp.jsonl"
+import json, sys
+server, model, dp, result, health = sys.argv[1:]
+r = json.load(open(result))
+try:
+    engines = json.load(open(health))["engine"].get("engines")
+except (ValueError, KeyError):
+    engines = None
+print(json.dumps({"server": server, "model": model, "data_parallel_size": int(dp), "completed": r["completed"],
+                  "failed": r["failed"], "duration_s": r["duration_s"], "output_throughput": r["output_throughput"],
+                  "total_token_throughput": r["total_token_throughput"], "ttft_ms_p50": r["ttft_ms"]["p50"],
+                  "engines": engines}))
+PY
+    else status=1; tail -20 "$OUT/dp-$1-$cfg-$3.log"; fi
+    kill -TERM "$4"; wait "$4"
+  }
+  for cfg in ${DP_MODELS:-qwen3-0.6b llama3-8b}; do
+    M=/tmp/dp-$cfg; mkdir -p $M && cp $CFG/$cfg/config.json $M/
+    vocab=$(python3 -c "import json; print(json.load(open('$M/config.json'))['vocab_size'])")
+    python3 -c "from benchmarks.throughput import save_word_level_tokenizer as s; s($vocab, '$M')" || status=1
+    for dp in ${DP_SIZES:-1 2}; do
+      python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 4096 --port 18000 --served-model-name m \
+        --device cuda --dtype bfloat16 --seed 0 --data-parallel-size "$dp" > "$OUT/dp-pagoda-$cfg-$dp.log" 2>&1 &
+      dp_bench pagoda 18000 "$dp" $! /ready
+    done
+    if [ -n "${DP_VLLM:-}" ] && [ -f /tmp/vsite/vllm/__init__.py ]; then
+      for dp in ${DP_SIZES:-1 2}; do
+        VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
+          PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
+          --max-model-len 4096 --port 18001 --served-model-name m --generation-config vllm --seed 0 \
+          --data-parallel-size "$dp" > "$OUT/dp-vllm-$cfg-$dp.log" 2>&1 &
+        dp_bench vllm 18001 "$dp" $! /health
+      done
+    fi
+  done
 fi
 echo; echo "run_gpu.sh finished with status $status"
 exit $status

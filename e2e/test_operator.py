@@ -432,7 +432,8 @@ def test_invalid_combination_is_degraded_and_children_untouched(cluster, ns, ope
     wait_ready(cluster, "combo", ns, replicas=1, op=operator)
     before = versions(cluster, "combo", ns)
     cluster.kubectl(
-        "patch", "pisvc", "combo", "-n", ns, "--type=merge", "-p", '{"spec":{"parallelism":{"data":3}}}'
+        "patch", "pisvc", "combo", "-n", ns, "--type=merge", "-p",
+        '{"spec":{"parallelism":{"data":3},"engine":{"kvCacheDtype":"fp8"}}}'
     )
 
     def degraded():
@@ -442,7 +443,7 @@ def test_invalid_combination_is_degraded_and_children_untouched(cluster, ns, ope
     c = cluster.wait_for(degraded, timeout=30, what="Degraded/InvalidSpec")
     assert c["status"] == "True" and "= 12 must equal resources.gpusPerReplica (4)" in c["message"]
     # and the daemon's capability list, read by the operator: no crash-looping pod for it
-    assert "spec.parallelism.data: data parallelism" in c["message"], c
+    assert "spec.engine.kvCacheDtype: an fp8 KV cache" in c["message"], c
     time.sleep(2)
     assert versions(cluster, "combo", ns) == before
     events = cluster.kubectl(

@@ -98,8 +98,6 @@ def test_what_the_operator_refuses_the_daemon_refuses_too(tmp_path):
         resolve_options(build_parser().parse_args(argv), _explicit_options(argv))
     needs = {d.name: d.info.needs for d in declared(EngineConfig) if d.info.needs}
     for option, field in spec.CRD_FIELD_OF_OPTION.items():
-        if option == "data_parallel_size":  # rendered as 1 here
-            continue
         refused_by_both = not capabilities.supported(needs[option])  # this build's list decides for both
         assert (field + ":" in str(refused.value)) == refused_by_both, field
         assert ("--" + option.replace("_", "-") in str(daemon_refused.value)) == refused_by_both, option

@@ -4,6 +4,8 @@ are generated from these declarations (``options.py``); names follow vLLM's engi
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 from pagoda_daemon.options import check_bounds, option
@@ -93,7 +95,13 @@ class EngineConfig:
     disable_custom_all_reduce: bool = option(
         False, "sum the ranks' partial products with NCCL only, not small ones from the other GPUs' memory "
         "over NVLink (one pod's GPUs)")
-    data_parallel_size: int = option(1, "engine replicas inside one daemon", minimum=1, needs="data_parallel")
+    # Data parallelism (docs/parallelism.md): engines of their own, each with its scheduler, KV
+    # cache and tensor × expert ranks on GPUs of its own; the API server spreads requests over them.
+    data_parallel_size: int = option(
+        1, "engines in this daemon, each on tensor × expert GPUs of its own; the API server sends each request "
+        "to the one with the fewest in flight", minimum=1, maximum=64, needs="data_parallel")
+    data_parallel_rank: int = option(0, "which of those engines this is (the daemon sets it for each)",
+                                     minimum=0, maximum=63, cli=False)
     # Ranks over several pods (nodes): node 0 runs the API server and the engine core with its
     # share of the ranks; nodes 1..nnodes-1 run only theirs (docs/parallelism.md, "Across pods").
     nnodes: int = option(1, "pods (or hosts) the tensor × expert ranks are spread over, an equal share on each",
@@ -132,6 +140,19 @@ class EngineConfig:
         return self.elastic_ep_max_size > 0
 
     @property
+    def device_offset(self) -> int:
+        """The node-local index of this engine's first GPU: data-parallel engine d runs on GPUs
+        d·ranks .. d·ranks + ranks − 1 of those visible."""
+        return self.data_parallel_rank * self.ranks_per_node
+
+    def for_data_parallel_rank(self, rank: int) -> EngineConfig:
+        """The configuration of data-parallel engine `rank`: its place, and a disk tier of its own."""
+        disk = self.kv_offload_disk_path
+        if disk and self.data_parallel_size > 1:
+            disk = os.path.join(disk, f"dp{rank}")
+        return dataclasses.replace(self, data_parallel_rank=rank, kv_offload_disk_path=disk)
+
+    @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
 
@@ -149,6 +170,8 @@ class EngineConfig:
         if self.world_size % self.nnodes:
             raise ValueError(f"{self.world_size} ranks (tensor × expert parallel size) cannot be split evenly over "
                              f"nnodes {self.nnodes}")
+        if self.data_parallel_size > 1:
+            self._check_data_parallel()
         if self.eplb_async_steps and not self.enable_eplb:
             raise ValueError("eplb_async_steps needs enable_eplb")
         if self.elastic_ep or self.elastic_ep_min_size:
@@ -159,6 +182,28 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.numa_policy not in ("auto", "none") and not self.numa_policy.startswith("cpus="):
             raise ValueError(f"numa_policy must be auto, none or cpus=<list>, got {self.numa_policy!r}")
+
+    def _check_data_parallel(self) -> None:
+        """What data parallelism does not combine with yet, all named in one message."""
+        problems = []
+        if self.data_parallel_rank >= self.data_parallel_size:
+            problems.append(f"data_parallel_rank {self.data_parallel_rank} must be below data_parallel_size "
+                            f"{self.data_parallel_size}")
+        if self.data_parallel_size * self.world_size > 64:
+            problems.append(f"data_parallel_size × tensor × expert parallel size = "
+                            f"{self.data_parallel_size * self.world_size} GPUs; at most 64")
+        if self.nnodes != 1:
+            problems.append("data parallelism runs its engines in one pod (nnodes 1)")
+        if self.elastic_ep:
+            problems.append("elastic expert parallelism resizes one engine (data_parallel_size 1)")
+        if self.device.startswith("cuda:"):
+            problems.append(f"device {self.device} names one GPU; data-parallel engines take GPUs in order "
+                            "(device cuda or auto)")
+        if self.kv_offload_disk_source or self.kv_transfer_port:
+            problems.append("prefill/decode disaggregation (kv_offload_disk_source, kv_transfer_port) runs one "
+                            "engine per instance (data_parallel_size 1)")
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def check_elastic_size(self, size: int) -> None:
         """A resize's size, refused (ValueError) outside the elastic bounds; the API and the

@@ -291,8 +291,9 @@ def _resources(spec: ServiceSpec) -> dict[str, Any]:
         for k in ("requests", "limits"):
             out.setdefault(k, {})[spec.gpu_resource] = spec.gpus_per_engine // spec.pods_per_replica
     # The host-memory KV tier is allocated up front (pinned on GPUs, never swapped): a memory
-    # request or limit the user gave is for the engine without it, so the pool is added on top.
-    pool = int((spec.kv_offload.cpu_gib or 0) * 2**30)
+    # request or limit the user gave is for the engine without it, so the pool is added on top
+    # (each data-parallel engine has one).
+    pool = int((spec.kv_offload.cpu_gib or 0) * 2**30) * spec.parallelism.data
     for k in ("requests", "limits"):
         given = quantity_bytes(out.get(k, {}).get("memory")) if "memory" in out.get(k, {}) else None
         if pool and given is not None:
@@ -333,7 +334,7 @@ def _volumes(spec: ServiceSpec, settings: Settings) -> tuple[list[dict[str, Any]
     if kv.disk_path:
         empty: dict[str, Any] = {}
         if kv.disk_gib:
-            empty["sizeLimit"] = f"{int(kv.disk_gib * 1024)}Mi"
+            empty["sizeLimit"] = f"{int(kv.disk_gib * 1024) * spec.parallelism.data}Mi"  # a tier per engine
         volumes.append({"name": "kv-offload", "emptyDir": empty})
         mounts.append({"name": "kv-offload", "mountPath": kv.disk_path})
     return volumes, mounts

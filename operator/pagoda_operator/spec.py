@@ -732,10 +732,14 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
     errors += disaggregation_errors(s, supports)
     par = s.parallelism
     ranks = par.tensor * par.expert * par.data
-    if s.gpus == 0:  # CPU ranks over gloo share the pod's cores: a layout can be tried without GPUs
-        if par.data != 1:
-            errors.append("with resources.gpusPerReplica 0 (CPU) parallelism.data must be 1")
-    elif par.elastic is None and ranks != s.gpus_per_engine and not (s.disaggregation and s.gpus % 2):
+    if par.data > 1 and s.disaggregation:
+        errors.append("parallelism.data above 1 does not combine with spec.disaggregation (each of its two engines "
+                      "runs alone)")
+    if par.data > 1 and par.elastic is not None:
+        errors.append("parallelism.data above 1 does not combine with parallelism.elastic (a resize changes one "
+                      "engine)")
+    # (gpusPerReplica 0: CPU ranks over gloo share the pod's cores, so a layout can be tried without GPUs)
+    if s.gpus and par.elastic is None and ranks != s.gpus_per_engine and not (s.disaggregation and s.gpus % 2):
         # one engine rank per GPU: none idle, none shared
         per = " / 2 (each of the two engines of spec.disaggregation)" if s.disaggregation else ""
         errors.append(

@@ -115,6 +115,19 @@ def test_the_host_memory_kv_pool_is_added_to_the_memory_the_user_gave(given, exp
     assert container(kids)["resources"] == expected
 
 
+def test_data_parallel_engines_get_their_gpus_and_a_kv_tier_each():
+    """parallelism.data: 2 renders the option, every engine's GPUs, and twice the host-memory
+    pool and the disk tier (each engine has tiers of the sizes given)."""
+    _, kids = build(resources={"gpusPerReplica": 4}, parallelism={"tensor": 2, "data": 2},
+                    pod={"resources": {"limits": {"memory": "64Gi"}}},
+                    kvOffload={"cpuGiB": 8, "disk": {"path": "/kv", "sizeGiB": 10}})
+    cfg = yaml.safe_load(kids.config_map["data"]["engine.yaml"])
+    assert (cfg["data_parallel_size"], cfg["tensor_parallel_size"], cfg["kv_offload_cpu_gib"]) == (2, 2, 8)
+    assert container(kids)["resources"]["limits"] == {"nvidia.com/gpu": 4, "memory": f"{(64 + 16) * 1024}Mi"}
+    vols = {v["name"]: v for v in kids.workload["spec"]["template"]["spec"]["volumes"]}
+    assert vols["kv-offload"]["emptyDir"] == {"sizeLimit": f"{2 * 10 * 1024}Mi"}
+
+
 def test_engine_config_in_the_config_map():
     _, kids = build(
         resources={"gpusPerReplica": 8},

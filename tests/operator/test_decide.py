@@ -44,8 +44,8 @@ def test_an_invalid_spec_keeps_the_children_and_the_live_replicas():
 
 
 def test_a_capability_the_daemon_lacks_blocks_the_generation():
-    d = decide(observed(isvc(resources={"gpusPerReplica": 2}, parallelism={"data": 2})), SETTINGS, NOW)
-    assert d.children is None and d.blocker is not None and "spec.parallelism.data" in d.blocker.message
+    d = decide(observed(isvc(engine={"kvCacheDtype": "fp8"})), SETTINGS, NOW)
+    assert d.children is None and d.blocker is not None and "spec.engine.kvCacheDtype" in d.blocker.message
 
 
 def test_more_gpus_than_any_node_offers_is_invalid():

@@ -410,14 +410,14 @@ def test_foreign_network_policy_is_not_overwritten(fake_kube):
 
 
 def test_an_unsupported_capability_is_a_degraded_condition_not_a_crash_loop(fake_kube):
-    fake_kube.put(isvc(resources={"gpusPerReplica": 2}, parallelism={"data": 2}))
+    fake_kube.put(isvc(engine={"kvCacheDtype": "fp8"}))
     ctx = make(fake_kube)
     ctx.supports = supported  # the daemon's own capability list
     r = reconcile(ctx, "default", "llama", "create")
     assert r.wrote == ["status"] and children_writes(fake_kube) == []
     deg = condition(status(fake_kube), "Degraded")
     assert (deg["status"], deg["reason"]) == ("True", "InvalidSpec")
-    assert "spec.parallelism.data: data parallelism" in deg["message"]
+    assert "spec.engine.kvCacheDtype: an fp8 KV cache" in deg["message"]
 
 
 def test_a_starting_pod_shows_its_start_up_phase_in_status(fake_kube):

@@ -77,7 +77,10 @@ INVALID = [
         {"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 2, "expert": 4}},
         "= 8 must equal resources.gpusPerReplica (4)",
     ),
-    ({"resources": {"gpusPerReplica": 0}, "parallelism": {"data": 2}}, "(CPU) parallelism.data must be 1"),
+    (
+        {"resources": {"gpusPerReplica": 4}, "parallelism": {"data": 2}, "disaggregation": {"kvDiskGiB": 10}},
+        "parallelism.data above 1 does not combine with spec.disaggregation",
+    ),
     (  # GPUs the engine would leave idle
         {"resources": {"gpusPerReplica": 4}, "parallelism": {"tensor": 2}},
         "tensor (2) × expert (1) × data (1) = 2 must equal resources.gpusPerReplica (4)",
@@ -225,7 +228,6 @@ def test_desired_replicas(replicas, autoscaling, autoscaled, expected):
 @pytest.mark.parametrize(
     "extra, field",
     [
-        ({"resources": {"gpusPerReplica": 2}, "parallelism": {"data": 2}}, "spec.parallelism.data"),
         ({"engine": {"kvCacheDtype": "fp8"}}, "spec.engine.kvCacheDtype"),
     ],
 )

@@ -276,7 +276,7 @@ def test_api_killed_engine_exits_within_a_second_and_removes_its_ipc_files(start
     srv = start_server()
     (ipc_dir,) = srv.ipc_dirs()
     assert stat.S_IMODE(ipc_dir.stat().st_mode) == 0o700  # the IPC sockets are the owner's only
-    assert sorted(p.name for p in ipc_dir.iterdir()) == ["in", "out"]
+    assert sorted(p.name for p in ipc_dir.iterdir()) == ["in0", "out0"]  # engine 0's pair
     engine = srv.engine_pid()
     lines: list[tuple[float, str]] = []
     started = threading.Event()

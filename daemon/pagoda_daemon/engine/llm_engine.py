@@ -26,6 +26,9 @@ from pagoda_daemon.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size > 1:  # one engine in this process; `pagoda serve` runs several
+            raise ValueError("data_parallel_size above 1 runs one engine per data-parallel rank behind `pagoda serve`; "
+                             "offline, start one LLM per set of GPUs")
         self.config = config
         self.model_config = loader.load_config(config.model)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or config.model)

@@ -221,6 +221,18 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
         )
 
 
+    def with_gauges_of(self, engines: list[EngineStats]) -> EngineStats:
+        """These counters with the gauges of several engines together (data parallelism, the
+        engines' latest stats): requests and blocks summed, KV usage over all their blocks."""
+        if len(engines) <= 1:
+            return self
+        blocks = sum(e.num_kv_blocks for e in engines)
+        return msgspec.structs.replace(
+            self, num_running=sum(e.num_running for e in engines), num_waiting=sum(e.num_waiting for e in engines),
+            kv_cache_usage=sum(e.kv_cache_usage * e.num_kv_blocks for e in engines) / blocks if blocks else 0.0,
+            num_kv_blocks=blocks, num_free_kv_blocks=sum(e.num_free_kv_blocks for e in engines))
+
+
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
     outputs: list[EngineCoreOutput]
     stats: EngineStats

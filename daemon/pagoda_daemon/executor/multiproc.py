@@ -93,7 +93,7 @@ def worker_main(rank: int, size: int, rdv: Rendezvous, config: EngineConfig, mod
     step it is sent."""
     configure_logging(os.environ.get(LEVEL_ENV, "INFO"), f"tp-rank-{rank}")
     _exit_when_orphaned(parent_pid)
-    local_rank = rank % config.ranks_per_node
+    local_rank = config.device_offset + rank % config.ranks_per_node  # the GPU's index on the node
     os.environ["LOCAL_RANK"] = str(local_rank)
     stopped = threading.Event()  # set on Stop: node 0 going away after it is then no failure
     folder = os.path.dirname(rdv.file) if rdv.file else ""
@@ -321,8 +321,8 @@ class MultiprocExecutor(Executor):
         self._stopped = threading.Event()
         if exit_on_worker_death:
             threading.Thread(target=self._exit_when_a_rank_dies, name="rank-watch", daemon=True).start()
-        os.environ.setdefault("LOCAL_RANK", "0")
-        self.control = join_world(0, size, rdv, device_type, 0, self._stopped)
+        os.environ.setdefault("LOCAL_RANK", str(config.device_offset))
+        self.control = join_world(0, size, rdv, device_type, config.device_offset, self._stopped)
         self.worker = Worker(config, model_config, max_model_len)
         self.infos: list[WorkerInfo] = all_gather_infos(self.worker.info(), size, self.control)
         self.writer = step_plan.PlanWriter()

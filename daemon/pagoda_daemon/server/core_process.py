@@ -52,7 +52,7 @@ class ParentGone(BaseException):
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
                     log_level: str = "INFO", kv_events_endpoint: str | None = None) -> None:
     """Process entry point (multiprocessing spawn target)."""
-    configure_logging(log_level, "engine-core")
+    configure_logging(log_level, "engine-core" + (f"-{config.data_parallel_rank}" if config.data_parallel_size > 1 else ""))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when we stop
     try:
         _exit_with_parent(parent_pid)
@@ -139,9 +139,10 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
         )))
         outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))  # gauges start from the truth
         if kv_events_endpoint:
-            from pagoda_daemon.telemetry.kv_events import KVEventPublisher
+            from pagoda_daemon.telemetry.kv_events import KVEventPublisher, offset_endpoint
 
-            publisher = KVEventPublisher(kv_events_endpoint)
+            rank = config.data_parallel_rank
+            publisher = KVEventPublisher(offset_endpoint(kv_events_endpoint, rank), data_parallel_rank=rank)
             log.info("publishing KV events on %s", publisher.endpoint)
         try:
             _loop(core, inputs, outputs, parent_pid, config.block_size, publisher)

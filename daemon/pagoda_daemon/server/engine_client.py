@@ -1,10 +1,12 @@
-"""The API server's handle on the EngineCore process.
+"""The API server's handle on the EngineCore processes: one, or one per data-parallel rank.
 
-Tokenisation, validation and detokenisation happen here; the core sees token ids. One
-task reads the core's output socket and routes each request's outputs to its collector
+Tokenisation, validation and detokenisation happen here; the cores see token ids. Each
+request goes to the core with the fewest requests in flight and stays there. One task per
+core reads its output socket and routes each request's outputs to its collector
 (server/output_collector.py: outputs a slow reader has not taken yet are merged); a
-watchdog notices within a fraction of a second when the core process dies and fails
-every in-flight request with a clear error instead of letting it hang.
+watchdog notices within a fraction of a second when a core process dies and fails every
+in-flight request with a clear error instead of letting it hang (the daemon then exits, so
+the pod restarts with all its engines: one dead engine is a dead replica).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -74,11 +76,27 @@ class ServerShuttingDownError(EngineDeadError):
 
 
 @dataclass
+class _Core:
+    """One engine core process (data-parallel rank `index`) and what the client knows of it."""
+
+    index: int
+    to_core: zmq.asyncio.Socket
+    from_core: zmq.asyncio.Socket
+    process: multiprocessing.process.BaseProcess | None = None
+    ready: EngineReady | None = None
+    startup: list[EngineStarting] = field(default_factory=list)  # the start-up phases entered so far
+    gauges: EngineStats | None = None  # its latest stats
+    in_flight: int = 0
+    routed: int = 0  # requests sent to it since start
+
+
+@dataclass
 class _Tracked:
     """What the client keeps per in-flight request (for routing and metrics)."""
 
     collector: OutputCollector
     prompt_tokens: int
+    core: _Core
     generated: int = 0
     max_tokens: int | None = None
 
@@ -110,8 +128,7 @@ class EngineClient:
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None  # needs max_model_len, known once ready
-        self.ready_info: EngineReady | None = None
-        self.startup: list[EngineStarting] = []  # the start-up phases entered so far
+        self.ready_info: EngineReady | None = None  # once every core is ready: them together
         self.dead_reason: str | None = None
         self.draining = False  # set on SIGTERM: no new requests, in-flight ones get until the drain timeout
         self._dead = asyncio.Event()
@@ -124,26 +141,28 @@ class EngineClient:
         self._log_level = log_level
         self._tmp = tempfile.TemporaryDirectory(prefix="pagoda-")
         self._ctx = zmq.asyncio.Context()
-        self._to_core = self._ctx.socket(zmq.PUSH)
-        self._from_core = self._ctx.socket(zmq.PULL)
+        self._cores = [_Core(d, self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL))
+                       for d in range(config.data_parallel_size)]
         self._tasks: list[asyncio.Task] = []
-        self.process: multiprocessing.process.BaseProcess | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        in_addr = f"ipc://{self._tmp.name}/in"
-        out_addr = f"ipc://{self._tmp.name}/out"
-        self._to_core.setsockopt(zmq.LINGER, 0)
-        self._to_core.bind(in_addr)
-        self._from_core.bind(out_addr)
         spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(
-            target=run_engine_core, name="pagoda-engine-core", daemon=True,
-            args=(self.config, in_addr, out_addr, os.getpid(), self._log_level, self.kv_events_endpoint),
-        )
-        self.process.start()
-        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watchdog())]
+        for core in self._cores:
+            in_addr = f"ipc://{self._tmp.name}/in{core.index}"
+            out_addr = f"ipc://{self._tmp.name}/out{core.index}"
+            core.to_core.setsockopt(zmq.LINGER, 0)
+            core.to_core.bind(in_addr)
+            core.from_core.bind(out_addr)
+            core.process = spawn.Process(
+                target=run_engine_core, name=f"pagoda-engine-core-{core.index}", daemon=True,
+                args=(self.config.for_data_parallel_rank(core.index), in_addr, out_addr, os.getpid(), self._log_level,
+                      self.kv_events_endpoint),
+            )
+            core.process.start()
+            self._tasks.append(asyncio.create_task(self._read_outputs(core)))
+        self._tasks.append(asyncio.create_task(self._watchdog()))
         if self.stats_log_interval > 0:
             self._tasks.append(asyncio.create_task(self._log_stats()))
 
@@ -169,17 +188,17 @@ class EngineClient:
             return "the server is shutting down"
         if self.ready_info is not None:
             return None
-        if self.startup:
-            return f"the engine is still starting: {self.startup[-1].phase}"
-        return "the engine is still starting"
+        core = next(c for c in self._cores if c.ready is None)
+        engine = f"engine {core.index} of {len(self._cores)}" if len(self._cores) > 1 else "the engine"
+        return f"{engine} is still starting" + (f": {core.startup[-1].phase}" if core.startup else "")
 
     def startup_phases(self) -> list[dict[str, object]]:
-        """Each phase entered, when (seconds from the engine's start) and, once over, how long it took."""
-        # A phase ends where the next begins; the last, at ready (or not yet).
-        ends = [p.seconds for p in self.startup[1:]] + [self.ready_info.startup_seconds if self.ready_info else None]
-        return [{"phase": p.phase, "started_s": p.seconds,
-                 **({"seconds": round(end - p.seconds, 3)} if end is not None else {})}
-                for p, end in zip(self.startup, ends)]
+        """Each phase entered, when (seconds from the engine's start) and, once over, how long it took
+        (with data parallelism, each engine's, an `engine` key saying whose)."""
+        many = len(self._cores) > 1
+        return [{"phase": phase, "started_s": started, **({"seconds": seconds} if seconds is not None else {}),
+                 **({"engine": core.index} if many else {})}
+                for core in self._cores for phase, started, seconds in _phases(core)]
 
     @property
     def is_alive(self) -> bool:
@@ -202,17 +221,20 @@ class EngineClient:
             self._fail_in_flight(ServerShuttingDownError(f"the drain timeout of {timeout_s:g} s ran out"))
 
     async def shutdown(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            if self.dead_reason is None:  # a dead core (still exiting) reads nothing: the send would wait forever
+        live = [c.process for c in self._cores if c.process is not None and c.process.is_alive()]
+        if self.dead_reason is None:  # a dead core (still exiting) reads nothing: the send would wait forever
+            for core in self._cores:
                 with contextlib.suppress(zmq.ZMQError, TimeoutError):
-                    await asyncio.wait_for(self._to_core.send(wire.encode(Shutdown())), SHUTDOWN_SEND_S)
-            await asyncio.to_thread(self.process.join, 5)
-            if self.process.is_alive():
-                self.process.kill()
+                    await asyncio.wait_for(core.to_core.send(wire.encode(Shutdown())), SHUTDOWN_SEND_S)
+        await asyncio.gather(*(asyncio.to_thread(p.join, 5) for p in live))
+        for process in live:  # the others also end with this process (core_process.py)
+            if process.is_alive():
+                process.kill()
         for t in self._tasks:
             t.cancel()
-        self._to_core.close(0)
-        self._from_core.close(0)
+        for core in self._cores:
+            core.to_core.close(0)
+            core.from_core.close(0)
         self._ctx.term()
         self._tmp.cleanup()
 
@@ -251,17 +273,28 @@ class EngineClient:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
-        tracked = _Tracked(OutputCollector(output_kind), len(request.prompt_ids), max_tokens=request.params.max_tokens)
+        # the fewest in flight; among those, the fewest so far (so equal ones take turns)
+        core = min(self._cores, key=lambda c: (c.in_flight, c.routed))
+        tracked = _Tracked(OutputCollector(output_kind), len(request.prompt_ids), core,
+                           max_tokens=request.params.max_tokens)
         self.requests[rid] = tracked
+        core.in_flight += 1
         try:
             self.output_processor.add_request(rid, request.prompt_text, request.prompt_ids, request.params,
                                               output_kind, request.arrival)
-            self._to_core.send(request.frame)
+            core.to_core.send(request.frame)
         except BaseException:
-            self.requests.pop(rid, None)
+            self._forget(rid)
             self.output_processor.abort_request(rid)
             raise
+        core.routed += 1
         return self._outputs(rid, tracked)
+
+    def _forget(self, request_id: str) -> None:
+        """The request is no longer in flight (finished, failed or abandoned by its reader)."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is not None:
+            tracked.core.in_flight -= 1
 
     async def _outputs(self, request_id: str, tracked: _Tracked) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -277,44 +310,59 @@ class EngineClient:
                 if finished:
                     return
         finally:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
             if not finished:  # the caller went away (client disconnect): give the blocks back
                 aborted = self.output_processor.abort_request(request_id)
                 if aborted is not None and self.metrics is not None:
                     self._record_finished(aborted, tracked, time.monotonic())
                 if self.dead_reason is None:
                     with contextlib.suppress(zmq.ZMQError):
-                        await self._to_core.send(wire.encode(AbortRequests([request_id])))
+                        await tracked.core.to_core.send(wire.encode(AbortRequests([request_id])))
 
     # ---- background tasks -------------------------------------------------------------
 
-    async def _read_outputs(self) -> None:
+    async def _read_outputs(self, core: _Core) -> None:
         while True:
-            message = wire.decode_from_core(await self._from_core.recv())
+            message = wire.decode_from_core(await core.from_core.recv())
             if isinstance(message, EngineCoreOutputs):
-                self._route(message.outputs)
-                self._record_stats(message.stats)
+                self._route(core, message.outputs)
+                self._record_stats(core, message.stats)
             elif isinstance(message, EngineStarting):
-                self.startup.append(message)
+                core.startup.append(message)
             elif isinstance(message, EngineReady):
-                self.ready_info = message
-                self.input_processor = InputProcessor(
-                    self.tokenizer, self.model_config.vocab_size, message.max_model_len)
-                log.info("engine ready: %s", message)
-                if self.metrics is not None:
-                    self.metrics.set_placement(message.gpus, message.numa_nodes, message.expert_parallel_size)
-                    self.metrics.set_cache_config(message.block_size, message.num_kv_blocks,
-                                                  self.config.enable_prefix_caching)
-                    self.metrics.set_startup({p["phase"]: p["seconds"] for p in self.startup_phases()
-                                              if "seconds" in p})
+                core.ready = message
+                log.info("engine %sready: %s", f"{core.index} " if len(self._cores) > 1 else "", message)
+                if all(c.ready is not None for c in self._cores):
+                    self._on_ready([c.ready for c in self._cores if c.ready is not None])
             elif isinstance(message, EngineFailed):
-                self._fail_all(message.reason)
+                self._fail_all(f"engine {core.index}: {message.reason}" if len(self._cores) > 1 else message.reason)
 
-    def _route(self, core_outputs) -> None:
+    def _on_ready(self, engines: list[EngineReady]) -> None:
+        """Every engine is ready: what they offer together (the shortest model length, every
+        block and GPU), for /ready, the input checks and the metrics."""
+        first = engines[0]
+        self.ready_info = msgspec.structs.replace(
+            first, max_model_len=min(e.max_model_len for e in engines),
+            num_kv_blocks=sum(e.num_kv_blocks for e in engines),
+            gpus=sorted({g for e in engines for g in e.gpus}),
+            numa_nodes=sorted({n for e in engines for n in e.numa_nodes}),
+            startup_seconds=max(e.startup_seconds for e in engines))
+        info = self.ready_info
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, info.max_model_len)
+        if self.metrics is not None:
+            self.metrics.set_placement(info.gpus, info.numa_nodes, info.expert_parallel_size)
+            self.metrics.set_cache_config(info.block_size, info.num_kv_blocks, self.config.enable_prefix_caching)
+            slowest: dict[str, float] = {}  # each phase as long as the slowest engine took
+            for phase, _, seconds in (p for c in self._cores for p in _phases(c)):
+                if seconds is not None:
+                    slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+            self.metrics.set_startup(slowest)
+
+    def _route(self, core: _Core, core_outputs) -> None:
         now = time.monotonic()
         processed = self.output_processor.process(core_outputs)
         for rid, stop_str in processed.stop_string_finished:
-            self._to_core.send(wire.encode(FinishRequest(rid, stop_str)))  # zmq.asyncio send: fire and forget
+            core.to_core.send(wire.encode(FinishRequest(rid, stop_str)))  # zmq.asyncio send: fire and forget
         if self.metrics is not None:
             for seconds, n in processed.inter_token:
                 self.metrics.observe_inter_token(seconds, n)
@@ -328,7 +376,7 @@ class EngineClient:
                 continue
             if out.finished:
                 # done here, not only when its reader finishes: a reader that never started must not leak it
-                self.requests.pop(out.request_id, None)
+                self._forget(out.request_id)
                 if self.metrics is not None:
                     self._record_finished(out, tracked, now)
             tracked.collector.put(out)
@@ -350,8 +398,11 @@ class EngineClient:
         ))
         self.metrics.add_tokens(tracked.prompt_tokens, tracked.generated)
 
-    def _record_stats(self, stats: EngineStats) -> None:
-        """The core's gauges replace the last ones; its counters (since its previous stats) add up."""
+    def _record_stats(self, core: _Core, stats: EngineStats) -> None:
+        """The core's gauges replace its last ones (the engines' gauges together are the replica's);
+        its counters (since its previous stats) add up."""
+        core.gauges = stats
+        stats = stats.with_gauges_of([c.gauges for c in self._cores if c.gauges is not None])
         self._stats = stats if self._stats is None else self._stats.add_counters(stats)
         self._period = stats if self._period is None else self._period.add_counters(stats)
         self._period_tokens += sum(stats.step_tokens)
@@ -386,12 +437,20 @@ class EngineClient:
         if self.is_resizing():
             raise ResizeBusy(f"a resize to {self._resize_requested} is under way")
         self._resize_requested = size
-        self._to_core.send(wire.encode(ResizeExperts(size)))
+        self._cores[0].to_core.send(wire.encode(ResizeExperts(size)))  # elastic EP: one engine (config.py)
 
     @property
     def last_stats(self) -> dict:
-        """The core's last stats, with the requests this client holds (`in_flight`)."""
+        """The engines' last stats, with the requests this client holds (`in_flight`); with data
+        parallelism, each engine's too (`engines`: where requests went and what each runs)."""
         stats = {} if self._stats is None else _as_dict(self._stats)
+        if len(self._cores) > 1:
+            stats["engines"] = [
+                {"engine": c.index, "in_flight": c.in_flight, "requests": c.routed,
+                 **({} if c.gauges is None else {"num_running": c.gauges.num_running,
+                                                 "num_waiting": c.gauges.num_waiting,
+                                                 "kv_cache_usage": c.gauges.kv_cache_usage})}
+                for c in self._cores]
         return {**stats, "in_flight": self.num_in_flight}
 
     async def _log_stats(self) -> None:
@@ -411,8 +470,11 @@ class EngineClient:
     async def _watchdog(self) -> None:
         while self.dead_reason is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if self.process is not None and not self.process.is_alive():
-                self._fail_all(f"the engine process exited (exit code {self.process.exitcode})")
+            for core in self._cores:
+                if core.process is not None and not core.process.is_alive():
+                    which = f"engine {core.index}'s" if len(self._cores) > 1 else "the engine"
+                    self._fail_all(f"{which} process exited (exit code {core.process.exitcode})")
+                    break
 
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -424,6 +486,14 @@ class EngineClient:
     def _fail_in_flight(self, error: EngineDeadError) -> None:
         for tracked in self.requests.values():
             tracked.collector.put(error)
+
+
+def _phases(core: _Core) -> list[tuple[str, float, float | None]]:
+    """A core's start-up phases: (name, seconds from its start, seconds it took, or None while under way)."""
+    # A phase ends where the next begins; the last, at ready (or not yet).
+    ends = [p.seconds for p in core.startup[1:]] + [core.ready.startup_seconds if core.ready else None]
+    return [(p.phase, p.seconds, None if end is None else round(end - p.seconds, 3))
+            for p, end in zip(core.startup, ends)]
 
 
 def _as_dict(struct: msgspec.Struct) -> dict:

@@ -241,6 +241,8 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         from pagoda_daemon.kv_offload.transfer_auth import SourceHeaders
 
         tiered.check_options(config)  # the engine checks them again; a refusal here is one line
+        if config.data_parallel_size > 1:
+            _check_data_parallel(config, options["kv_events_endpoint"])
         kv_source_headers = SourceHeaders.from_config(config)
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
@@ -253,6 +255,20 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         return run_node(config, model_config, max_len, options["node_ready_port"])
     return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len,
                               kv_source_headers))
+
+
+def _check_data_parallel(config: EngineConfig, kv_events_endpoint: str | None) -> None:
+    """Enough GPUs for every engine, and a KV-events address for each (ValueError)."""
+    import torch
+
+    needed = config.data_parallel_size * config.world_size
+    if config.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < needed:
+        raise ValueError(f"data_parallel_size {config.data_parallel_size} × {config.world_size} ranks need {needed} "
+                         f"GPUs; this process sees {torch.cuda.device_count()}")
+    if kv_events_endpoint:
+        from pagoda_daemon.telemetry.kv_events import offset_endpoint
+
+        offset_endpoint(kv_events_endpoint, config.data_parallel_size - 1)
 
 
 def _keys(options: dict) -> tuple[APIKeys, APIKeys]:

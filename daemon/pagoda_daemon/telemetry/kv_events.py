@@ -61,6 +61,24 @@ def resolve_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
+    """Where data-parallel engine `data_parallel_rank` publishes (vLLM's rule): a TCP port
+    plus the rank, an IPC path with `_dp<rank>` appended; engine 0 at the endpoint as given.
+    A port of `*` (pick a free one) stays as it is."""
+    endpoint = resolve_endpoint(endpoint)
+    if data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    address, _, port = endpoint.rpartition(":")
+    if port.isdigit():
+        if int(port) + data_parallel_rank > 65535:
+            raise ValueError(f"KV events endpoint {endpoint}: port {port} + data-parallel rank "
+                             f"{data_parallel_rank} is above 65535")
+        return f"{address}:{int(port) + data_parallel_rank}"
+    return endpoint
+
+
 def binds_all_interfaces(endpoint: str) -> bool:
     return endpoint.startswith(("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"))
 

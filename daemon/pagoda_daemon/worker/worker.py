@@ -93,8 +93,9 @@ class Worker:
             self.tp = dataclasses.replace(self.tp, replicated_dense=True, redundant_experts=redundant_experts_for(
                 num_experts_of(model_config), self.tp.size, config.num_redundant_experts))
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and self.tp.enabled:  # one GPU per rank, in launch order on the node
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.tp.rank)))
+        if self.device.type == "cuda" and (self.tp.enabled or config.data_parallel_size > 1):
+            # one GPU per rank, in launch order on the node, after the GPUs of the data-parallel engines before
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", config.device_offset + self.tp.rank)))
             torch.cuda.set_device(self.device)
         # Pin before anything big is allocated on the host, so it lands on local memory.
         self.cpu_pin = pin_worker(self.device, config.numa_policy)

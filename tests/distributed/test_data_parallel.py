@@ -1,0 +1,146 @@
+"""Data parallelism: `pagoda serve --data-parallel-size N` runs N engines, each with its own
+scheduler, KV cache and ranks, behind one API server that sends each request to the engine with
+the fewest in flight. On CPU, so that CI proves the routing, the stats, the KV events and the
+failure handling; GPUs only change which device each engine takes (config.device_offset)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from benchmarks.parity import random_prompts
+from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.engine.messages import EngineStats
+from pagoda_daemon.telemetry.kv_events import offset_endpoint
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"data_parallel_size": 2, "data_parallel_rank": 2}, "data_parallel_rank 2 must be below data_parallel_size 2"),
+    ({"data_parallel_size": 2, "tensor_parallel_size": 2, "nnodes": 2}, "runs its engines in one pod"),
+    ({"data_parallel_size": 2, "tensor_parallel_size": 64}, "= 128 GPUs; at most 64"),
+    ({"data_parallel_size": 2, "device": "cuda:1"}, "names one GPU"),
+    ({"data_parallel_size": 2, "kv_transfer_port": 9000}, "prefill/decode disaggregation"),
+    ({"data_parallel_size": 2, "expert_parallel_size": 2, "enable_eplb": True, "elastic_ep_min_size": 1,
+      "elastic_ep_max_size": 2}, "elastic expert parallelism resizes one engine"),
+])
+def test_what_data_parallelism_does_not_combine_with_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="/m", **options)
+
+
+def test_each_engine_takes_its_own_gpus_and_disk_tier():
+    config = EngineConfig(model="/m", data_parallel_size=3, tensor_parallel_size=2, kv_offload_disk_path="/kv")
+    engines = [config.for_data_parallel_rank(d) for d in range(3)]
+    assert [e.device_offset for e in engines] == [0, 2, 4]
+    assert [e.kv_offload_disk_path for e in engines] == ["/kv/dp0", "/kv/dp1", "/kv/dp2"]
+    one = EngineConfig(model="/m", kv_offload_disk_path="/kv").for_data_parallel_rank(0)
+    assert one.kv_offload_disk_path == "/kv" and one.device_offset == 0
+
+
+def test_kv_events_of_each_engine_go_to_an_address_of_its_own():
+    assert offset_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert offset_endpoint("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
+    assert offset_endpoint("5557", 1) == "tcp://127.0.0.1:5558"
+    assert offset_endpoint("ipc:///run/kv", 2) == "ipc:///run/kv_dp2"
+    with pytest.raises(ValueError, match="above 65535"):
+        offset_endpoint("tcp://127.0.0.1:65535", 1)
+
+
+def test_the_engines_gauges_together_are_the_replicas():
+    a = EngineStats(num_running=3, num_waiting=1, kv_cache_usage=0.5, num_kv_blocks=100, num_free_kv_blocks=50,
+                    num_steps=7)
+    b = EngineStats(num_running=2, num_waiting=0, kv_cache_usage=0.25, num_kv_blocks=300, num_free_kv_blocks=225)
+    both = a.with_gauges_of([a, b])
+    assert (both.num_running, both.num_waiting, both.num_kv_blocks, both.num_free_kv_blocks) == (5, 1, 400, 275)
+    assert both.kv_cache_usage == pytest.approx((50 + 75) / 400) and both.num_steps == 7  # counters: a's own
+    assert a.with_gauges_of([a]) is a
+
+
+def test_pagoda_serve_with_two_engines(tiny_models, tmp_path):
+    """Two engines behind one server: greedy answers equal the one-process engine's, requests
+    go to both, /ready and /health show each, each engine publishes its KV events on its own
+    port with its rank, every block comes back, and one engine killed fails the replica (500
+    engine_dead, exit code 1, the other engine gone too) so the pod restarts as a whole."""
+    import httpx
+
+    from pagoda_daemon import LLM, SamplingParams
+    from tests.server.conftest import ServerProcess, free_port
+
+    port = free_port()
+    while port >= 65535 or not _free(port + 1):
+        port = free_port()
+    path = tiny_models["llama"]
+    srv = ServerProcess(path, "--max-model-len", "256", "--data-parallel-size", "2", "--dtype", "float32",
+                        "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", log_dir=tmp_path, served_name="tiny")
+    ctx = zmq.Context()
+    subs = []
+    try:
+        srv.wait_ready(timeout=180)
+        for p in (port, port + 1):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{p}")
+            subs.append(sub)
+        ready = httpx.get(srv.url + "/ready").json()
+        assert {p["engine"] for p in ready["startup"]} == {0, 1}
+        prompts = random_prompts(512, [3, 9, 30, 75, 5, 17, 40, 61], seed=int(torch.randint(0, 2**31, ()).item()))
+        got: list = [None] * len(prompts)
+
+        def ask(i: int) -> None:
+            got[i] = httpx.post(srv.url + "/v1/completions", json={
+                "model": "tiny", "prompt": prompts[i], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                timeout=60).json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        one = LLM(path, dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64)
+        want = one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert got == [w.outputs[0].text for w in want]
+        engine = srv.wait_idle()  # the engines' blocks together: every one back
+        assert [e["engine"] for e in engine["engines"]] == [0, 1]
+        routed = [e["requests"] for e in engine["engines"]]
+        assert sum(routed) == len(prompts) and min(routed) >= 2, routed  # at once, so both took some
+        assert all(e["in_flight"] == 0 for e in engine["engines"])
+        for rank, sub in enumerate(subs):  # each engine stored the blocks of its prompts, under its rank
+            assert sub.poll(10_000), f"no KV events from engine {rank}"
+            _, _, payload = sub.recv_multipart()
+            assert msgpack.unpackb(payload)[2] == rank
+        victim, other = _engine_pids(srv)
+        os.kill(victim, signal.SIGKILL)
+        resp = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                          timeout=60)
+        assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_dead", resp.text
+        assert srv.proc.wait(30) == 1
+        status = Path(f"/proc/{other}/status")
+        assert not status.exists() or "zombie" in status.read_text().lower()  # the other engine went with it
+    finally:
+        for sub in subs:
+            sub.close(0)
+        ctx.term()
+        srv.stop()
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _engine_pids(srv) -> list[int]:
+    """The server's engine-core processes (children started by multiprocessing's spawn)."""
+    children = Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split()
+    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
