@@ -243,6 +243,10 @@ serializeImagePulls: false
 makeIPTablesUtilChains: false
 # Report Ready seconds after start-up rather than after the 10 s default period.
 nodeStatusUpdateFrequency: 2s
+# A changed ConfigMap reaches its pods' volumes at their next sync: every 10 s here instead of the
+# 1 min default, so the tests that follow one into a pod (the P/D proxy's list of prefill pods) wait
+# seconds, not minutes. The operator relies on no particular period.
+syncFrequency: 10s
 maxPods: 50
 EOF
   "${in_ns[@]}" "$BIN/kubelet" --config="$D/kubelet-config.yaml" --kubeconfig="$D/admin.kubeconfig" \
