@@ -246,3 +246,42 @@ def test_every_option_a_layout_refusal_names_is_an_inferenceservice_field(tiny_m
     for message in refusals:
         assert named(message), message  # each names what to change
         assert not named(spec.in_crd_terms(message)), spec.in_crd_terms(message)
+
+
+def _crd_properties(schema: dict, path: str = "spec") -> dict[str, dict]:
+    """Every field of the InferenceService's schema by its path (spec.parallelism.tensor, ...)."""
+    out = {path: schema}
+    for name, sub in schema.get("properties", {}).items():
+        out.update(_crd_properties(sub, f"{path}.{name}"))
+    return out
+
+
+def test_every_number_the_crd_admits_the_daemon_takes():
+    """A field rendered into a daemon option has CRD bounds within the option's (one declaration
+    each, checked here): nothing the API server admits is refused by the pod it becomes."""
+    crd = yaml.safe_load((ROOT / "crds" / "inferenceservices.pagoda.dev.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    fields = _crd_properties(version["schema"]["openAPIV3Schema"]["properties"]["spec"])
+    options = {d.name: d.info for d in declared(EngineConfig)}
+    pairs = {**spec.CRD_FIELD_OF_OPTION, **spec.CRD_FIELD_OF_LAYOUT_OPTION,
+             "eplb_step_interval": "spec.parallelism.eplb.stepInterval",
+             "elastic_ep_min_size": "spec.parallelism.elastic.minExpert"}
+    for path in fields:  # spec.engine.<camelCase> is option <snake_case>
+        name = re.sub(r"(?<!^)(?=[A-Z])", "_", path.removeprefix("spec.engine.")).lower()
+        if path.startswith("spec.engine.") and name in options:
+            pairs[name] = path
+    checked, wider = [], []
+    for option, path in pairs.items():
+        field, info = fields[path], options[option]
+        if field.get("type") not in ("integer", "number"):
+            continue
+        low, high = field.get("minimum"), field.get("maximum")
+        if info.minimum is not None and (low is None or low < info.minimum or (
+                info.exclusive_minimum and low == info.minimum and not field.get("exclusiveMinimum"))):
+            wider.append(f"{path}: minimum {low}, {option}'s {info.minimum}")
+        if info.maximum is not None and (high is None or high > info.maximum):
+            wider.append(f"{path}: maximum {high}, {option}'s {info.maximum}")
+        checked.append(path)
+    assert not wider, wider
+    assert {"spec.parallelism.data", "spec.parallelism.eplb.asyncSteps", "spec.parallelism.eplb.stepInterval",
+            "spec.engine.maxNumSeqs"} <= set(checked), checked
