@@ -210,7 +210,13 @@ def test_ranks_started_by_the_executor_match_transformers(tiny_models, tmp_path,
     seed = int(torch.randint(0, 2**31, ()).item())
     mp.start_processes(_executor_main, args=(tensor * expert, path, seed, str(tmp_path), expert, extra), nprocs=1,
                        start_method="spawn")
-    check_against_transformers(path, json.loads((tmp_path / "rank0.json").read_text()), seed)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    if extra and extra.get("enable_eplb"):  # moved, and (in the background) switched as the plans said
+        from pagoda_daemon.distributed.eplb import initial_placement
+
+        start = initial_placement(8, expert, (8 + 2) // expert)
+        assert all(any(p != start for p in rank0[case]["placements"]) for case in EXECUTOR_CASES), rank0
+    check_against_transformers(path, rank0, seed)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_models):

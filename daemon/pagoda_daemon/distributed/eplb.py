@@ -16,10 +16,14 @@ stream of its own and exchanges them over a gloo group of their own through host
 nothing it does runs on the GPUs beside the steps' collectives (the NCCL kernels of two
 communicators on concurrent streams can wait on each other across ranks: vLLM forces
 synchronous EPLB where its all-to-all is NCCL's for that reason). Layer ``i`` takes its new
-experts and placement ``eplb_async_steps + i`` steps after the rebalance, one layer a step, by
-the same count on every rank, so the ranks switch together with no message; a rank whose thread
-has not finished that layer by then waits for it. The next rebalance is due only after the last
-layer has switched.
+experts and placement at the first step at least ``eplb_async_steps + i`` steps after the
+rebalance at which every rank holds them: each rank's thread passes a barrier of the gloo group
+after each layer, and rank 0's step plans say how many layers it has seen pass, so every rank
+switches a layer at the same step and none waits for the move (on 2 × H200 a rebalance moving
+13.6 GB took ~5 s through host memory; with the switch at a fixed step the steps had waited for
+it). Ranks started by a launcher have no plans: they switch at the fixed step, counted alike on
+every rank, and a rank whose thread is late waits for it. The next rebalance is due only after
+the last layer has switched.
 
 A physical slot is one expert-sized place in a rank's stacked weights: rank ``r`` holds slots
 ``r·S .. r·S + S − 1`` with ``S = (experts + redundant) / ranks``.
@@ -257,11 +261,20 @@ class _Transfer:
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     outgoing = [[t[slot].to("cpu") for t in tensors] for slot, _ in move.mine.sends]
                 move.received = move.mine.exchange(outgoing, tensors, "cpu", group)
+                # past this barrier every rank holds the layer: rank 0's step plans may switch it
+                dist.barrier(group=group)
                 move.done.set()
         except BaseException as e:  # raised on the serving thread when the layer is due
             self.error = e
             for move in self.moves:
                 move.done.set()
+
+    def held_everywhere(self) -> int:
+        """How many layers, from the first, every rank has received (their barrier passed here)."""
+        held = 0
+        while held < len(self.moves) and self.moves[held].done.is_set() and self.error is None:
+            held += 1
+        return held
 
     def wait(self, index: int) -> None:
         """Until layer ``index``'s weights are here; the thread's error, if it failed."""
@@ -308,10 +321,18 @@ class ExpertBalancer:
     def is_async(self) -> bool:
         return self.config.async_steps > 0 and self.transfer_group is not None
 
-    def step(self) -> None:
+    def layers_held_everywhere(self) -> int:
+        """Rank 0, before a step: how many layers of the move under way every rank holds (what
+        its step plan tells the ranks, so that they switch them at the same step)."""
+        return 0 if self._pending is None else self._pending.held_everywhere()
+
+    def step(self, layers_held: int | None = None) -> None:
+        """One step done. ``layers_held`` (from rank 0's step plan): switch no layer beyond it,
+        so no rank waits for a move; None (ranks started by a launcher, no plans): each layer
+        switches at its step and a rank whose thread is late waits for it."""
         self.steps += 1
         if self._pending is not None:
-            self._switch_due_layers()
+            self._switch_due_layers(layers_held)
         if self.steps % self.config.step_interval == 0 and self._pending is None:
             self.rebalance()
 
@@ -367,12 +388,17 @@ class ExpertBalancer:
                      self._pending.first_switch_step)
 
     @torch.no_grad()
-    def _switch_due_layers(self) -> None:
-        """Layers whose turn has come take their new experts (this rank's local moves from the
-        weights as they were, the rest from the thread's host copies) and placement."""
+    def _switch_due_layers(self, layers_held: int | None) -> None:
+        """Layers whose turn has come (and, with ``layers_held``, that every rank holds) take
+        their new experts (this rank's local moves from the weights as they were, the rest from
+        the thread's host copies) and placement."""
         pending = self._pending
         assert pending is not None
+        if pending.error is not None:
+            pending.wait(0)  # raises the thread's error: the move cannot finish on any rank
         due = min(len(self.layers), self.steps - pending.first_switch_step + 1)
+        if layers_held is not None:
+            due = min(due, layers_held)
         for index in range(due):
             move = pending.moves[index]
             if move.placement is None:

@@ -69,6 +69,9 @@ class SchedulerOutput:
     kv_evicted: list[KVTransfer] = field(default_factory=list)
     kv_loads: list[KVTransfer] = field(default_factory=list)
     kv_saves: list[KVTransfer] = field(default_factory=list)
+    # EPLB in the background (distributed/eplb.py): how many MoE layers every rank holds the new
+    # experts of, as rank 0 saw before this step; None: each rank follows the fixed schedule
+    eplb_layers_held: int | None = None
 
     @property
     def is_empty(self) -> bool:

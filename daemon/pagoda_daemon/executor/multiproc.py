@@ -361,6 +361,9 @@ class MultiprocExecutor(Executor):
         self.num_blocks = num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
+        balancer = self.worker.balancer
+        if balancer is not None and balancer.is_async:  # the layers to switch, the same on every rank
+            scheduler_output.eplb_layers_held = balancer.layers_held_everywhere()
         self._send(self.writer.plan(scheduler_output))
         return self.worker.execute_model(scheduler_output)
 

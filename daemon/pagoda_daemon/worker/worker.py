@@ -263,7 +263,7 @@ class Worker:
             with phase("pagoda.kv_offload_save"):
                 self.offload.run(so.kv_saves, self.runner.kv_cache)
         if self.balancer is not None and not so.is_empty:
-            self.balancer.step()  # every rank runs the same steps: they rebalance together
+            self.balancer.step(so.eplb_layers_held)  # every rank runs the same steps: they rebalance together
         return launched
 
     def sample_tokens(self, grammar: GrammarBitmask) -> LaunchedStep:
