@@ -99,7 +99,8 @@ class EngineConfig:
     # cache and tensor × expert ranks on GPUs of its own; the API server spreads requests over them.
     data_parallel_size: int = option(
         1, "engines in this daemon, each on tensor × expert GPUs of its own; the API server sends each request "
-        "to the one with the fewest in flight", minimum=1, maximum=64, needs="data_parallel")
+        "to the one that computed its prefix before, within a bound on the load, else to the least loaded",
+        minimum=1, maximum=64, needs="data_parallel")
     data_parallel_rank: int = option(0, "which of those engines this is (the daemon sets it for each)",
                                      minimum=0, maximum=63, cli=False)
     # Ranks over several pods (nodes): node 0 runs the API server and the engine core with its

@@ -19,6 +19,7 @@ import zmq
 from benchmarks.parity import random_prompts
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.messages import EngineStats
+from pagoda_daemon.server.engine_router import MIN_SLACK, EngineRouter, block_hashes
 from pagoda_daemon.telemetry.kv_events import offset_endpoint
 
 
@@ -62,6 +63,27 @@ def test_the_engines_gauges_together_are_the_replicas():
     assert (both.num_running, both.num_waiting, both.num_kv_blocks, both.num_free_kv_blocks) == (5, 1, 400, 275)
     assert both.kv_cache_usage == pytest.approx((50 + 75) / 400) and both.num_steps == 7  # counters: a's own
     assert a.with_gauges_of([a]) is a
+
+
+def test_a_conversation_stays_on_the_engine_that_holds_its_prefix():
+    """The next turn goes where the turns before it went (their KV is cached there) while that
+    engine is within the slack of the least loaded; beyond it, or without a shared prefix, to the
+    least loaded; a different cache salt shares nothing; what an engine's cache cannot hold is
+    forgotten, oldest first."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    turn1 = torch.randint(0, 1000, (70,), generator=g).tolist()
+    turn2 = turn1 + torch.randint(0, 1000, (40,), generator=g).tolist()
+    router = EngineRouter(2, block_size=16)
+    assert block_hashes(turn2, 16)[:4] == block_hashes(turn1, 16) and len(block_hashes(turn2, 16)) == 6
+    assert router.choose(block_hashes(turn1, 16), [0, 0], [0, 0]) == 0  # nothing shared: the least loaded
+    assert router.choose(block_hashes(turn2, 16), [MIN_SLACK, 0], [1, 0]) == 0  # its prefix, within the slack
+    assert router.choose(block_hashes(turn2, 16), [MIN_SLACK + 1, 0], [2, 0]) == 1  # beyond it
+    assert router.choose(block_hashes(turn2, 16, ("salt", "b")), [0, 3], [3, 1]) == 0  # least loaded: 0
+    other = torch.randint(0, 1000, (50,), generator=g).tolist()
+    assert router.choose(block_hashes(other, 16, ("salt", "b")), [2, 2], [3, 1]) == 1  # a tie: the fewest so far
+    router.set_capacity(0, 3)  # engine 0 keeps the last 3 blocks sent: turn1's first ones are gone
+    assert router.choose(block_hashes(turn1, 16), [1, 0], [4, 2]) == 1
+    assert router.choose(block_hashes([1, 2, 3], 16), [0, 0], [0, 0]) == 0  # no full block: least loaded
 
 
 def test_pagoda_serve_with_two_engines(tiny_models, tmp_path):
@@ -112,6 +134,16 @@ def test_pagoda_serve_with_two_engines(tiny_models, tmp_path):
         routed = [e["requests"] for e in engine["engines"]]
         assert sum(routed) == len(prompts) and min(routed) >= 2, routed  # at once, so both took some
         assert all(e["in_flight"] == 0 for e in engine["engines"])
+        # a longer prompt on one of them goes to the engine that computed it, and finds its blocks
+        base = prompts[-1] * 2
+        before = srv.health().json()["engine"]
+        for prompt in (base, base + prompts[0]):
+            assert httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+                              timeout=60).status_code == 200
+        after = srv.wait_idle()
+        sent = [a["requests"] - b["requests"] for a, b in zip(after["engines"], before["engines"])]
+        assert sorted(sent) == [0, 2], sent
+        assert after["prefix_cache"]["hits"] - before["prefix_cache"]["hits"] >= len(base) // 16 * 16
         for rank, sub in enumerate(subs):  # each engine stored the blocks of its prompts, under its rank
             assert sub.poll(10_000), f"no KV events from engine {rank}"
             _, _, payload = sub.recv_multipart()

@@ -1,7 +1,8 @@
 """The API server's handle on the EngineCore processes: one, or one per data-parallel rank.
 
 Tokenisation, validation and detokenisation happen here; the cores see token ids. Each
-request goes to the core with the fewest requests in flight and stays there. One task per
+request goes to one core (engine_router.py: where its prefix was sent before, within a bound on
+the load, else the least loaded) and stays there. One task per
 core reads its output socket and routes each request's outputs to its collector
 (server/output_collector.py: outputs a slow reader has not taken yet are merged); a
 watchdog notices within a fraction of a second when a core process dies and fails every
@@ -49,6 +50,7 @@ from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SamplingParams
 from pagoda_daemon.server import wire
 from pagoda_daemon.server.core_process import run_engine_core
+from pagoda_daemon.server.engine_router import EngineRouter, block_hashes
 from pagoda_daemon.server.errors import APIError
 from pagoda_daemon.server.output_collector import OutputCollector
 
@@ -111,6 +113,7 @@ class PreparedRequest:
     params: SamplingParams
     arrival: float
     frame: bytes
+    salt_keys: tuple = ()  # its cache salt's block-hash keys: where its prefix was sent before (engine_router.py)
 
 
 class ResizeBusy(Exception):
@@ -143,6 +146,7 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._cores = [_Core(d, self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL))
                        for d in range(config.data_parallel_size)]
+        self._router = EngineRouter(len(self._cores), config.block_size) if len(self._cores) > 1 else None
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -258,9 +262,9 @@ class EngineClient:
         """Encode one (validated) request for the core; ValueError when it cannot be. Nothing is
         registered yet, so a failure here leaves nothing behind."""
         arrival = time.monotonic() if arrival is None else arrival
-        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, cache_salt_keys(cache_salt), arrival,
-                                kv_source)
-        return PreparedRequest(request_id, prompt_text, prompt_ids, params, arrival, frame)
+        salt = cache_salt_keys(cache_salt)
+        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, salt, arrival, kv_source)
+        return PreparedRequest(request_id, prompt_text, prompt_ids, params, arrival, frame, salt)
 
     def submit(self, request: PreparedRequest,
                output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
@@ -273,8 +277,11 @@ class EngineClient:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
-        # the fewest in flight; among those, the fewest so far (so equal ones take turns)
-        core = min(self._cores, key=lambda c: (c.in_flight, c.routed))
+        core = self._cores[0]
+        if self._router is not None:
+            hashes = block_hashes(request.prompt_ids, self.config.block_size, request.salt_keys)
+            core = self._cores[self._router.choose(hashes, [c.in_flight for c in self._cores],
+                                                   [c.routed for c in self._cores])]
         tracked = _Tracked(OutputCollector(output_kind), len(request.prompt_ids), core,
                            max_tokens=request.params.max_tokens)
         self.requests[rid] = tracked
@@ -331,6 +338,8 @@ class EngineClient:
                 core.startup.append(message)
             elif isinstance(message, EngineReady):
                 core.ready = message
+                if self._router is not None:
+                    self._router.set_capacity(core.index, message.num_kv_blocks)
                 log.info("engine %sready: %s", f"{core.index} " if len(self._cores) > 1 else "", message)
                 if all(c.ready is not None for c in self._cores):
                     self._on_ready([c.ready for c in self._cores if c.ready is not None])
