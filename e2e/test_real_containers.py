@@ -328,15 +328,15 @@ def test_bad_model_path_is_degraded_with_the_reason(local_cluster, tmp_path):
         local_cluster.delete_namespace(ns)
 
 
-def test_tensor_parallel_ranks_serve_in_one_unprivileged_pod(local_cluster):
-    """parallelism.tensor 2 on CPU: the daemon's engine core starts rank 1 as a process of its
-    own inside the same read-only, non-root container (rendezvous in /tmp, gloo on loopback,
-    /dev/shm from the pod), and greedy answers equal the one-process engine's on the same
-    weights."""
+def test_tensor_and_data_parallel_ranks_serve_in_one_unprivileged_pod(local_cluster):
+    """parallelism.tensor 2 × data 2 on CPU: two engines behind the pod's API server, each engine
+    core starting its rank 1 as a process of its own inside the same read-only, non-root container
+    (rendezvous in /tmp, gloo on loopback, /dev/shm from the pod); greedy answers equal the
+    one-process engine's on the same weights, and both engines serve."""
     ns = local_cluster.create_namespace("tp")
     doc = manifest(local_cluster, "tiny-tp")
-    doc["spec"]["parallelism"] = {"tensor": 2}
-    doc["spec"]["pod"]["resources"]["limits"]["memory"] = "6Gi"  # two ranks, each with its KV cache
+    doc["spec"]["parallelism"] = {"tensor": 2, "data": 2}
+    doc["spec"]["pod"]["resources"]["limits"]["memory"] = "8Gi"  # four ranks, each with its KV cache
     try:
         local_cluster.apply(doc, namespace=ns)
         wait_ready(local_cluster, ns, replicas=1, name="tiny-tp", timeout=300)
@@ -349,12 +349,14 @@ def test_tensor_parallel_ranks_serve_in_one_unprivileged_pod(local_cluster):
         one = LLM(str(local_cluster.model_dir), device="cpu", max_model_len=256, num_kv_blocks=64)
         want = [o.outputs[0].text for o in one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
         assert got == want
+        engines = httpx.get(f"http://{ip}:{PORT}/health", timeout=10).json()["engine"]["engines"]
+        assert [e["requests"] >= 1 for e in engines] == [True, True], engines  # no shared prefix: turns
         pod = local_cluster.kubectl_json("get", "pods", "-n", ns)["items"][0]["metadata"]["name"]
         assert "tp-rank-1 pagoda_daemon.models.loader: loaded Qwen3ForCausalLM" in local_cluster.kubectl(
             "logs", "-n", ns, pod).stdout
         ranks = local_cluster.kubectl("exec", "-n", ns, pod, "-c", "daemon", "--", "sh", "-c",
                                       "grep -l 'pagoda_daemon[.]executor[.]multiproc' /proc/[0-9]*/cmdline").stdout.split()
-        assert len(ranks) == 1, ranks
+        assert len(ranks) == 2, ranks  # each engine's rank 1
     finally:
         local_cluster.delete_namespace(ns)
 
