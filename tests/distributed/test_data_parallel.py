@@ -5,10 +5,12 @@ failure handling; GPUs only change which device each engine takes (config.device
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -104,6 +106,7 @@ def test_pagoda_serve_with_two_engines(tiny_models, tmp_path):
                         "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", log_dir=tmp_path, served_name="tiny")
     ctx = zmq.Context()
     subs = []
+    stopped, other = False, 0
     try:
         srv.wait_ready(timeout=180)
         for p in (port, port + 1):
@@ -148,15 +151,40 @@ def test_pagoda_serve_with_two_engines(tiny_models, tmp_path):
             assert sub.poll(10_000), f"no KV events from engine {rank}"
             _, _, payload = sub.recv_multipart()
             assert msgpack.unpackb(payload)[2] == rank
-        victim, other = _engine_pids(srv)
+        # One engine killed: the replica fails as a whole. The engine the next request goes to (no
+        # full block: the one sent the fewest) is held stopped, so that request is still in flight
+        # when the other's death is noticed.
+        engines = srv.health().json()["engine"]["engines"]
+        held = min(engines, key=lambda e: e["requests"])
+        pids = _engine_pids(srv)  # in the order the server started them: engine 0, engine 1
+        other, victim = pids[held["engine"]], pids[1 - held["engine"]]
+        os.kill(other, signal.SIGSTOP)
+        stopped = True
+        replies: list = []
+        thread = threading.Thread(target=lambda: replies.append(httpx.post(srv.url + "/v1/completions", json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while srv.health().json()["engine"]["engines"][held["engine"]]["in_flight"] == 0:
+            assert time.monotonic() < deadline, "the request did not reach the held engine"
+            time.sleep(0.05)
         os.kill(victim, signal.SIGKILL)
-        resp = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
-                          timeout=60)
-        assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_dead", resp.text
+        thread.join(60)
+        (reply,) = replies
+        assert reply.status_code == 500 and reply.json()["error"]["code"] == "engine_dead", reply.text
         assert srv.proc.wait(30) == 1
+        with contextlib.suppress(ProcessLookupError):  # the server killed it on its way out, or it ends now
+            os.kill(other, signal.SIGCONT)
+        stopped = False
         status = Path(f"/proc/{other}/status")
-        assert not status.exists() or "zombie" in status.read_text().lower()  # the other engine went with it
+        deadline = time.monotonic() + 20
+        while status.exists() and "zombie" not in status.read_text().lower():  # the other engine goes too
+            assert time.monotonic() < deadline, "the other engine outlived the server"
+            time.sleep(0.1)
     finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(other, signal.SIGCONT)
         for sub in subs:
             sub.close(0)
         ctx.term()
@@ -173,6 +201,8 @@ def _free(port: int) -> bool:
 
 
 def _engine_pids(srv) -> list[int]:
-    """The server's engine-core processes (children started by multiprocessing's spawn)."""
+    """The server's engine-core processes (children started by multiprocessing's spawn), in the
+    order they started (the 22nd field of /proc/PID/stat), which is the engines' order."""
     children = Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split()
-    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    pids = [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return sorted(pids, key=lambda pid: (int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]), pid))
