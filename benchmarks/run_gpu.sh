@@ -8,7 +8,7 @@
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               prefill-profile|kernels-prefill|
-#                                               all-reduce|dp] ...
+#                                               all-reduce|dp|eplb] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -578,6 +578,19 @@ if has serve-sweep; then
     measure vllm 18001 /health $!
   fi
   tar czf "$OUT/sweep-points.tgz" -C "$OUT" sweep  # the points lie deeper than the device tool brings back
+fi
+if has eplb; then
+  # Issue #17: what EPLB costs at EP = 2 (2+ GPUs), Qwen3-30B-A3B shape, the nano-vllm workload, one
+  # engine per run: off, moving at the rebalance, moving in the background (EPLB_ASYNC_STEPS), off
+  # again; a rebalance every EPLB_INTERVAL steps with 2 redundant slots.
+  step "EPLB at EP = 2: off, at the rebalance, in the background, off"
+  A="--expert-parallel-size 2 --max-num-seqs 256"
+  E="--eplb-step-interval ${EPLB_INTERVAL:-100} --num-redundant-experts 2"
+  for run in off sync async off2; do
+    case $run in off*) X="";; sync) X="$E";; async) X="$E --eplb-async-steps ${EPLB_ASYNC_STEPS:-4}";; esac
+    timeout 200 python3 -m benchmarks.throughput $CFG/qwen3-30b-a3b $A $X --label "eplb-$run" 2>&1 \
+      | grep '^RESULT' | tee -a "$OUT/eplb.jsonl" || status=1
+  done
 fi
 if has dp; then
   # Issue #17: data parallelism. `pagoda serve --data-parallel-size N` (N engines, one GPU each, behind
