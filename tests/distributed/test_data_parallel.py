@@ -75,7 +75,7 @@ def test_a_conversation_stays_on_the_engine_that_holds_its_prefix():
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
     turn1 = torch.randint(0, 1000, (70,), generator=g).tolist()
     turn2 = turn1 + torch.randint(0, 1000, (40,), generator=g).tolist()
-    router = EngineRouter(2, block_size=16)
+    router = EngineRouter(2)
     assert block_hashes(turn2, 16)[:4] == block_hashes(turn1, 16) and len(block_hashes(turn2, 16)) == 6
     assert router.choose(block_hashes(turn1, 16), [0, 0], [0, 0]) == 0  # nothing shared: the least loaded
     assert router.choose(block_hashes(turn2, 16), [MIN_SLACK, 0], [1, 0]) == 0  # its prefix, within the slack

@@ -279,6 +279,10 @@ class _Transfer:
     def wait(self, index: int) -> None:
         """Until layer ``index``'s weights are here; the thread's error, if it failed."""
         self.moves[index].done.wait()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """The thread's error, if it failed: the move cannot finish on any rank."""
         if self.error is not None:
             raise RuntimeError(f"EPLB: moving the experts in the background failed: {self.error}") from self.error
 
@@ -394,8 +398,7 @@ class ExpertBalancer:
         the thread's host copies) and placement."""
         pending = self._pending
         assert pending is not None
-        if pending.error is not None:
-            pending.wait(0)  # raises the thread's error: the move cannot finish on any rank
+        pending.raise_if_failed()  # with the plans' count, a failed move would otherwise never be due
         due = min(len(self.layers), self.steps - pending.first_switch_step + 1)
         if layers_held is not None:
             due = min(due, layers_held)

@@ -220,7 +220,6 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
             later.elastic if self.elastic is None else self.elastic.add(later.elastic),
         )
 
-
     def with_gauges_of(self, engines: list[EngineStats]) -> EngineStats:
         """These counters with the gauges of several engines together (data parallelism, the
         engines' latest stats): requests and blocks summed, KV usage over all their blocks."""

@@ -146,7 +146,7 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._cores = [_Core(d, self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL))
                        for d in range(config.data_parallel_size)]
-        self._router = EngineRouter(len(self._cores), config.block_size) if len(self._cores) > 1 else None
+        self._router = EngineRouter(len(self._cores)) if len(self._cores) > 1 else None
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle --------------------------------------------------------------------

@@ -31,8 +31,7 @@ def block_hashes(prompt_ids: Sequence[int], block_size: int, salt: tuple = ()) -
 
 
 class EngineRouter:
-    def __init__(self, engines: int, block_size: int) -> None:
-        self.block_size = block_size
+    def __init__(self, engines: int) -> None:
         self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(engines)]
         self._capacity = [1 << 62] * engines  # blocks: each engine's KV cache, once it is known
 
