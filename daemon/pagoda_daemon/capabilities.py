@@ -24,6 +24,8 @@ CAPABILITIES: dict[str, Capability] = {
         Capability("tensor_parallel", True, "tensor parallelism (one model sharded over several GPUs)"),
         Capability("expert_parallel", True, "expert parallelism (MoE experts spread over several GPUs)"),
         Capability("data_parallel", True, "data parallelism inside one replica"),
+        Capability("data_parallel_experts", True, "MoE experts spread over data-parallel engines "
+                   "(data-parallel attention)"),
         Capability("elastic_expert_parallel", True, "elastic expert parallelism"),
         Capability("kv_cache_fp8", False, "an fp8 KV cache"),
         Capability("kv_offload", True, "KV cache offload to host memory or disk"),

@@ -103,6 +103,14 @@ class EngineConfig:
         minimum=1, maximum=64, needs="data_parallel")
     data_parallel_rank: int = option(0, "which of those engines this is (the daemon sets it for each)",
                                      minimum=0, maximum=63, cli=False)
+    data_parallel_experts: bool = option(
+        False, "a MoE model's experts spread over the data-parallel engines (data-parallel attention: each engine "
+        "keeps its own requests, attention and dense layers, and every engine runs each MoE layer with the others "
+        "every step, an idle one on padding; vLLM's --enable-expert-parallel with --data-parallel-size); each "
+        "engine one GPU", needs="data_parallel_experts")
+    data_parallel_rendezvous: str | None = option(
+        None, "with data_parallel_experts: the file where the engines' processes meet (the daemon sets it)",
+        cli=False)
     # Ranks over several pods (nodes): node 0 runs the API server and the engine core with its
     # share of the ranks; nodes 1..nnodes-1 run only theirs (docs/parallelism.md, "Across pods").
     nnodes: int = option(1, "pods (or hosts) the tensor × expert ranks are spread over, an equal share on each",
@@ -141,6 +149,11 @@ class EngineConfig:
         return self.elastic_ep_max_size > 0
 
     @property
+    def data_experts_engines(self) -> int:
+        """The engines the MoE experts are spread over (data_parallel_experts), else 0."""
+        return self.data_parallel_size if self.data_parallel_experts else 0
+
+    @property
     def device_offset(self) -> int:
         """The node-local index of this engine's first GPU: data-parallel engine d runs on GPUs
         d·ranks .. d·ranks + ranks − 1 of those visible."""
@@ -173,6 +186,9 @@ class EngineConfig:
                              f"nnodes {self.nnodes}")
         if self.data_parallel_size > 1:
             self._check_data_parallel()
+        elif self.data_parallel_experts:
+            raise ValueError("data_parallel_experts spreads the experts over the data-parallel engines: it needs "
+                             "data_parallel_size 2 or more")
         if self.eplb_async_steps and not self.enable_eplb:
             raise ValueError("eplb_async_steps needs enable_eplb")
         if self.elastic_ep or self.elastic_ep_min_size:
@@ -203,6 +219,12 @@ class EngineConfig:
         if self.kv_offload_disk_source or self.kv_transfer_port:
             problems.append("prefill/decode disaggregation (kv_offload_disk_source, kv_transfer_port) runs one "
                             "engine per instance (data_parallel_size 1)")
+        if self.data_parallel_experts and self.world_size != 1:
+            problems.append("data_parallel_experts runs each engine on one GPU (tensor_parallel_size and "
+                            "expert_parallel_size 1): the experts are spread over the engines")
+        if self.data_parallel_experts and self.enable_eplb:
+            problems.append("data_parallel_experts does not combine with enable_eplb yet (the balancer moves experts "
+                            "within one engine)")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -54,7 +54,8 @@ def layout_error(spec: ServiceSpec, config: Mapping[str, Any]) -> str | None:
     try:
         check_layout(model, options["tensor_parallel_size"], options["expert_parallel_size"],
                      bool(options.get("enable_eplb")), int(options.get("num_redundant_experts") or 0),
-                     int(options.get("elastic_ep_max_size") or 0))
+                     int(options.get("elastic_ep_max_size") or 0),
+                     int(options.get("data_parallel_size") or 1) if options.get("data_parallel_experts") else 0)
     except ValueError as e:
         return f"the model's config.json does not allow this layout: {in_crd_terms(str(e))}"
     except (TypeError, ZeroDivisionError, AttributeError):  # fields of odd types or zero heads: the daemon decides

@@ -33,6 +33,10 @@ from pagoda_daemon.telemetry.kv_events import offset_endpoint
     ({"data_parallel_size": 2, "kv_transfer_port": 9000}, "prefill/decode disaggregation"),
     ({"data_parallel_size": 2, "expert_parallel_size": 2, "enable_eplb": True, "elastic_ep_min_size": 1,
       "elastic_ep_max_size": 2}, "elastic expert parallelism resizes one engine"),
+    ({"data_parallel_experts": True}, "needs data_parallel_size 2 or more"),
+    ({"data_parallel_size": 2, "data_parallel_experts": True, "tensor_parallel_size": 2}, "each engine on one GPU"),
+    ({"data_parallel_size": 2, "data_parallel_experts": True, "enable_eplb": True},
+     "does not combine with enable_eplb"),
 ])
 def test_what_data_parallelism_does_not_combine_with_is_refused(options, message):
     with pytest.raises(ValueError, match=message):
@@ -189,6 +193,71 @@ def test_pagoda_serve_with_two_engines(tiny_models, tmp_path):
             sub.close(0)
         ctx.term()
         srv.stop()
+
+
+def test_experts_spread_over_the_engines_need_a_model_whose_experts_they_divide():
+    from types import SimpleNamespace
+
+    from pagoda_daemon.distributed.layout import check_layout
+
+    moe = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, intermediate_size=64)
+    check_layout(moe, 1, 1, data_experts=4)
+    with pytest.raises(ValueError, match=r"number of experts \(8\) is not divisible by data_parallel_size 3"):
+        check_layout(moe, 1, 1, data_experts=3)
+    dense = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        check_layout(dense, 1, 1, data_experts=2)
+
+
+def test_pagoda_serve_with_the_experts_spread_over_two_engines(tiny_models, tmp_path):
+    """Data-parallel attention: two engines each hold half of the experts and their own requests,
+    and every MoE layer runs on both engines' tokens each step. Greedy answers equal the
+    one-process engine's with every expert, whether both engines have requests (at once, with
+    prompts split into chunks and requests preempted for KV blocks) or one runs alone while the
+    other lends its experts on padding; every block comes back; the server leaves cleanly (the
+    engines stop together, none waiting in a collective for the other)."""
+    import httpx
+
+    from pagoda_daemon import LLM, SamplingParams
+    from tests.server.conftest import ServerProcess
+
+    path = tiny_models["qwen3_moe"]
+    limits = ["--max-model-len", "128", "--max-num-batched-tokens", "48", "--num-kv-blocks", "10"]
+    srv = ServerProcess(path, *limits, "--data-parallel-size", "2", "--data-parallel-experts", "--dtype", "float32",
+                        log_dir=tmp_path, served_name="tiny")
+    try:
+        srv.wait_ready(timeout=180)
+        prompts = random_prompts(512, [3, 9, 30, 75, 5, 17, 40, 61, 90, 12],
+                                 seed=int(torch.randint(0, 2**31, ()).item()))
+        one = LLM(path, dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64)
+        want = [w.outputs[0].text for w in one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                   ignore_eos=True))]
+
+        def ask(prompt: str) -> str:
+            reply = httpx.post(srv.url + "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+                timeout=120)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["text"]
+
+        assert ask(prompts[3]) == want[3]  # alone: the other engine runs its experts on padding
+        got: list = [None] * len(prompts)
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(prompts[i]))) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == want
+        engine = srv.wait_idle(timeout=60)
+        routed = [e["requests"] for e in engine["engines"]]
+        assert sum(routed) == len(prompts) + 1 and min(routed) >= 2, routed
+        metrics = httpx.get(srv.url + "/metrics").text
+        preempted = [line for line in metrics.splitlines() if line.startswith("vllm:num_preemptions_total")]
+        assert preempted and float(preempted[0].rsplit(" ", 1)[1]) > 0, preempted
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log_path.read_text()[-3000:]
 
 
 def _free(port: int) -> bool:

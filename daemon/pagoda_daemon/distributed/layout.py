@@ -17,13 +17,16 @@ RANKS = "tensor_parallel_size × expert_parallel_size"
 
 
 def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, redundant: int = 0,
-                 elastic_max: int = 0) -> None:
+                 elastic_max: int = 0, data_experts: int = 0) -> None:
     """Refuse, in one line, a layout the model cannot be split into (before any rank starts;
     the layers check again as they are built). The line names options as the config file
     does, so that the operator can name the InferenceService fields instead. Elastic EP (``elastic_max`` > 0) splits only
-    the experts, whatever their number: a size that does not divide them takes redundant slots."""
+    the experts, whatever their number: a size that does not divide them takes redundant slots.
+    ``data_experts``: the data-parallel engines the experts are spread over (data_parallel_experts)."""
     if elastic_max:
         return _check_elastic_layout(model_config, elastic_max)
+    if data_experts:
+        _check_data_experts_layout(model_config, data_experts)
     ranks = tensor * expert
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
@@ -69,3 +72,12 @@ def _check_elastic_layout(model_config, elastic_max: int) -> None:
     if elastic_max > experts:
         raise ValueError(f"elastic_ep_max_size {elastic_max} is more than the model's {experts} experts: a rank "
                          "would hold only copies")
+
+
+def _check_data_experts_layout(model_config, engines: int) -> None:
+    experts = num_experts_of(model_config)
+    if not experts or not (getattr(model_config, "num_experts_per_tok", 0) or 0):
+        raise ValueError("data_parallel_experts needs a mixture-of-experts model; this one has no experts")
+    if experts % engines:
+        raise ValueError(f"the number of experts ({experts}) is not divisible by data_parallel_size {engines} "
+                         "(data_parallel_experts spreads them evenly over the engines)")

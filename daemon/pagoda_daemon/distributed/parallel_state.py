@@ -38,6 +38,11 @@ class TensorParallel:
     # Elastic expert parallelism: attention, dense layers, embedding and LM head whole on every
     # rank (only the experts are spread), so that any number of ranks can serve (docs/elastic-ep.md).
     replicated_dense: bool = False
+    # Data-parallel attention (distributed/lockstep.py): the ranks are data-parallel engines, each
+    # with its own requests; a MoE layer gathers every rank's tokens, runs this rank's experts on
+    # all of them and hands each rank back the sum for its own (all-gather + reduce-scatter).
+    # Implies replicated_dense.
+    spread_tokens: bool = False
     # Small tensors summed from the other GPUs' memory over NVLink instead of by NCCL
     # (peer_all_reduce.py); None: NCCL sums everything.
     peer: PeerAllReduce | None = None
@@ -47,6 +52,8 @@ class TensorParallel:
             raise ValueError(f"tensor-parallel rank {self.rank} outside a group of {self.size}")
         if self.expert_groups < 1 or self.size % self.expert_groups:
             raise ValueError(f"expert-parallel size {self.expert_groups} does not divide the {self.size} ranks")
+        if self.spread_tokens and not self.replicated_dense:
+            raise ValueError("data-parallel attention keeps attention and the dense layers whole on every rank")
 
     @property
     def expert_group(self) -> int:
@@ -73,6 +80,12 @@ class TensorParallel:
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    @property
+    def engine(self) -> TensorParallel:
+        """The ranks that run this engine's requests together (they must agree on its KV cache
+        and on failed KV loads): all of them, or this one alone with data-parallel attention."""
+        return SINGLE if self.spread_tokens else self
 
     @property
     def dense(self) -> TensorParallel:
@@ -112,6 +125,27 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, in rank order (each rank has as many: the step agreement pads them)."""
+        if x.is_cuda:
+            out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+            return out
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of ``x``'s rows, this rank's share of them (the inverse of
+        :meth:`all_gather_rows`)."""
+        rows = x.shape[0] // self.size
+        if x.is_cuda:
+            out = x.new_empty((rows, *x.shape[1:]))
+            dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+            return out
+        dist.all_reduce(x, group=self.group)  # gloo has no reduce-scatter: sum everything, keep ours
+        return x[self.rank * rows : (self.rank + 1) * rows]
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, rows, experts' columns): an even split or an error."""

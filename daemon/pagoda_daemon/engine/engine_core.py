@@ -82,7 +82,7 @@ class EngineCore:
                 f"must be at least max_model_len ({self.max_model_len})"
             )
         check_layout(self.model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
-                     config.num_redundant_experts, config.elastic_ep_max_size)
+                     config.num_redundant_experts, config.elastic_ep_max_size, config.data_experts_engines)
         from pagoda_daemon.kv_offload import tiered
 
         tiered.check_options(config)  # a disk path that cannot work fails the start before anything loads
@@ -94,6 +94,8 @@ class EngineCore:
         enter(STARTUP_PHASES[2])
         self.executor.initialize_cache(num_blocks)
         self.worker_info = self.executor.info()
+        # Data-parallel attention: every step agreed with the other engines first (lockstep.py)
+        self.lockstep = self.executor.lockstep()
         # Schedule step N+1 while step N runs (GPU default; on CPU there is nothing to overlap).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.worker_info.device.startswith("cuda"))
@@ -216,13 +218,26 @@ class EngineCore:
         the backend's threads fill them after those are accepted, behind this step's forward
         pass, the outputs' bookkeeping and the next call's scheduling; the next call (or the
         collection of this step) waits for them and launches the sampling.
+
+        With data-parallel attention (``self.lockstep``), the engines agree on each step first:
+        if any has work, every one runs a forward pass of the same number of rows (an idle engine
+        runs its MoE layers on padding for the others' tokens); if none has, none steps.
         """
+        outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and self.scheduler.num_needing_host_tokens:
-            return self._finish_in_flight()  # penalties need every token on the host first
+            outputs = self._finish_in_flight()  # penalties need every token on the host first
+            if self.lockstep is None:
+                return outputs
         # phase labels name the step's parts in torch-profiler traces (benchmarks/throughput.py).
         with phase("pagoda.schedule"):
-            sched = self.scheduler.schedule()
-        if sched.is_empty and self._in_flight is None:
+            sched = (self.scheduler.schedule() if self.lockstep is None or self.scheduler.has_unfinished_requests()
+                     else SchedulerOutput())
+        if self.lockstep is not None:  # every engine runs this step, padded to the same rows, or none does
+            with phase("pagoda.lockstep"):
+                sched.lockstep = self.lockstep.agree(sched, self.has_unfinished_requests())
+            if not sched.lockstep.anyone_busy:
+                return outputs
+        if sched.is_empty and self._in_flight is None and not (sched.lockstep and sched.lockstep.tokens):
             # every request waits (a grammar compiling, KV arriving from another instance): yield
             # to the threads doing that work rather than spin (a 100-block fetch on loopback took
             # 2,600 empty steps on 2 cores without this)
@@ -233,7 +248,7 @@ class EngineCore:
                 s.request.first_scheduled_time = now
         self._sample_in_flight()  # the previous step's sampling comes before this step's inputs
         launched = self.executor.execute_model(sched)
-        outputs = self._failed_outputs() + self._finish_in_flight()
+        outputs += self._failed_outputs() + self._finish_in_flight()
         # None: constrained rows, whose masks need the tokens accepted just now
         self._in_flight = (sched, launched if launched is not None else self.scheduler.grammar_bitmask(sched))
         if (not self.async_scheduling or sched.is_empty or self.scheduler.num_needing_host_tokens

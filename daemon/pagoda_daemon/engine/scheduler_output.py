@@ -51,6 +51,24 @@ class ScheduledRequest:
     start: int = 0  # tokens computed before this step: the position of the first new token
     samples: bool = False  # this step reaches the end of the known tokens and samples the next
 
+    @property
+    def scores_prompt(self) -> bool:
+        """This step computes prompt positions of a request that asked for prompt logprobs."""
+        req = self.request
+        return req.sampling_params.prompt_logprobs is not None and self.start < req.num_prompt_tokens - 1
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What the data-parallel engines whose MoE layers run together (data-parallel attention,
+    distributed/lockstep.py) agreed on for this step: each runs one forward pass of the same
+    number of token rows, its own padded, an idle engine's all padding."""
+
+    tokens: int  # the most tokens any engine's step has; 0: no engine runs a forward pass
+    decode_only: bool  # every engine's step decodes one token per request (CUDA graphs may replay)
+    anyone_busy: bool  # some engine has requests (else none steps, and idle ones may wait for input)
+    all_stopping: bool = False  # every engine was asked to shut down: they leave together
+
 
 @dataclass
 class SchedulerOutput:
@@ -72,10 +90,17 @@ class SchedulerOutput:
     # EPLB in the background (distributed/eplb.py): how many MoE layers every rank holds the new
     # experts of, as rank 0 saw before this step; None: each rank follows the fixed schedule
     eplb_layers_held: int | None = None
+    # Data-parallel attention: the step every engine runs (None: this engine steps on its own)
+    lockstep: StepAgreement | None = None
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def decode_only(self) -> bool:
+        """One new token per request and no prompt scored: a step a decode CUDA graph can run."""
+        return all(s.num_new_tokens == 1 and not s.scores_prompt for s in self.scheduled)
 
     @property
     def loads_may_fail(self) -> bool:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from pagoda_daemon.distributed.lockstep import Lockstep
     from pagoda_daemon.engine.request import Request
     from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
     from pagoda_daemon.executor.resize import Outcome
@@ -51,6 +52,11 @@ class Executor(ABC):
     def balancer(self):
         """Rank 0's expert balancer (EPLB), or None (every rank's is the same)."""
         return getattr(getattr(self, "worker", None), "balancer", None)
+
+    def lockstep(self) -> Lockstep | None:
+        """With data-parallel attention, this engine's per-step agreement with the others
+        (distributed/lockstep.py; its one in-process worker holds it), else None."""
+        return getattr(getattr(self, "worker", None), "lockstep", None)
 
     def worker_infos(self) -> list[WorkerInfo]:
         """Every rank's worker, rank 0 first (the pod's GPUs and NUMA nodes, for READY)."""

@@ -119,7 +119,16 @@ class SparseMoE(nn.Module):
         return self.replica_slots[ids, copy]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Unsummed:
-        """The experts' output, its sum over the ranks left to the norm after it."""
+        """The experts' output, its sum over the ranks left to the norm after it; with
+        data-parallel attention, every rank's tokens in, this rank's summed out."""
+        if self.tp.spread_tokens:
+            out = self._experts(self.tp.all_gather_rows(x))
+            return self.tp.reduce_scatter_rows(out)
+        out = self._experts(x)
+        return Unsummed(out, self.tp) if self.tp.enabled else out
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the tokens routed to them (zero rows for the others')."""
         weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
         slots = self._slot_ids(ids)  # this rank computes slots first_expert.. (the kernel skips the others)
         if self._fused is not None:  # written where the all-reduce sums it from (the peers' buffer), if anywhere
@@ -130,7 +139,7 @@ class SparseMoE(nn.Module):
             every_expert_here = local == self.num_experts and not self.eplb
             out = moe_reference(x, self.w13, self.w2, weights,
                                 slots if every_expert_here else local_expert_ids(slots, self.first_expert, local))
-        return Unsummed(out, self.tp) if self.tp.enabled else out
+        return out
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -142,6 +151,16 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             config.hidden_size, config.intermediate_size, kernels, self.tp.dense
         )
         return DecoderLayer(config, backend, rotary, self.qk_norm, mlp, self.tp.dense)
+
+    def run_experts_only(self, rows: int) -> None:
+        """Data-parallel attention, an engine without tokens this step (distributed/lockstep.py):
+        its MoE layers in order on ``rows`` padding rows, so that the other engines' tokens reach
+        its experts. Nothing it computes is kept."""
+        weight = self.lm_head.weight
+        x = torch.zeros(rows, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module(x)
 
     def has_experts(self) -> bool:
         return any(isinstance(m, SparseMoE) for m in self.modules())

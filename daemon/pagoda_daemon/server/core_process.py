@@ -40,6 +40,9 @@ from pagoda_daemon.server import wire
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
+# Data-parallel attention: how long an idle engine waits for input before it agrees the next
+# step with the other engines (a request arriving at an idle server waits up to this long)
+LOCKSTEP_IDLE_POLL_MS = 2
 PARENT_CHECK_S = 0.25  # how often a busy engine checks it (behind PR_SET_PDEATHSIG, which is at once)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -169,9 +172,11 @@ def _loop(core, inputs, outputs, parent_pid: int, block_size: int, publisher=Non
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     next_parent_check = time.monotonic() + PARENT_CHECK_S
+    lockstep = core.lockstep  # data-parallel attention: every step agreed with the other engines
+    idle_poll_ms = IDLE_POLL_MS if lockstep is None else LOCKSTEP_IDLE_POLL_MS
     while True:
-        busy = core.has_unfinished_requests()
-        if (not busy and not poller.poll(IDLE_POLL_MS)) or time.monotonic() >= next_parent_check:
+        busy = core.has_unfinished_requests() or (lockstep is not None and lockstep.others_may_be_busy)
+        if (not busy and not poller.poll(idle_poll_ms)) or time.monotonic() >= next_parent_check:
             if os.getppid() != parent_pid:
                 raise ParentGone
             next_parent_check = time.monotonic() + PARENT_CHECK_S
@@ -203,10 +208,19 @@ def _loop(core, inputs, outputs, parent_pid: int, block_size: int, publisher=Non
             elif isinstance(message, ResizeExperts):
                 resize_to = message.size
             elif isinstance(message, Shutdown):
-                return
+                if lockstep is None:
+                    return
+                lockstep.stopping = True  # leave with the others, none waiting in a collective for us
         if resize_to is not None:
             _resize(core, resize_to, outputs)
-        if core.has_unfinished_requests():
+        if lockstep is not None:
+            had_work = core.has_unfinished_requests()
+            done = core.step()  # an agreement every time round, busy or not (lockstep.py)
+            if done or had_work or changed:
+                outputs.send(wire.encode(EngineCoreOutputs(done, core.make_stats())))
+            if lockstep.last.all_stopping:
+                return
+        elif core.has_unfinished_requests():
             outputs.send(wire.encode(EngineCoreOutputs(core.step(), core.make_stats())))
         elif changed:
             outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -153,6 +154,8 @@ class EngineClient:
 
     async def start(self) -> None:
         spawn = multiprocessing.get_context("spawn")
+        if self.config.data_parallel_experts:  # the engines' processes meet in this private folder
+            self.config = dataclasses.replace(self.config, data_parallel_rendezvous=f"{self._tmp.name}/engines")
         for core in self._cores:
             in_addr = f"ipc://{self._tmp.name}/in{core.index}"
             out_addr = f"ipc://{self._tmp.name}/out{core.index}"

@@ -235,7 +235,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
 
         model_config = load_config(config.model)  # a bad path or architecture fails here, before any process
         check_layout(model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
-                     config.num_redundant_experts, config.elastic_ep_max_size)
+                     config.num_redundant_experts, config.elastic_ep_max_size, config.data_experts_engines)
         _keys(options)
         from pagoda_daemon.kv_offload import tiered
         from pagoda_daemon.kv_offload.transfer_auth import SourceHeaders

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pagoda_daemon.attention.backend import AttentionMetadata, KVCacheSpec
-from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
+from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput, StepAgreement
 from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker import step_shapes
 from pagoda_daemon.worker.cuda_graphs import CudaGraphRunner
@@ -89,12 +89,6 @@ class PromptLogprobRows:
         self.num_top.append(request.sampling_params.prompt_logprobs)
         self.rows.extend(range(first_row, first_row + end - start))
         self.targets.extend(request.all_token_ids[start + 1 : end + 1])
-
-
-def _scores_prompt(s) -> bool:
-    """This step computes prompt positions of a request that asked for prompt logprobs."""
-    req = s.request
-    return req.sampling_params.prompt_logprobs is not None and s.start < req.num_prompt_tokens - 1
 
 
 # Prompt logprobs take a [rows, vocab] float32 log-softmax: at most this many rows at a time.
@@ -267,9 +261,20 @@ class ModelRunner:
 
     def graph_size(self, sched: SchedulerOutput) -> int | None:
         """The captured batch size this step replays, or None when it runs eagerly."""
-        if self.cuda_graphs is None or any(s.num_new_tokens != 1 or _scores_prompt(s) for s in sched.scheduled):
+        if sched.lockstep is not None:
+            return self.lockstep_shape(sched.lockstep)[0]
+        if self.cuda_graphs is None or not sched.decode_only:
             return None
         return self.cuda_graphs.padded_size(len(sched.scheduled))
+
+    def lockstep_shape(self, agreed: StepAgreement) -> tuple[int | None, int]:
+        """(the graph size every data-parallel engine replays or None, the token rows each runs):
+        the same on every engine, which shares this configuration."""
+        if agreed.decode_only and self.cuda_graphs is not None:
+            size = self.cuda_graphs.padded_size(agreed.tokens)
+            if size is not None:
+                return size, size
+        return None, step_shapes.padded(self.token_sizes, agreed.tokens) if self.token_sizes else agreed.tokens
 
     # ---- one step --------------------------------------------------------------------
 
@@ -293,7 +298,8 @@ class ModelRunner:
 
     def prepare_inputs(self, sched: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
         """Fill the staging buffers for this step. With pad_to (a CUDA-graph size), rows past
-        the batch up to pad_to become padding the graph can run over harmlessly."""
+        the batch up to pad_to become padding the graph can run over harmlessly. An eager step
+        agreed with other data-parallel engines runs the rows they agreed on."""
         b = self.buffers
         b.flip()
         ids_np, pos_np, slot_np = b.input_ids.np, b.positions.np, b.slot_mapping.np
@@ -310,7 +316,7 @@ class ModelRunner:
         for i, s in enumerate(sched.scheduled):
             req = s.request
             start, n = s.start, s.num_new_tokens
-            if _scores_prompt(s):
+            if s.scores_prompt:
                 prompt_rows.add(req, start, n, t)
             if start >= req.num_tokens:  # the previous step's sample, not on the host yet
                 ids_np[t] = 0
@@ -345,6 +351,8 @@ class ModelRunner:
         # An eager step with padding on runs padded_t token rows (token 0 at position 0 past
         # the step's own); the cache slots and the attention metadata cover the real ones only.
         padded_t = step_shapes.padded(self.token_sizes, t) if pad_to is None and self.token_sizes else t
+        if pad_to is None and sched.lockstep is not None:
+            padded_t = self.lockstep_shape(sched.lockstep)[1]
         ids_np[t:padded_t] = 0
         pos_np[t:padded_t] = 0
         slot_np[t:padded_t] = -1  # where the piecewise graphs write the pad rows' K/V: nowhere
@@ -438,6 +446,10 @@ class ModelRunner:
         constrained rows, launch the forward pass only and return None (then sample())."""
         self._update_states(sched)
         if sched.is_empty:
+            if sched.lockstep is not None and sched.lockstep.tokens:  # the other engines' tokens, our experts
+                with phase("pagoda.forward"):
+                    self.model.run_experts_only(self.lockstep_shape(sched.lockstep)[1])
+                return LaunchedStep([], [], {}, self._step_done())
             return LaunchedStep.empty()
         with phase("pagoda.prepare_inputs"):
             graph_size = self.graph_size(sched)

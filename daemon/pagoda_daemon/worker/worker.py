@@ -14,20 +14,30 @@ import dataclasses
 import datetime
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from pagoda_daemon.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagoda_daemon.distributed.layout import num_experts_of
-from pagoda_daemon.distributed.parallel_state import any_over_ranks, min_over_ranks, tensor_parallel_group
+from pagoda_daemon.distributed.parallel_state import (
+    TensorParallel,
+    any_over_ranks,
+    min_over_ranks,
+    tensor_parallel_group,
+)
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.kv_offload.connector import OffloadWorker
 from pagoda_daemon.models import loader
 from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker.model_runner import LaunchedStep, ModelRunner
+
+if TYPE_CHECKING:
+    from pagoda_daemon.distributed.lockstep import Lockstep
 
 log = logging.getLogger(__name__)
 # A background EPLB move gives up (and the engine with it) when a peer has not answered for this
@@ -84,7 +94,9 @@ class Worker:
         from pagoda_daemon.attention import get_attention_backend
 
         self.config = config
-        self.tp = tensor_parallel_group(config.world_size, config.expert_parallel_size)
+        self.lockstep: Lockstep | None = None  # with data_parallel_experts: the per-step agreement
+        self.tp = (self._join_data_parallel_engines(config) if config.data_parallel_experts
+                   else tensor_parallel_group(config.world_size, config.expert_parallel_size))
         if config.enable_eplb:
             self.tp = dataclasses.replace(self.tp, eplb=True, redundant_experts=config.num_redundant_experts)
         if config.elastic_ep:  # experts only are spread, with as many redundant slots as this size needs
@@ -95,7 +107,8 @@ class Worker:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and (self.tp.enabled or config.data_parallel_size > 1):
             # one GPU per rank, in launch order on the node, after the GPUs of the data-parallel engines before
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", config.device_offset + self.tp.rank)))
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK",
+                                                                  config.device_offset + self.tp.engine.rank)))
             torch.cuda.set_device(self.device)
         # Pin before anything big is allocated on the host, so it lands on local memory.
         self.cpu_pin = pin_worker(self.device, config.numa_policy)
@@ -137,6 +150,23 @@ class Worker:
         self.offload: OffloadWorker | None = None  # KV offload's worker half, once the cache exists
         self._failed_kv_blocks: list[int] = []  # the latest step's blocks whose KV loads failed
 
+    def _join_data_parallel_engines(self, config: EngineConfig) -> TensorParallel:
+        """Data-parallel attention: join the world of the engines' processes (one GPU each) and
+        take this engine's share of the experts; attention and dense layers stay whole here."""
+        from pagoda_daemon.distributed.lockstep import Lockstep
+        from pagoda_daemon.executor.world import Rendezvous, join_world
+
+        if not config.data_parallel_rendezvous:
+            raise ValueError("data_parallel_experts needs data_parallel_rendezvous (pagoda serve sets it)")
+        device = resolve_device(config.device)
+        control = join_world(config.data_parallel_rank, config.data_parallel_size,
+                             Rendezvous(file=config.data_parallel_rendezvous), device.type, config.device_offset,
+                             threading.Event())
+        self.lockstep = Lockstep(control, config.data_parallel_size)
+        size = config.data_parallel_size
+        return TensorParallel(config.data_parallel_rank, size, dist.group.WORLD, expert_groups=size,
+                              replicated_dense=True, spread_tokens=True)
+
     def _eplb_transfer_group(self):
         """A gloo group over this replica's ranks for EPLB's background moves (through host memory,
         beside the steps' NCCL collectives; distributed/eplb.py); every rank creates it together."""
@@ -171,7 +201,7 @@ class Worker:
             blocks = self._profile_gpu_blocks(per_block)
         else:
             blocks = (self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
-        return min_over_ranks(blocks, self.tp)
+        return min_over_ranks(blocks, self.tp.engine)
 
     def _profile_gpu_blocks(self, per_block: int) -> int:
         """KV budget = gpu_memory_utilization x the memory left free after a profiling forward pass."""
@@ -218,7 +248,7 @@ class Worker:
         from pagoda_daemon.kv_offload.tiered import build_worker
 
         assert self.runner.kv_cache is not None
-        self.offload = build_worker(self.config, self.tp.rank, self.runner.kv_cache, self.kv_block_bytes(),
+        self.offload = build_worker(self.config, self.tp.engine.rank, self.runner.kv_cache, self.kv_block_bytes(),
                                     transfer_cpu=None if self.cpu_pin is None else self.cpu_pin.kv_transfer_cpu)
         self.runner.prepare_eager_steps()
         if capture:
@@ -255,7 +285,7 @@ class Worker:
             with phase("pagoda.kv_offload_load"):
                 flags = self.offload.run(so.kv_loads, self.runner.kv_cache)
             if so.loads_may_fail:
-                flags = any_over_ranks(flags, self.tp)
+                flags = any_over_ranks(flags, self.tp.engine)
             failed = {t.gpu_block for t, bad in zip(so.kv_loads, flags, strict=True) if bad}
         self._failed_kv_blocks = sorted(failed)
         launched = self._with_failed_loads(self.runner.execute(so))
