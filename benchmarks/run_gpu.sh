@@ -598,6 +598,8 @@ if has dp; then
   # (DP_PROMPTS streamed token-id prompts of 103-921 tokens, 103-921 out); /health says where they
   # went. With the vLLM kit unpacked (a `vllm-stash` call first, .vllm_b carried, DP_VLLM=1), `vllm
   # serve --data-parallel-size N` after each model's Pagoda runs. DP_MODELS: configs under $CFG.
+  # DP_PAGODA_ARGS / DP_VLLM_ARGS: more flags for runs with N > 1, e.g. the experts spread over the
+  # engines: DP_MODELS=qwen3-30b-a3b DP_PAGODA_ARGS=--data-parallel-experts DP_VLLM_ARGS=--enable-expert-parallel
   step "data parallelism: pagoda serve --data-parallel-size ${DP_SIZES:-1 2}, same requests"
   [ -z "${DP_VLLM:-}" ] || unpack_vllm || status=1
   dp_bench() {  # LABEL PORT DP PID: the requests once the server is ready, then stop it
@@ -607,14 +609,16 @@ if has dp; then
         --result-file "$OUT/dp-$1-$cfg-$3.json" > /dev/null || status=1
       curl -s "localhost:$2/health" > "$OUT/dp-$1-$cfg-$3-health.json"
       python3 - "$1" "$cfg" "$3" "$OUT/dp-$1-$cfg-$3.json" "$OUT/dp-$1-$cfg-$3-health.json" <<'PY' | tee -a "$OUT/dp.jsonl"
-import json, sys
+import json, os, sys
 server, model, dp, result, health = sys.argv[1:]
 r = json.load(open(result))
 try:
     engines = json.load(open(health))["engine"].get("engines")
 except (ValueError, KeyError):
     engines = None
-print(json.dumps({"server": server, "model": model, "data_parallel_size": int(dp), "completed": r["completed"],
+print(json.dumps({"server": server, "model": model, "data_parallel_size": int(dp),
+                  "args": (os.environ.get("DP_PAGODA_ARGS" if server == "pagoda" else "DP_VLLM_ARGS", "")
+                           if int(dp) > 1 else ""), "completed": r["completed"],
                   "failed": r["failed"], "duration_s": r["duration_s"], "output_throughput": r["output_throughput"],
                   "total_token_throughput": r["total_token_throughput"], "ttft_ms_p50": r["ttft_ms"]["p50"],
                   "engines": engines}))
@@ -628,7 +632,8 @@ PY
     python3 -c "from benchmarks.throughput import save_word_level_tokenizer as s; s($vocab, '$M')" || status=1
     for dp in ${DP_SIZES:-1 2}; do
       python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 4096 --port 18000 --served-model-name m \
-        --device cuda --dtype bfloat16 --seed 0 --data-parallel-size "$dp" > "$OUT/dp-pagoda-$cfg-$dp.log" 2>&1 &
+        --device cuda --dtype bfloat16 --seed 0 --data-parallel-size "$dp" $([ "$dp" -gt 1 ] && echo ${DP_PAGODA_ARGS:-}) \
+        > "$OUT/dp-pagoda-$cfg-$dp.log" 2>&1 &
       dp_bench pagoda 18000 "$dp" $! /ready
     done
     if [ -n "${DP_VLLM:-}" ] && [ -f /tmp/vsite/vllm/__init__.py ]; then
@@ -636,7 +641,7 @@ PY
         VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
           PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
           --max-model-len 4096 --port 18001 --served-model-name m --generation-config vllm --seed 0 \
-          --data-parallel-size "$dp" > "$OUT/dp-vllm-$cfg-$dp.log" 2>&1 &
+          --data-parallel-size "$dp" $([ "$dp" -gt 1 ] && echo ${DP_VLLM_ARGS:-}) > "$OUT/dp-vllm-$cfg-$dp.log" 2>&1 &
         dp_bench vllm 18001 "$dp" $! /health
       done
     fi

@@ -56,10 +56,16 @@ FULL_SPEC = {
 }
 
 
+# The options FULL_SPEC's layout excludes: the experts spread over data-parallel engines of one GPU each.
+DATA_EXPERTS_SPEC = {"resources": {"gpusPerReplica": 4}, "parallelism": {"data": 4, "dataParallelExperts": True}}
+
+
 def test_every_key_the_operator_can_render_is_a_daemon_option():
-    svc = spec.parse("llama", "default", {"model": {"name": "m", "pvc": {"claimName": "w"}}, **FULL_SPEC},
-                     supports=every_capability)
-    rendered_keys = set(builders.daemon_config(svc))
+    rendered_keys: set[str] = set()
+    for fields in (FULL_SPEC, DATA_EXPERTS_SPEC):
+        svc = spec.parse("llama", "default", {"model": {"name": "m", "pvc": {"claimName": "w"}}, **fields},
+                         supports=every_capability)
+        rendered_keys |= set(builders.daemon_config(svc))
     serve_options = set(vars(build_parser().parse_args(["serve", "/m"])))
     assert rendered_keys <= serve_options, rendered_keys - serve_options
     engine_options = {d.name for d in declared(EngineConfig)}

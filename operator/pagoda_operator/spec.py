@@ -68,6 +68,8 @@ ROLE_KEYS = ("port", "maxNumSeqs", "maxNumBatchedTokens", "replicas")
 MAX_PREFILL_REPLICAS = 1024
 # Where a prefill pod serves its disk tier's blocks to decode pods (spec.disaggregation.prefill.replicas).
 KV_TRANSFER_PORT = 8300
+# The field that spreads a MoE model's experts over the data-parallel engines of a pod.
+DATA_PARALLEL_EXPERTS = "spec.parallelism.dataParallelExperts"
 
 
 class InvalidSpec(ValueError):
@@ -111,6 +113,8 @@ class Parallelism:
     eplb_redundant_experts: int | None = None  # set: EPLB on
     eplb_step_interval: int = 3000
     eplb_async_steps: int = 0  # > 0: the experts move in the background (the daemon's eplb_async_steps)
+    # The MoE experts spread over the `data` engines of a pod, each engine one GPU (data-parallel attention)
+    data_parallel_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,9 @@ def parse(
 
     r = _get(spec, "resources", {})
     p = _get(spec, "parallelism", {})
+    data_experts = _get(p, "dataParallelExperts", False)
+    if not isinstance(data_experts, bool):
+        raise InvalidSpec(_not_a_boolean(DATA_PARALLEL_EXPERTS, data_experts))
     el = _get(p, "elastic", None)
     eplb = _get(p, "eplb", None)
     elastic = Elastic(_rule(el, int(el["minExpert"]), int(el["maxExpert"]), "requestsRunning")) if el else None
@@ -341,6 +348,7 @@ def parse(
         eplb_redundant_experts=int(_get(eplb, "redundantExperts", 0)) if eplb is not None else None,
         eplb_step_interval=int(_get(eplb, "stepInterval", 3000)),
         eplb_async_steps=int(_get(eplb, "asyncSteps", 0)),
+        data_parallel_experts=data_experts,
     )
     e = _get(spec, "engine", {})
     engine = Engine(
@@ -482,6 +490,43 @@ def _read_disaggregation(raw: Any) -> tuple[Disaggregation | None, list[str]]:
     if errors or enabled is False or gib is None or prefill is None or decode is None:
         return None, errors
     return Disaggregation(float(gib), prefill, decode), []
+
+
+def _not_a_boolean(name: str, value: Any) -> str:
+    return f"{name} must be true or false, not {type(value).__name__} {value!r}"
+
+
+def data_parallel_experts_field_errors(raw: Any) -> list[str]:
+    """What is wrong with the dataParallelExperts of a raw spec.parallelism, its type or the
+    daemon's rules for it: the admission webhook refuses at apply time what :func:`parse` and
+    :func:`validate` refuse."""
+    if not isinstance(raw, Mapping):
+        return []
+    value = raw.get("dataParallelExperts")
+    if value is None or value is False:
+        return []
+    if not isinstance(value, bool):
+        return [_not_a_boolean(DATA_PARALLEL_EXPERTS, value)]
+    sizes = {key: raw.get(key) for key in ("data", "tensor", "expert")}
+    if any(v is not None and (isinstance(v, bool) or not isinstance(v, int)) for v in sizes.values()):
+        return []  # a size of the wrong type is the schema's to refuse
+    data, tensor, expert = (1 if v is None else v for v in sizes.values())
+    return _data_parallel_experts_rules(data, tensor, expert, eplb=raw.get("eplb") is not None)
+
+
+def _data_parallel_experts_rules(data: int, tensor: int, expert: int, eplb: bool) -> list[str]:
+    """The daemon's rules for data_parallel_experts (EngineConfig), in the CRD's field names."""
+    errors = []
+    if data < 2:
+        errors.append(f"{DATA_PARALLEL_EXPERTS} spreads the experts over the data-parallel engines: it needs "
+                      f"parallelism.data 2 or more (got {data})")
+    if tensor != 1 or expert != 1:
+        errors.append(f"{DATA_PARALLEL_EXPERTS} runs each engine on one GPU, the experts spread over the engines: it "
+                      f"needs parallelism.tensor 1 and expert 1 (got {tensor} and {expert})")
+    if eplb:
+        errors.append(f"{DATA_PARALLEL_EXPERTS} does not combine with parallelism.eplb yet (the balancer moves "
+                      "experts within one engine)")
+    return errors
 
 
 def disaggregation_field_errors(raw: Any) -> list[str]:
@@ -662,6 +707,8 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
                         eplb_step_interval=p.eplb_step_interval)
     if p.eplb_async_steps:  # only when set: the pods of InferenceServices without it stay as rendered
         optional["eplb_async_steps"] = p.eplb_async_steps
+    if p.data_parallel_experts:  # only when set, likewise
+        optional["data_parallel_experts"] = True
     if p.elastic is not None:
         optional.update(elastic_ep_min_size=p.elastic.min_expert, elastic_ep_max_size=p.elastic.max_expert)
     cfg.update({k: v for k, v in optional.items() if v is not None})
@@ -674,6 +721,7 @@ CRD_FIELD_OF_OPTION = {
     "tensor_parallel_size": "spec.parallelism.tensor",
     "expert_parallel_size": "spec.parallelism.expert",
     "data_parallel_size": "spec.parallelism.data",
+    "data_parallel_experts": DATA_PARALLEL_EXPERTS,
     "kv_cache_dtype": "spec.engine.kvCacheDtype",
     "kv_offload_cpu_gib": "spec.kvOffload.cpuGiB",
     "kv_offload_disk_path": "spec.kvOffload.disk.path",
@@ -738,6 +786,9 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
     if par.data > 1 and par.elastic is not None:
         errors.append("parallelism.data above 1 does not combine with parallelism.elastic (a resize changes one "
                       "engine)")
+    if par.data_parallel_experts:
+        errors += _data_parallel_experts_rules(par.data, par.tensor, par.expert,
+                                               eplb=par.eplb_redundant_experts is not None)
     # (gpusPerReplica 0: CPU ranks over gloo share the pod's cores, so a layout can be tried without GPUs)
     if s.gpus and par.elastic is None and ranks != s.gpus_per_engine and not (s.disaggregation and s.gpus % 2):
         # one engine rank per GPU: none idle, none shared

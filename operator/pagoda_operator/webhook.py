@@ -23,7 +23,11 @@ import kopf
 
 from pagoda_operator import GROUP, KIND
 from pagoda_operator.admission import Access, Policy, refusal, review
-from pagoda_operator.spec import disaggregation_field_errors, model_source_errors
+from pagoda_operator.spec import (
+    data_parallel_experts_field_errors,
+    disaggregation_field_errors,
+    model_source_errors,
+)
 
 log = logging.getLogger("pagoda_operator.webhook")
 
@@ -38,10 +42,11 @@ def _map(value: Any) -> Mapping[str, Any]:
 def decide(request: Any, policy: Policy, user_can: UserCan) -> dict[str, Any]:
     """The AdmissionReview response for an AdmissionReview request.
 
-    A malformed ``spec.model.uri`` (or remote-source option) or ``spec.disaggregation`` is refused
-    as invalid (422) naming the field. Only a change of ``spec`` is reviewed: metadata-only updates (kopf's bookkeeping annotations,
-    labels) change no pod. An error while asking for the requester's access refuses the request
-    (fail closed) with the error in the message.
+    A malformed ``spec.model.uri`` (or remote-source option) or ``spec.disaggregation``, and a
+    ``spec.parallelism.dataParallelExperts`` the daemon would refuse, are refused as invalid (422)
+    naming the field. Only a change of ``spec`` is reviewed: metadata-only updates (kopf's
+    bookkeeping annotations, labels) change no pod. An error while asking for the requester's
+    access refuses the request (fail closed) with the error in the message.
     """
     request = _map(request)
     req = _map(request.get("request"))
@@ -69,9 +74,11 @@ def decide(request: Any, policy: Policy, user_can: UserCan) -> dict[str, Any]:
     meta = _map(obj.get("metadata"))
     namespace = str(req.get("namespace") or meta.get("namespace") or "")
     name = str(meta.get("name") or meta.get("generateName") or "")
-    # A model reference the daemon cannot read (the daemon's own parser says why), refused here
-    # rather than by a Degraded status after the apply.
-    invalid = model_source_errors(spec.get("model")) + disaggregation_field_errors(spec.get("disaggregation"))
+    # A model reference the daemon cannot read (the daemon's own parser says why), a malformed
+    # disaggregation, data-parallel experts the daemon would refuse: refused here rather than by a
+    # Degraded status after the apply.
+    invalid = (model_source_errors(spec.get("model")) + disaggregation_field_errors(spec.get("disaggregation"))
+               + data_parallel_experts_field_errors(spec.get("parallelism")))
     if invalid:
         return answer(False, f"InferenceService {namespace}/{name} is invalid: " + "; ".join(invalid), 422)
     user = _map(req.get("userInfo"))

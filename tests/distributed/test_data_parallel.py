@@ -217,22 +217,33 @@ def test_pagoda_serve_with_the_experts_spread_over_two_engines(tiny_models, tmp_
     prompts split into chunks and requests preempted for KV blocks) or one runs alone while the
     other lends its experts on padding; every block comes back; the server leaves cleanly (the
     engines stop together, none waiting in a collective for the other)."""
+    check_experts_spread_over_two_engines(tiny_models["qwen3_moe"], tmp_path, "cpu")
+
+
+def check_experts_spread_over_two_engines(path: str, tmp_path: Path, device: str) -> None:
+    """The test above on `device` (tests/gpu/test_multi_gpu.py runs it on two GPUs, NCCL and
+    CUDA graphs)."""
     import httpx
 
     from pagoda_daemon import LLM, SamplingParams
     from tests.server.conftest import ServerProcess
 
-    path = tiny_models["qwen3_moe"]
     limits = ["--max-model-len", "128", "--max-num-batched-tokens", "48", "--num-kv-blocks", "10"]
     srv = ServerProcess(path, *limits, "--data-parallel-size", "2", "--data-parallel-experts", "--dtype", "float32",
-                        log_dir=tmp_path, served_name="tiny")
+                        "--device", device, log_dir=tmp_path, served_name="tiny")
     try:
-        srv.wait_ready(timeout=180)
+        srv.wait_ready(timeout=300)
+        from tests.distributed.test_tensor_parallel import _listening_addresses
+
+        for pid in _engine_pids(srv):  # the engines' gloo (and NCCL) sockets: loopback only
+            listening = _listening_addresses(str(pid))
+            assert listening and all(a in ("0100007F", "00000000000000000000000001000000") for a in listening), listening
         prompts = random_prompts(512, [3, 9, 30, 75, 5, 17, 40, 61, 90, 12],
                                  seed=int(torch.randint(0, 2**31, ()).item()))
-        one = LLM(path, dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64)
+        one = LLM(path, dtype="float32", device=device, max_model_len=128, num_kv_blocks=64)
         want = [w.outputs[0].text for w in one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
                                                                                    ignore_eos=True))]
+        del one
 
         def ask(prompt: str) -> str:
             reply = httpx.post(srv.url + "/v1/completions", json={

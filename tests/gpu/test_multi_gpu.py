@@ -94,3 +94,12 @@ def test_pagoda_serve_on_two_gpus_reports_both(tiny_models, tmp_path):
         raise
     finally:
         assert srv.stop() == 0
+
+
+def test_experts_spread_over_two_gpu_engines_match_one_engine(tiny_models, tmp_path):
+    """`--data-parallel-size 2 --data-parallel-experts` on two GPUs (NCCL all-gather and
+    reduce-scatter, CUDA graphs replayed by both engines together): the CPU test's checks."""
+    from tests.distributed.test_data_parallel import check_experts_spread_over_two_engines
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_experts_spread_over_two_engines(tiny_models["qwen3_moe"], tmp_path, "cuda")

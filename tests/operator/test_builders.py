@@ -128,6 +128,18 @@ def test_data_parallel_engines_get_their_gpus_and_a_kv_tier_each():
     assert vols["kv-offload"]["emptyDir"] == {"sizeLimit": f"{2 * 10 * 1024}Mi"}
 
 
+def test_data_parallel_experts_engines_get_one_gpu_each():
+    """parallelism.dataParallelExperts: the option in engine.yaml, and tensor × expert × data GPUs
+    as for any data-parallel replica (each engine one)."""
+    _, kids = build(resources={"gpusPerReplica": 4}, parallelism={"data": 4, "dataParallelExperts": True})
+    cfg = yaml.safe_load(kids.config_map["data"]["engine.yaml"])
+    assert (cfg["data_parallel_experts"], cfg["data_parallel_size"], cfg["tensor_parallel_size"],
+            cfg["expert_parallel_size"]) == (True, 4, 1, 1)
+    assert container(kids)["resources"]["limits"] == {"nvidia.com/gpu": 4}
+    _, plain = build(resources={"gpusPerReplica": 4}, parallelism={"data": 4})
+    assert "data_parallel_experts" not in yaml.safe_load(plain.config_map["data"]["engine.yaml"])
+
+
 def test_engine_config_in_the_config_map():
     _, kids = build(
         resources={"gpusPerReplica": 8},

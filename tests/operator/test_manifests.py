@@ -203,6 +203,8 @@ def test_example_is_valid_and_fully_known():
         ),
         *[({"model": {"name": "m", "uri": "hf://a"}, "engine": {"numKvBlocks": v}}, f".spec.engine.numKvBlocks: {why}")
           for v, why in ((0, "below minimum"), (2**40, "above maximum"), ("8", "expected integer"))],
+        *[({"model": {"name": "m", "uri": "hf://a"}, "parallelism": {"data": 2, "dataParallelExperts": v}},
+           ".spec.parallelism.dataParallelExperts: expected boolean") for v in ("yes", 1)],
         ({"model": {"name": "m", "uri": "ftp://x/y"}}, ".spec.model.uri: does not match"),
         ({"model": {"name": "m", "uri": "hf://a b"}}, ".spec.model.uri: does not match"),
         ({"model": {"name": "m", "uri": "/models/x"}}, ".spec.model.uri: does not match"),
@@ -252,6 +254,15 @@ def test_schema_admits_each_model_source(model):
     body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "x"},
             "spec": {"model": model}}  # fmt: skip
     assert validate(body, isvc_schema()) == []
+
+
+def test_schema_admits_data_parallel_experts_and_defaults_it_off():
+    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "x"},
+            "spec": {"model": {"name": "m", "uri": "hf://a"}, "resources": {"gpusPerReplica": 4},
+                     "parallelism": {"data": 4, "dataParallelExperts": True}}}
+    assert validate(body, isvc_schema()) == []
+    field = isvc_schema()["properties"]["spec"]["properties"]["parallelism"]["properties"]["dataParallelExperts"]
+    assert (field["type"], field["default"]) == ("boolean", False)
 
 
 def test_crd_patterns_are_the_operators_patterns():

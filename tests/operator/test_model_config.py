@@ -47,6 +47,19 @@ def test_a_layout_the_heads_or_experts_cannot_take_is_named_in_the_specs_fields(
     assert "attention heads (32)" in (layout_error(layout(tensor=3), {"text_config": DENSE}) or "")
 
 
+def test_data_parallel_experts_needs_experts_the_engines_divide_named_in_the_specs_fields():
+    def engines(data: int):
+        return spec(resources={"gpusPerReplica": data}, parallelism={"data": data, "dataParallelExperts": True})
+
+    msg = layout_error(engines(4), DENSE)
+    assert msg and "spec.parallelism.dataParallelExperts needs a mixture-of-experts model" in msg
+    msg = layout_error(engines(3), MOE)
+    assert msg and "experts (128) is not divisible by spec.parallelism.data 3" in msg
+    assert "data_parallel" not in msg
+    assert layout_error(engines(4), MOE) is None
+    assert layout_error(spec(resources={"gpusPerReplica": 3}, parallelism={"data": 3}), MOE) is None  # experts whole
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(None, 8), ("32", 8), (32, "8"), (0, 0), (32, None), ([32], 8),
                                              (-32, 8), (10**30, 8), (32, {"a": 1})])
 def test_a_config_of_odd_values_never_raises(heads, kv_heads):

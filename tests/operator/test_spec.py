@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from pagoda_operator.spec import InvalidSpec, daemon_config, desired_replicas, parse
+from pagoda_daemon import capabilities
+from pagoda_daemon.config import EngineConfig
+from pagoda_operator.admission import Policy
+from pagoda_operator.spec import InvalidSpec, Parallelism, daemon_config, desired_replicas, parse, validate
+from pagoda_operator.webhook import decide
 from tests.operator.operator_fakes import every_capability
+from tests.operator.test_admission import admission_review
+from tests.operator.test_model_sources import everyone_can, review_request
 
 MODEL = {"name": "m", "pvc": {"claimName": "weights"}}
 
@@ -18,6 +26,7 @@ def test_defaults_match_the_schema():
     assert s.engine.enable_prefix_caching is True and s.engine.enforce_eager is False
     assert s.placement.numa_policy == "auto" and s.placement.require_nvlink is False
     assert s.autoscaling is None and s.device == "cuda"
+    assert s.parallelism.data_parallel_experts is False
 
 
 @pytest.mark.parametrize(
@@ -284,3 +293,109 @@ def test_eplb_renders_the_daemons_eplb_options():
     with pytest.raises(InvalidSpec, match=r"parallelism\.eplb\.asyncSteps does not combine with parallelism\.elastic"):
         parse("svc", "ns", {"model": MODEL, "resources": two, "parallelism": {
             "expert": 2, "eplb": {"asyncSteps": 8}, "elastic": {"minExpert": 1, "maxExpert": 4}}})
+
+
+# spec.parallelism.dataParallelExperts: a MoE model's experts spread over 4 engines of one GPU each.
+FIELD = "spec.parallelism.dataParallelExperts"
+DATA_EXPERTS = {"resources": {"gpusPerReplica": 4}, "parallelism": {"data": 4, "dataParallelExperts": True}}
+
+
+def test_data_parallel_experts_renders_the_daemon_option_the_daemon_takes():
+    s = parse("svc", "ns", {"model": MODEL, **DATA_EXPERTS})  # this build's capabilities
+    assert s.parallelism.data_parallel_experts is True
+    cfg = daemon_config(s)
+    assert cfg["data_parallel_experts"] is True
+    assert (cfg["data_parallel_size"], cfg["tensor_parallel_size"], cfg["expert_parallel_size"]) == (4, 1, 1)
+    assert EngineConfig(model="/m", **cfg).data_experts_engines == 4
+
+
+@pytest.mark.parametrize("parallelism", [{"data": 4}, {"data": 4, "dataParallelExperts": False},
+                                         {"data": 4, "dataParallelExperts": None}])
+def test_data_parallel_experts_is_rendered_only_when_true(parallelism):
+    """Pods of InferenceServices without it keep the engine config they were rendered with."""
+    s = parse("svc", "ns", {"model": MODEL, "resources": {"gpusPerReplica": 4}, "parallelism": parallelism})
+    assert s.parallelism.data_parallel_experts is False and "data_parallel_experts" not in daemon_config(s)
+
+
+# The daemon's own rules for data_parallel_experts, refused naming the field by the operator and the webhook.
+DATA_EXPERTS_REFUSED = [
+    ({"parallelism": {"dataParallelExperts": True}}, "it needs parallelism.data 2 or more (got 1)"),
+    ({"resources": {"gpusPerReplica": 8}, "parallelism": {"data": 4, "tensor": 2, "dataParallelExperts": True}},
+     "it needs parallelism.tensor 1 and expert 1 (got 2 and 1)"),
+    ({"resources": {"gpusPerReplica": 8}, "parallelism": {"data": 4, "expert": 2, "dataParallelExperts": True}},
+     "it needs parallelism.tensor 1 and expert 1 (got 1 and 2)"),
+    ({"resources": {"gpusPerReplica": 4},
+      "parallelism": {"data": 4, "dataParallelExperts": True, "eplb": {"redundantExperts": 0}}},
+     "does not combine with parallelism.eplb yet"),
+]
+
+
+@pytest.mark.parametrize("extra, message", DATA_EXPERTS_REFUSED)
+def test_data_parallel_experts_refusals_name_the_field(extra, message):
+    with pytest.raises(InvalidSpec) as e:
+        parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)
+    assert f"{FIELD} " in str(e.value) and message in str(e.value)
+    out = decide(review_request({"model": MODEL, **extra}), Policy(), everyone_can)["response"]
+    assert out["allowed"] is False and (out["status"]["code"], out["status"]["reason"]) == (422, "Invalid")
+    assert f"{FIELD} " in out["status"]["message"] and message in out["status"]["message"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"resources": {"gpusPerReplica": 8}, "parallelism": {"data": 4, "dataParallelExperts": True},
+      "disaggregation": {"kvDiskGiB": 10}}, "parallelism.data above 1 does not combine with spec.disaggregation"),
+    ({"resources": {"gpusPerReplica": 4}, "parallelism": {
+        "data": 2, "dataParallelExperts": True, "elastic": {"minExpert": 1, "maxExpert": 2}}},
+     "parallelism.data above 1 does not combine with parallelism.elastic"),
+    ({"resources": {"gpusPerReplica": 4, "podsPerReplica": 2}, "parallelism": {"data": 4, "dataParallelExperts": True}},
+     "resources.podsPerReplica above 1 needs parallelism.data 1"),
+    # one GPU per engine: no more, no fewer
+    ({"resources": {"gpusPerReplica": 8}, "parallelism": {"data": 4, "dataParallelExperts": True}},
+     "tensor (1) × expert (1) × data (4) = 4 must equal resources.gpusPerReplica (8)"),
+])
+def test_data_parallel_experts_keeps_the_rules_of_data_above_1(extra, message):
+    with pytest.raises(InvalidSpec) as e:
+        parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["yes", "true", 1, 0, 1.0, [True], {"enabled": True}])
+def test_data_parallel_experts_of_the_wrong_type_is_refused_naming_the_field(value):
+    extra = {"resources": {"gpusPerReplica": 4}, "parallelism": {"data": 4, "dataParallelExperts": value}}
+    message = f"{FIELD} must be true or false, not {type(value).__name__} {value!r}"
+    with pytest.raises(InvalidSpec) as e:
+        parse("svc", "ns", {"model": MODEL, **extra}, supports=every_capability)
+    assert message in str(e.value)
+    out = decide(review_request({"model": MODEL, **extra}), Policy(), everyone_can)["response"]
+    assert out["allowed"] is False and out["status"]["code"] == 422 and message in out["status"]["message"]
+
+
+def test_the_webhook_admits_data_parallel_experts_the_daemon_takes():
+    for extra in (DATA_EXPERTS, {"parallelism": {"dataParallelExperts": False}}, {"parallelism": {"data": 1}}):
+        assert decide(review_request({"model": MODEL, **extra}), Policy(), everyone_can)["response"]["allowed"]
+    # an update that turns it on without data-parallel engines is refused like a create
+    update = admission_review("UPDATE", {"model": MODEL, "parallelism": {"dataParallelExperts": True}},
+                              {"model": MODEL})
+    out = decide(update, Policy(), everyone_can)["response"]
+    assert out["allowed"] is False and out["status"]["code"] == 422 and FIELD in out["status"]["message"]
+
+
+@pytest.mark.parametrize("parallelism", [
+    Parallelism(data=1, data_parallel_experts=True),
+    Parallelism(data=2, tensor=2, data_parallel_experts=True),
+    Parallelism(data=2, expert=2, data_parallel_experts=True),
+    Parallelism(data=2, eplb_redundant_experts=0, data_parallel_experts=True),
+])
+def test_what_the_operator_refuses_for_data_parallel_experts_the_daemon_refuses(parallelism):
+    """The same rules on both sides: the rendering of a refused spec is a configuration the daemon refuses."""
+    s = dataclasses.replace(parse("svc", "ns", {"model": MODEL}), gpus=0, parallelism=parallelism)
+    with pytest.raises(InvalidSpec, match=FIELD):
+        validate(s)
+    with pytest.raises(ValueError, match="data_parallel_experts"):
+        EngineConfig(model="/m", **daemon_config(s))
+
+
+def test_data_parallel_experts_is_refused_naming_the_field_by_a_build_without_it():
+    assert capabilities.supported("data_parallel_experts")
+    with pytest.raises(InvalidSpec, match=rf"{FIELD}: MoE experts spread over data-parallel engines .* is not "
+                                          "supported by this Pagoda build yet"):
+        parse("svc", "ns", {"model": MODEL, **DATA_EXPERTS}, supports=lambda c: c != "data_parallel_experts")

@@ -449,7 +449,8 @@ class ModelRunner:
             if sched.lockstep is not None and sched.lockstep.tokens:  # the other engines' tokens, our experts
                 with phase("pagoda.forward"):
                     self.model.run_experts_only(self.lockstep_shape(sched.lockstep)[1])
-                return LaunchedStep([], [], {}, self._step_done())
+            # nothing to wait for: no staging buffer is read, and waiting for the device here would
+            # hold the next agreement, hence the other engines' next steps, until this one has run
             return LaunchedStep.empty()
         with phase("pagoda.prepare_inputs"):
             graph_size = self.graph_size(sched)

@@ -159,6 +159,10 @@ class Worker:
         if not config.data_parallel_rendezvous:
             raise ValueError("data_parallel_experts needs data_parallel_rendezvous (pagoda serve sets it)")
         device = resolve_device(config.device)
+        # Every engine is in this pod: gloo's and NCCL's sockets on loopback only (unset, they take
+        # the interface the host name resolves to: the pod's)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         control = join_world(config.data_parallel_rank, config.data_parallel_size,
                              Rendezvous(file=config.data_parallel_rendezvous), device.type, config.device_offset,
                              threading.Event())
