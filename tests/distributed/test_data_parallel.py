@@ -266,6 +266,7 @@ def check_experts_spread_over_two_engines(path: str, tmp_path: Path, device: str
         metrics = httpx.get(srv.url + "/metrics").text
         preempted = [line for line in metrics.splitlines() if line.startswith("vllm:num_preemptions_total")]
         assert preempted and float(preempted[0].rsplit(" ", 1)[1]) > 0, preempted
+        assert 'pagoda:expert_parallel_size{model_name="tiny"} 2.0' in metrics  # the experts over both engines
     finally:
         code = srv.stop()
     assert code == 0, srv.log_path.read_text()[-3000:]

@@ -137,7 +137,7 @@ def _run(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: in
             dtype=info.dtype,
             gpus=[r.gpu for r in ranks if r.gpu is not None],
             numa_nodes=sorted({r.numa_node for r in ranks if r.numa_node is not None}),
-            expert_parallel_size=config.expert_parallel_size,
+            expert_parallel_size=config.data_experts_engines or config.expert_parallel_size,
             startup_seconds=round(time.monotonic() - started, 3),
         )))
         outputs.send(wire.encode(EngineCoreOutputs([], core.make_stats())))  # gauges start from the truth

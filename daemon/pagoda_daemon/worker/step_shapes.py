@@ -65,16 +65,20 @@ def warm_gemms(model: torch.nn.Module, token_rows: list[int], lm_head_rows: list
 
     started = time.perf_counter()
     lm_head = getattr(model, "lm_head", None)
+    # data-parallel attention: a MoE router sees the rows of every engine (parallel_state.spread_tokens)
+    gathered = {id(m.gate): m.tp.size for m in model.modules()
+                if isinstance(getattr(m, "gate", None), Linear) and getattr(getattr(m, "tp", None), "spread_tokens", False)}
     seen: set[tuple] = set()
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
         weight, bias = module.weight, module.bias
-        key = (module is lm_head, tuple(weight.shape), weight.dtype, bias is not None)
+        times = gathered.get(id(module), 1)
+        key = (module is lm_head, tuple(weight.shape), weight.dtype, bias is not None, times)
         if key in seen:
             continue
         seen.add(key)
-        rows = lm_head_rows if module is lm_head else token_rows
+        rows = lm_head_rows if module is lm_head else [n * times for n in token_rows]
         x = torch.randn(max(rows), weight.shape[1], dtype=weight.dtype, device=weight.device)
         for n in rows:
             F.linear(x[:n], weight, bias)
