@@ -220,6 +220,68 @@ def test_pagoda_serve_with_the_experts_spread_over_two_engines(tiny_models, tmp_
     check_experts_spread_over_two_engines(tiny_models["qwen3_moe"], tmp_path, "cpu")
 
 
+def _lockstep_engine(path: str, rank: int, rendezvous: str, prompts: list[list[int]], out: str) -> None:
+    """One data-parallel engine core driven directly, with the GPU's step settings (async
+    scheduling, eager steps padded to the token grid): its greedy tokens to `out`."""
+    import json
+
+    from pagoda_daemon.engine.engine_core import EngineCore
+    from pagoda_daemon.engine.request import Request
+    from pagoda_daemon.sampling_params import SamplingParams
+
+    config = EngineConfig(model=path, device="cpu", dtype="float32", numa_policy="none", max_model_len=128,
+                          max_num_batched_tokens=48, num_kv_blocks=10, async_scheduling=True, pad_eager_steps=True,
+                          data_parallel_size=2, data_parallel_rank=rank, data_parallel_experts=True,
+                          data_parallel_rendezvous=rendezvous)
+    core = EngineCore(config)
+    core.warm_up()
+    lockstep = core.lockstep
+    assert lockstep is not None
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(Request(f"r{i}", prompt, params, None, config.block_size))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    steps = 0
+    while not lockstep.last.all_stopping:
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+        steps += 1
+        lockstep.stopping = not core.has_unfinished_requests()
+    core.shutdown()
+    with open(out, "w") as f:
+        json.dump({"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "steps": steps}, f)
+
+
+def test_engines_with_the_experts_spread_step_together_with_async_scheduling_and_padded_steps(tiny_models, tmp_path):
+    """Two engine cores in processes of their own, one with seven prompts (chunked, preempted) and
+    one with a single short one that finishes early and then lends its experts on padding: with
+    async scheduling and the padded token grid (a GPU's defaults) both produce the one-process
+    engine's greedy tokens, and they stop together."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from pagoda_daemon import LLM, SamplingParams
+
+    path = tiny_models["qwen3_moe"]
+    prompts = random_prompts(512, [75, 9, 30, 61, 5, 90, 40, 12], seed=int(torch.randint(0, 2**31, ()).item()))
+    split = [prompts[:7], prompts[7:]]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_lockstep_engine, args=(path, d, str(tmp_path / "rdv"), split[d], str(tmp_path / f"{d}")))
+             for d in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    results = [json.loads((tmp_path / f"{d}").read_text()) for d in range(2)]
+    one = LLM(path, dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in one.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))]
+    assert results[0]["tokens"] + results[1]["tokens"] == [list(w) for w in want]
+    assert results[0]["steps"] == results[1]["steps"]  # every agreement matched: the same number of calls
+
+
 def check_experts_spread_over_two_engines(path: str, tmp_path: Path, device: str) -> None:
     """The test above on `device` (tests/gpu/test_multi_gpu.py runs it on two GPUs, NCCL and
     CUDA graphs)."""
