@@ -61,13 +61,17 @@ def warm_gemms(model: torch.nn.Module, token_rows: list[int], lm_head_rows: list
     (the LM head at ``lm_head_rows``, the others at ``token_rows``), so that cuBLAS has chosen
     its kernels before the first request. Calls ``F.linear`` on the weights directly: no
     collective runs, so ranks warm up independently. Returns the seconds it took."""
+    from pagoda_daemon.distributed.parallel_state import TensorParallel
     from pagoda_daemon.models.layers import Linear
 
     started = time.perf_counter()
     lm_head = getattr(model, "lm_head", None)
     # data-parallel attention: a MoE router sees the rows of every engine (parallel_state.spread_tokens)
-    gathered = {id(m.gate): m.tp.size for m in model.modules()
-                if isinstance(getattr(m, "gate", None), Linear) and getattr(getattr(m, "tp", None), "spread_tokens", False)}
+    gathered: dict[int, int] = {}
+    for m in model.modules():
+        tp, gate = getattr(m, "tp", None), getattr(m, "gate", None)
+        if isinstance(gate, Linear) and isinstance(tp, TensorParallel) and tp.spread_tokens:
+            gathered[id(gate)] = tp.size
     seen: set[tuple] = set()
     for module in model.modules():
         if not isinstance(module, Linear):
