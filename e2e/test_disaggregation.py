@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from test_real_containers import PORT, client, cond, httpx, manifest, wait_ready
+from test_real_containers import PORT, client, cond, httpx, isvc, manifest, wait_ready
 
 NAME = "pd"
 PREFILL_PORT = 8100
@@ -65,7 +65,8 @@ def test_prefill_decode_and_proxy_serve_as_one_ready_pod(local_cluster):
 def test_prefill_pods_apart_serve_through_the_decode_replicas_proxy(local_cluster):
     ns = local_cluster.create_namespace("pd-apart")
     doc = manifest(local_cluster, NAME)
-    doc["spec"]["disaggregation"] = {"kvDiskGiB": 0.05, "prefill": {"replicas": 1}}
+    # the prefill autoscaler held at one pod by its bounds: it reads the prefill pod's /metrics, scales nothing
+    doc["spec"]["disaggregation"] = {"kvDiskGiB": 0.05, "prefill": {"replicas": 1, "autoscaling": {"maxReplicas": 1}}}
     try:
         local_cluster.apply(doc, namespace=ns)
         # the proxy is ready once the kubelet has refreshed its list with the ready prefill pod
@@ -98,6 +99,15 @@ def test_prefill_pods_apart_serve_through_the_decode_replicas_proxy(local_cluste
         assert metric(ip, PORT, "vllm:external_prefix_cache_hits_total") > 0
         assert metric(prefill_ip, PREFILL_PORT, "vllm:generation_tokens_total") == 3
         assert metric(ip, PORT, 'pagoda_pd_proxy_requests_total') >= 6  # 3 prefill + 3 decode, all ok
+
+        # a ticker pass (every 15 s) scraped the prefill pod on its port; the Deployment is at its count
+        def prefill_stepped() -> dict | None:
+            st = isvc(local_cluster, ns, NAME)["status"]["disaggregation"]["prefill"]
+            return st if ((st.get("autoscaling") or {}).get("signals") or {}).get("pods") == 1 else None
+
+        stepped = local_cluster.wait_for(prefill_stepped, timeout=60, interval=1, what="a prefill autoscaler step")
+        deployment = local_cluster.kubectl_json("get", "deployment", f"{NAME}-prefill", "-n", ns)
+        assert deployment["spec"]["replicas"] == stepped["replicas"] == stepped["autoscaling"]["desiredReplicas"] == 1
 
         # the prefill pod replaced (a new IP): the operator lists the new one, the kubelet refreshes
         # the proxy's file, the decode engine fetches from it; the replica's pod is not rolled

@@ -22,7 +22,8 @@ Replicas scale whole units.
 **Prefill pods apart** (``prefill.replicas`` set): prefill and decode engines scale apart and may
 run on different nodes, as llm-d's do.
 
-- ``<name>-prefill``: a Deployment of ``prefill.replicas`` pods, each one prefill engine that
+- ``<name>-prefill``: a Deployment of ``prefill.replicas`` pods (with ``prefill.autoscaling``,
+  as many as its autoscaler decides: reconcile.py), each one prefill engine that
   serves its disk tier's blocks on :data:`KV_TRANSFER_PORT` and names itself by its pod IP in
   the signed header of each answer (``--kv-transfer-host $(POD_IP)``).
 - ``<name>``: the replicas (the Service's pods, autoscaled like any), each a decode engine with
@@ -181,9 +182,9 @@ def prefill_pod(spec: ServiceSpec, settings: builders.Settings, config_hash: str
 
 
 def prefill_deployment(spec: ServiceSpec, owner: Mapping[str, Any], settings: builders.Settings,
-                       config_hash: str) -> dict[str, Any]:
-    d = spec.disaggregation
-    assert d is not None and d.prefill.replicas is not None
+                       config_hash: str, replicas: int) -> dict[str, Any]:
+    """The prefill pods' Deployment at ``replicas`` pods: prefill.replicas, or the prefill
+    autoscaler's count (:func:`pagoda_operator.spec.prefill_replicas`)."""
     selector = prefill_selector(spec.name)
     return builders.stamp({
         "apiVersion": "apps/v1",
@@ -191,7 +192,7 @@ def prefill_deployment(spec: ServiceSpec, owner: Mapping[str, Any], settings: bu
         "metadata": {**builders.metadata(spec, owner, prefill_name(spec.name)),
                      "labels": {**builders.labels(spec), ROLE_LABEL: PREFILL}},
         "spec": {
-            "replicas": d.prefill.replicas,
+            "replicas": replicas,
             "selector": {"matchLabels": selector},
             "progressDeadlineSeconds": settings.progress_deadline_s,
             "revisionHistoryLimit": 5,
@@ -225,13 +226,14 @@ def instances_config_map(spec: ServiceSpec, owner: Mapping[str, Any],
 
 
 def prefill_children(spec: ServiceSpec, owner: Mapping[str, Any], settings: builders.Settings, config_hash: str,
-                     prefill_pods: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
-    """With prefill pods apart: their Deployment and the proxies' list of them (written before
-    the replicas' Deployment, whose pods mount it); otherwise nothing."""
+                     prefill_pods: Sequence[Mapping[str, Any]], replicas: int | None) -> tuple[dict[str, Any], ...]:
+    """With prefill pods apart (``replicas`` of them): their Deployment and the proxies' list of
+    them (written before the replicas' Deployment, whose pods mount it); otherwise nothing."""
     d = spec.disaggregation
-    if d is None or not d.prefill_pods:
+    if d is None or not d.prefill_pods or replicas is None:
         return ()
-    return (instances_config_map(spec, owner, prefill_pods), prefill_deployment(spec, owner, settings, config_hash))
+    return (instances_config_map(spec, owner, prefill_pods),
+            prefill_deployment(spec, owner, settings, config_hash, replicas))
 
 
 def transfer_secret(spec: ServiceSpec, owner: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -251,10 +253,12 @@ def _container_ready(pod: Mapping[str, Any], name: str) -> bool:
 
 
 def status(spec: ServiceSpec | None, pods: Sequence[Mapping[str, Any]],
-           prefill_pods: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
+           prefill_pods: Sequence[Mapping[str, Any]] = (), prefill_replicas: int | None = None,
+           prefill_autoscaling: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """``status.disaggregation``: each role's port and GPUs, and in how many pods its container
     is ready (in one pod per replica, a replica serves only when all three are: its pod is Ready
-    then; with prefill pods apart, also how many prefill pods there are to be)."""
+    then; with prefill pods apart, also how many prefill pods there are to be, ``prefill_replicas``,
+    and their autoscaler's state)."""
     if spec is None or spec.disaggregation is None:
         return None
     d = spec.disaggregation
@@ -265,7 +269,10 @@ def status(spec: ServiceSpec | None, pods: Sequence[Mapping[str, Any]],
 
     prefill: dict[str, Any] = {"port": d.prefill.port, "gpus": spec.gpus_per_engine, "readyPods": ready(PREFILL)}
     if d.prefill_pods:
-        prefill.update(replicas=d.prefill.replicas, readyPods=ready(PREFILL, [p for p in prefill_pods if _alive(p)]))
+        prefill.update(replicas=d.prefill.replicas if prefill_replicas is None else prefill_replicas,
+                       readyPods=ready(PREFILL, [p for p in prefill_pods if _alive(p)]))
+        if prefill_autoscaling is not None:
+            prefill["autoscaling"] = prefill_autoscaling
     return {
         "kvDiskGiB": d.kv_disk_gib,
         "prefill": prefill,

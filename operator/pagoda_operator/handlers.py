@@ -122,10 +122,16 @@ def _run(ctx: Context, namespace: str, name: str, trigger: str, autoscale: bool 
 
 
 def keeps_time(body: Mapping[str, Any]) -> bool:
-    """An InferenceService whose periodic pass takes a step by the clock: an autoscaler, or
-    elastic EP (its decisions scrape the pods' metrics on each round)."""
+    """An InferenceService whose periodic pass takes a step by the clock: an autoscaler (of the
+    replicas or of the prefill pods), or elastic EP (its decisions scrape the pods' metrics on each
+    round)."""
     spec = body.get("spec") or {}
-    return bool(spec.get("autoscaling")) or bool((spec.get("parallelism") or {}).get("elastic"))
+
+    def part(parent: Any, key: str) -> Any:
+        return parent.get(key) if isinstance(parent, Mapping) else None
+
+    prefill = part(part(spec, "disaggregation"), "prefill")
+    return any((spec.get("autoscaling"), part(spec.get("parallelism"), "elastic"), part(prefill, "autoscaling")))
 
 
 class Ticker:

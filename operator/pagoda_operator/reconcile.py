@@ -5,11 +5,13 @@ level-triggered pass, so the order and number of triggers never matter:
 
 1. ``observe()`` reads everything the pass needs into one ``Observed``: the InferenceService
    (with its spec parsed and validated once, ``spec``), the NodeTopologies, its Deployment, pods
-   and other children (all from the watch-fed ``watch_cache``), the pods' ``/metrics`` on
-   autoscaling passes, Warning Events when a pod is stuck before starting;
+   and other children (all from the watch-fed ``watch_cache``), the pods' ``/metrics`` (and the
+   prefill pods', with their autoscaler) on autoscaling passes, Warning Events when a pod is stuck
+   before starting;
 2. ``decide()`` is pure: block on an invalid spec, check capacity and placement
-   (``placement``), take one autoscaler step, build the desired children (``builders``); a
-   problem blocks the generation and the children are left exactly as they are;
+   (``placement``), take one autoscaler step (and one of the prefill pods' autoscaler), build the
+   desired children (``builders``); a problem blocks the generation and the children are left
+   exactly as they are;
 3. ``apply()`` creates/replaces only the children that differ, computes the whole status
    (``status.compute``) and patches it only when it changed.
 
@@ -36,8 +38,25 @@ from pagoda_operator import model_config as model_config_mod
 from pagoda_operator import status as status_mod
 from pagoda_operator.kube import ApiError, Kube
 from pagoda_operator.model_config import ModelConfigs
-from pagoda_operator.spec import InvalidSpec, ServiceSpec, Supports, desired_replicas, parse
-from pagoda_operator.telemetry import DECISIONS, DESIRED, DURATION, ERRORS, RECONCILES, SIGNAL, autoscaled
+from pagoda_operator.spec import (
+    Autoscaling,
+    InvalidSpec,
+    ServiceSpec,
+    Supports,
+    desired_replicas,
+    parse,
+    prefill_replicas,
+)
+from pagoda_operator.telemetry import (
+    DURATION,
+    ERRORS,
+    PREFILL,
+    RECONCILES,
+    REPLICAS,
+    ScalingSeries,
+    autoscaled,
+    forget,
+)
 
 if TYPE_CHECKING:
     from pagoda_operator.tracing import OperatorTracer
@@ -229,6 +248,8 @@ class Observed:
     prefill_pods: list[dict[str, Any]] = field(default_factory=list)
     prefill_deployment: dict[str, Any] | None = None
     prefill_instances: dict[str, Any] | None = None
+    # with prefill.autoscaling: per ready prefill pod, scraped from /metrics; None: not this pass
+    prefill_signals: dict[str, dict[str, Any]] | None = None
 
     @property
     def leaders(self) -> dict[str, Any] | None:
@@ -263,6 +284,10 @@ class Decision:
     elastic: dict[str, Any] | None = None  # the new status.elastic
     scaling: tuple[str, str, str] | None = None  # the Scaling condition (elastic EP)
     resizes: list[tuple[str, int]] = field(default_factory=list)  # (pod, expert-parallel size) to ask for
+    # prefill pods apart: how many (None: none apart), their autoscaler's new status and this pass's step
+    prefill_replicas: int | None = None
+    prefill_autoscaling: dict[str, Any] | None = None
+    prefill_scale: tuple[int, autoscaler.Evaluation] | None = None
 
 
 def _reconcile(ctx: Context, namespace: str, name: str, autoscale: bool) -> Result | None:
@@ -312,6 +337,12 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
     if spec is not None:  # a starting engine says which phase it is in: shown in status.placement
         starting = scrape_mod.starting_phases(serving, spec.port, ctx.scrape_timeout, ctx.ready_fetcher)
     prefill_pods = list(kube.list("Pod", namespace, disaggregation.prefill_pods_selector(name)))
+    prefill_signals = None
+    d = spec.disaggregation if spec is not None else None
+    if autoscale and spec is not None and d is not None and d.prefill.autoscaling is not None:
+        # the replicas' scrape (same timeout, reader and model filter) on the prefill engines' port
+        prefill_signals = scrape_mod.scrape(prefill_pods, d.prefill.port, spec.model.name, ctx.scrape_timeout,
+                                            ctx.fetcher)
     pod_events: list[dict[str, Any]] = []
     if status_mod.needs_pod_events(pods + prefill_pods):
         # A pod stuck before its containers start (a hostPath that is not there, a PVC that
@@ -325,7 +356,7 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
     prefill_instances = kube.get("ConfigMap", namespace, disaggregation.instances_config_map_name(name))
     return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events,
                     stateful_sets, group_service, starting, elastic_states, admin_key, model_config, prefill_pods,
-                    prefill_deployment, prefill_instances)
+                    prefill_deployment, prefill_instances, prefill_signals)
 
 
 def decide(observed: Observed, settings: builders.Settings, now: float) -> Decision:
@@ -374,9 +405,10 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
         expert_parallel = elastic_status["currentExpertParallel"]
     if per_pod is not None and spec is not None and spec.autoscaling and blocker is None:
         current = desired_replicas(spec, autoscaled)
-        auto_status, ev = _autoscale(spec, auto_status, current, per_pod, now, hold_up)
+        auto_status, ev = _autoscale(spec.autoscaling, auto_status, current, per_pod, now, hold_up)
         scale = (current, ev)
         autoscaled = ev.desired
+    prefill_count, prefill_auto, prefill_scale = _prefill_autoscale(observed, spec, blocker is None, now)
     if spec is not None and expert_parallel is None:
         expert_parallel = spec.parallelism.expert
 
@@ -389,7 +421,7 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
             kids = builders.children(spec, body, replicas, settings,
                                      disaggregation.pod if spec.disaggregation else builders.one_engine_pod)
             kids = dataclasses.replace(kids, prefill=disaggregation.prefill_children(
-                spec, body, settings, builders.digest(kids.config_map["data"]), observed.prefill_pods))
+                spec, body, settings, builders.digest(kids.config_map["data"]), observed.prefill_pods, prefill_count))
     else:
         live = observed.deployment or observed.leaders
         replicas = int(((live or {}).get("spec") or {}).get("replicas") or 0)
@@ -400,7 +432,27 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
     if blocker is not None:
         resizes = []
     return Decision(spec, blocker, replicas, kids, autoscaling, scale, expert_parallel, reported, elastic_status,
-                    scaling, resizes)
+                    scaling, resizes, prefill_count, prefill_auto, prefill_scale)
+
+
+def _prefill_autoscale(observed: Observed, spec: ServiceSpec | None, step: bool, now: float
+                       ) -> tuple[int | None, dict[str, Any] | None, tuple[int, autoscaler.Evaluation] | None]:
+    """The prefill pods' size (None: no prefill pods apart), their autoscaler's status
+    (``status.disaggregation.prefill.autoscaling``) and, on a pass that scraped them and may
+    ``step``, this pass's step: the replica autoscaler's (:func:`_autoscale`) over the prefill
+    pods. Between steps the count and the status stay what the last step left."""
+    rule = spec.disaggregation.prefill.autoscaling if spec is not None and spec.disaggregation else None
+    previous = ((observed.body.get("status") or {}).get("disaggregation") or {}).get("prefill") or {}
+    auto_status = dict(previous.get("autoscaling") or {}) if rule is not None else {}
+    count = prefill_replicas(spec, auto_status.get("desiredReplicas")) if spec is not None else None
+    if rule is None or count is None:
+        return count, None, None
+    scale = None
+    if step and observed.prefill_signals is not None:
+        auto_status, ev = _autoscale(rule, auto_status, count, observed.prefill_signals, now)
+        scale, count = (count, ev), ev.desired
+    auto_status.setdefault("desiredReplicas", count)
+    return count, auto_status, scale
 
 
 def _elastic(observed: Observed, spec: ServiceSpec | None, autoscaled: int | None, now: float
@@ -444,9 +496,14 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
     events: list[tuple[str, str, str]] = []
     wrote: list[str] = []
     if scale is not None and spec is not None and spec.autoscaling is not None:
-        line = _record_scale(spec, *scale)
+        line = _record_scale(spec, spec.autoscaling, *scale)
         if line:
             events.append(("Normal", "Autoscaled", line))
+    prefill_rule = spec.disaggregation.prefill.autoscaling if spec is not None and spec.disaggregation else None
+    if decision.prefill_scale is not None and spec is not None and prefill_rule is not None:
+        line = _record_scale(spec, prefill_rule, *decision.prefill_scale, PREFILL, "prefill")
+        if line:
+            events.append(("Normal", "Autoscaled", f"prefill: {line}"))
 
     if spec is not None and spec.parallelism.elastic is not None and observed.admin_key is not None:
         problem = _ensure_secret(ctx, body, elastic_mod.admin_secret(spec, body, observed.admin_key), "the admin key")
@@ -499,7 +556,11 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
             wrote += _remove_stale(kube, observed, decision.children, decision.replicas)
         desired_hashes = {c["metadata"]["name"]: c["metadata"]["annotations"][builders.HASH_ANNOTATION]
                           for c in decision.children.all() if c["kind"] in ("Deployment", "StatefulSet")}
-        DESIRED.labels(namespace, name).set(decision.replicas)
+        REPLICAS.desired.labels(namespace, name).set(decision.replicas)
+        if decision.prefill_replicas is not None:
+            PREFILL.desired.labels(namespace, name).set(decision.prefill_replicas)
+        else:  # no prefill pods apart (any more): no series of theirs
+            forget(namespace, name, (PREFILL,))
     grouped = spec.pods_per_replica > 1 if spec is not None else observed.leaders is not None
     if grouped:
         workers = {g: st for (kind, n), st in lives.items() if kind == "StatefulSet" and st is not None
@@ -529,13 +590,14 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         autoscaling=decision.autoscaling,
         elastic=decision.elastic,
         scaling=decision.scaling,
-        disaggregation=disaggregation.status(spec, observed.pods, observed.prefill_pods),
+        disaggregation=disaggregation.status(spec, observed.pods, observed.prefill_pods, decision.prefill_replicas,
+                                             decision.prefill_autoscaling),
     )
     warning = status_mod.degraded_event(previous, new)
     if warning:
         events.append(warning)
     if not status_mod.same_status(_prune(previous), _prune(new)):
-        patch = {"status": {**{k: None for k in previous if k not in new}, **new}}
+        patch = {"status": _merge_patch(previous, new)}
         try:
             kube.merge_patch("InferenceService", namespace, name, patch, sub="status")
         except ApiError as e:
@@ -566,18 +628,28 @@ def _prune(d: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
+def _merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns ``old`` into ``new``: ``new`` with null for each key it
+    dropped, at any depth (a merge patch merges objects, so a dropped key would stay: say
+    ``status.disaggregation.prefill.autoscaling`` once the prefill autoscaler is removed)."""
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        before = old.get(k)
+        out[k] = _merge_patch(before, v) if isinstance(v, Mapping) and isinstance(before, Mapping) else v
+    return out
+
+
 def _autoscale(
-    spec: ServiceSpec,
+    cfg: Autoscaling,
     auto_status: dict[str, Any],
     current: int,
     per_pod: Mapping[str, Mapping[str, Any]],
     now: float,
     hold_up: str | None = None,
 ) -> tuple[dict[str, Any], autoscaler.Evaluation]:
-    """One autoscaler step (pure) from ``current`` replicas; the new status.autoscaling and the
-    evaluation. ``hold_up``: why growth waits (elastic EP grows first)."""
-    cfg = spec.autoscaling
-    assert cfg is not None
+    """One autoscaler step (pure) of ``cfg`` from ``current`` pods and their signals; the new
+    status (status.autoscaling, status.disaggregation.prefill.autoscaling) and the evaluation.
+    ``hold_up``: why growth waits (elastic EP grows first)."""
     samples = [s[cfg.metric] for s in per_pod.values() if cfg.metric in s]
     history = []
     for r in auto_status.get("recommendations") or []:
@@ -620,18 +692,18 @@ def _autoscale(
     return out, ev
 
 
-def _record_scale(spec: ServiceSpec, current: int, ev: autoscaler.Evaluation) -> str | None:
-    """The autoscaler step's metrics and log line; the Event text when it changed the size."""
-    cfg = spec.autoscaling
-    assert cfg is not None
-    autoscaled(spec.namespace, spec.name)
+def _record_scale(spec: ServiceSpec, cfg: Autoscaling, current: int, ev: autoscaler.Evaluation,
+                  series: ScalingSeries = REPLICAS, pods: str = "") -> str | None:
+    """An autoscaler step's metrics and log line; the Event text when it changed the size.
+    ``pods``: which pods it sizes, when not the replicas ("prefill")."""
+    autoscaled(spec.namespace, spec.name, series)
     if ev.value is not None:
-        SIGNAL.labels(spec.namespace, spec.name, cfg.metric).set(ev.value)
+        series.signal.labels(spec.namespace, spec.name, cfg.metric).set(ev.value)
     if ev.desired == current:
         return None
-    DECISIONS.labels(spec.namespace, spec.name, "up" if ev.desired > current else "down").inc()
+    series.decisions.labels(spec.namespace, spec.name, "up" if ev.desired > current else "down").inc()
     line = f"{current} -> {ev.desired} replicas ({ev.reason}): {ev.message}"
-    log.info("autoscale %s/%s: %s", spec.namespace, spec.name, line)
+    log.info("autoscale %s/%s%s: %s", spec.namespace, spec.name, f" {pods}" if pods else "", line)
     return line
 
 

@@ -64,8 +64,18 @@ DEFAULT_PREFILL_PORT, DEFAULT_DECODE_PORT = 8100, 8200
 MAX_KV_DISK_GIB = 65536.0  # 64 TiB: above any node's local disk
 MAX_SCHEDULER_LIMIT = 2**20
 DISAGGREGATION_KEYS = ("enabled", "kvDiskGiB", "prefill", "decode")
-ROLE_KEYS = ("port", "maxNumSeqs", "maxNumBatchedTokens", "replicas")
+ROLE_KEYS = ("port", "maxNumSeqs", "maxNumBatchedTokens", "replicas", "autoscaling")
 MAX_PREFILL_REPLICAS = 1024
+# spec.autoscaling's fields, and the bound of its stabilisation windows (the CRD carries the same).
+AUTOSCALING_KEYS = ("enabled", "minReplicas", "maxReplicas", "metric", "target", "tolerance",
+                    "scaleUpStabilizationSeconds", "scaleDownStabilizationSeconds")
+MAX_STABILIZATION_S = 3600
+# spec.disaggregation.prefill.autoscaling's default metric: the prefill queue. A prefill engine
+# answers each prompt with one token, so its KV usage is only the prompts in flight and its running
+# requests stop at what one step's token budget (maxNumBatchedTokens) holds; the prompts that got
+# no tokens this step are those waiting (scheduler.py), which grow exactly when prompts come
+# faster than the pods compute them.
+PREFILL_METRIC = "requestsWaiting"
 # Where a prefill pod serves its disk tier's blocks to decode pods (spec.disaggregation.prefill.replicas).
 KV_TRANSFER_PORT = 8300
 # The field that spreads a MoE model's experts over the data-parallel engines of a pod.
@@ -149,6 +159,8 @@ class Role:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     replicas: int | None = None
+    # the prefill pods' autoscaler (spec.autoscaling's rule over them; replicas is its starting size)
+    autoscaling: Autoscaling | None = None
 
 
 @dataclass(frozen=True)
@@ -457,9 +469,74 @@ def _role(raw: Any, name: str, default_port: int, errors: list[str]) -> Role | N
         replicas = _bounded_int(raw["replicas"], f"{name}.replicas", 1, MAX_PREFILL_REPLICAS, errors)
         if replicas is None:
             return None
+    autoscaling = _read_autoscaling(raw.get("autoscaling"), f"{name}.autoscaling", errors)
     if port is None or None in limits.values():
         return None
-    return Role(port, limits.get("maxNumSeqs"), limits.get("maxNumBatchedTokens"), replicas)
+    return Role(port, limits.get("maxNumSeqs"), limits.get("maxNumBatchedTokens"), replicas, autoscaling)
+
+
+def _bounded_number(value: Any, name: str, errors: list[str], low: float, high: float = math.inf,
+                    above: bool = False) -> float | None:
+    """``value`` when it is a finite number in [low, high] (above ``low`` with ``above``); else
+    None, with an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        errors.append(f"{name} must be a number, not {type(value).__name__} {value!r}")
+        return None
+    if not (math.isfinite(value) and (low < value if above else low <= value) and value <= high):
+        bounds = [f"above {low:g}" if above else f"at least {low:g}", *([f"at most {high:g}"] if high < math.inf else [])]
+        errors.append(f"{name} must be {' and '.join(bounds)}; got {value}")
+        return None
+    return float(value)
+
+
+def _read_autoscaling(raw: Any, name: str, errors: list[str], max_replicas: int = MAX_PREFILL_REPLICAS,
+                      default_metric: str = PREFILL_METRIC) -> Autoscaling | None:
+    """An object of spec.autoscaling's shape read field by field (for a field the admission webhook
+    checks too): the rule (:func:`_rule`), None when absent or ``enabled: false``; every wrong type,
+    unknown field, number out of bounds or rule :func:`validate` refuses goes to ``errors``, named."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        errors.append(f"{name} must be an object, not {type(raw).__name__}")
+        return None
+    found = _unknown_keys(raw, AUTOSCALING_KEYS, name)
+    enabled = _get(raw, "enabled", True)
+    if not isinstance(enabled, bool):
+        found.append(_not_a_boolean(f"{name}.enabled", enabled))
+    low = _bounded_int(_get(raw, "minReplicas", 1), f"{name}.minReplicas", 1, max_replicas, found)
+    high = None
+    if raw.get("maxReplicas") is None:
+        found.append(f"{name}.maxReplicas is required: the most pods the autoscaler may run")
+    else:
+        high = _bounded_int(raw["maxReplicas"], f"{name}.maxReplicas", 1, max_replicas, found)
+    if low is not None and high is not None and low > high:
+        found.append(f"{name}.minReplicas ({low}) is larger than maxReplicas ({high})")
+    metric = _get(raw, "metric", default_metric)
+    if metric not in METRICS:
+        found.append(f"{name}.metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    if raw.get("target") is not None:
+        _bounded_number(raw["target"], f"{name}.target", found, 0, above=True)
+    _bounded_number(_get(raw, "tolerance", 0.1), f"{name}.tolerance", found, 0, 1)
+    for key, default in (("scaleUpStabilizationSeconds", 0), ("scaleDownStabilizationSeconds", 300)):
+        _bounded_int(_get(raw, key, default), f"{name}.{key}", 0, MAX_STABILIZATION_S, found)
+    if found or low is None or high is None:
+        errors += found
+        return None
+    rule = _rule(raw, low, high, default_metric)
+    errors += _rule_errors(rule, name)
+    return rule if enabled else None
+
+
+def _rule_errors(rule: Autoscaling, name: str, metrics: tuple[str, ...] = METRICS) -> list[str]:
+    """What an autoscaling rule (spec.autoscaling, spec.parallelism.elastic,
+    spec.disaggregation.prefill.autoscaling) must be beyond its fields' types: a known metric,
+    and a kvCacheUsage target a fraction."""
+    errors = []
+    if rule.metric not in metrics:
+        errors.append(f"{name}.metric must be one of {', '.join(metrics)}; got {rule.metric!r}")
+    if rule.metric == "kvCacheUsage" and not 0 < rule.target <= 1:
+        errors.append(f"{name}.target for kvCacheUsage is a fraction in (0, 1]; got {rule.target}")
+    return errors
 
 
 def _read_disaggregation(raw: Any) -> tuple[Disaggregation | None, list[str]]:
@@ -478,15 +555,20 @@ def _read_disaggregation(raw: Any) -> tuple[Disaggregation | None, list[str]]:
     if gib is None:
         errors.append(f"{name}.kvDiskGiB is required: the disk space of each engine's KV tier, GiB (the prefill "
                       "engine's tier is where the decode engine takes the prompts' blocks from)")
-    elif isinstance(gib, bool) or not isinstance(gib, (int, float)):
-        errors.append(f"{name}.kvDiskGiB must be a number, not {type(gib).__name__} {gib!r}")
-    elif not (math.isfinite(gib) and 0 < gib <= MAX_KV_DISK_GIB):
-        errors.append(f"{name}.kvDiskGiB must be above 0 and at most {MAX_KV_DISK_GIB:g}; got {gib}")
+    else:
+        _bounded_number(gib, f"{name}.kvDiskGiB", errors, 0, MAX_KV_DISK_GIB, above=True)
     prefill = _role(raw.get("prefill"), f"{name}.prefill", DEFAULT_PREFILL_PORT, errors)
     decode = _role(raw.get("decode"), f"{name}.decode", DEFAULT_DECODE_PORT, errors)
-    if isinstance(raw.get("decode"), Mapping) and raw["decode"].get("replicas") is not None:
+    raw_decode, raw_prefill = (r if isinstance(r, Mapping) else {} for r in (raw.get("decode"), raw.get("prefill")))
+    if raw_decode.get("replicas") is not None:
         errors.append(f"{name}.decode.replicas is not set here: the decode engines are spec.replicas (each "
                       "replica's pod holds one, and the proxy the Service sends to)")
+    if raw_decode.get("autoscaling") is not None:
+        errors.append(f"{name}.decode.autoscaling is not set here: the decode engines are spec.replicas, "
+                      "autoscaled by spec.autoscaling")
+    if raw_prefill.get("autoscaling") is not None and raw_prefill.get("replicas") is None:
+        errors.append(f"{name}.prefill.autoscaling needs {name}.prefill.replicas (prefill pods of their own, "
+                      "its starting size): the prefill engines in the replicas' pods scale with them")
     if errors or enabled is False or gib is None or prefill is None or decode is None:
         return None, errors
     return Disaggregation(float(gib), prefill, decode), []
@@ -836,20 +918,14 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
             )
         if s.kv_offload.cpu_gib or s.kv_offload.disk_path:
             errors.append("parallelism.elastic does not combine with kvOffload yet")
-        if el.metric not in ELASTIC_METRICS:
-            errors.append(f"parallelism.elastic.metric must be one of {', '.join(ELASTIC_METRICS)}; got {el.metric!r}")
-        if el.metric == "kvCacheUsage" and not 0 < el.rule.target <= 1:
-            errors.append(f"parallelism.elastic.target for kvCacheUsage is a fraction in (0, 1]; got {el.rule.target}")
+        errors += _rule_errors(el.rule, "parallelism.elastic", ELASTIC_METRICS)
     a = s.autoscaling
     if a is not None:
         if a.min_replicas > a.max_replicas:
             errors.append(
                 f"autoscaling.minReplicas ({a.min_replicas}) is larger than maxReplicas ({a.max_replicas})"
             )
-        if a.metric not in METRICS:
-            errors.append(f"autoscaling.metric must be one of {', '.join(METRICS)}; got {a.metric!r}")
-        if a.metric == "kvCacheUsage" and not 0 < a.target <= 1:
-            errors.append(f"autoscaling.target for kvCacheUsage is a fraction in (0, 1]; got {a.target}")
+        errors += _rule_errors(a, "autoscaling")
     if s.kv_offload.disk_path and s.kv_offload.disk_path.rstrip("/") in (
         "",
         "/models",
@@ -920,15 +996,25 @@ def _absolute(field_name: str, value: str) -> str:
     )
 
 
-def desired_replicas(s: ServiceSpec, autoscaled: int | None) -> int:
-    """How many pods the Deployment should run now.
+def scaled(rule: Autoscaling | None, start: int, autoscaled: int | None) -> int:
+    """How many pods to run now: without a rule, ``start`` (the spec's count); with one, the
+    autoscaler's last decision (kept in status), before the first one ``start``, bounded by min/max."""
+    if rule is None:
+        return start
+    base = start if autoscaled is None else autoscaled
+    return max(rule.min_replicas, min(rule.max_replicas, base))
 
-    Without autoscaling the spec (hence the scale subresource) is the truth. With it, the
-    autoscaler's last decision (kept in status) is, bounded by min/max; before the first
-    decision, spec.replicas bounded by min/max.
-    """
-    a = s.autoscaling
-    if a is None:
-        return s.replicas
-    base = s.replicas if autoscaled is None else autoscaled
-    return max(a.min_replicas, min(a.max_replicas, base))
+
+def desired_replicas(s: ServiceSpec, autoscaled: int | None) -> int:
+    """How many pods the Deployment should run now: spec.replicas (hence the scale subresource)
+    without spec.autoscaling, the autoscaler's count with it (:func:`scaled`)."""
+    return scaled(s.autoscaling, s.replicas, autoscaled)
+
+
+def prefill_replicas(s: ServiceSpec, autoscaled: int | None) -> int | None:
+    """How many prefill pods their Deployment should run now (None: no prefill pods apart):
+    prefill.replicas, or with prefill.autoscaling the autoscaler's count (:func:`scaled`)."""
+    d = s.disaggregation
+    if d is None or d.prefill.replicas is None:
+        return None
+    return scaled(d.prefill.autoscaling, d.prefill.replicas, autoscaled)

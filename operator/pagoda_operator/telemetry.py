@@ -10,6 +10,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -53,24 +54,38 @@ WRITES = Counter(
     ["kind", "verb"],
     registry=REGISTRY,
 )
-DECISIONS = Counter(
-    "pagoda_operator_autoscaling_decisions_total",
-    "Autoscaler decisions that changed replicas, by direction.",
-    ["namespace", "name", "direction"],
-    registry=REGISTRY,
-)
-DESIRED = Gauge(
-    "pagoda_operator_desired_replicas",
-    "Replicas the operator wants for an InferenceService.",
-    ["namespace", "name"],
-    registry=REGISTRY,
-)
-SIGNAL = Gauge(
-    "pagoda_operator_autoscaling_signal",
-    "Mean per pod of the metric the autoscaler scales on.",
-    ["namespace", "name", "metric"],
-    registry=REGISTRY,
-)
+
+
+@dataclass(frozen=True)
+class ScalingSeries:
+    """The series of one kind of pods the operator sizes: how many it wants, the autoscaler's
+    signal and its decisions, by InferenceService."""
+
+    desired: Gauge
+    signal: Gauge
+    decisions: Counter
+
+    @classmethod
+    def of(cls, prefix: str, pods: str, autoscaler: str) -> ScalingSeries:
+        def first_up(text: str) -> str:
+            return text[:1].upper() + text[1:]
+
+        return cls(
+            Gauge(f"{prefix}desired_replicas", f"{first_up(pods)} the operator wants for an InferenceService.",
+                  ["namespace", "name"], registry=REGISTRY),
+            Gauge(f"{prefix}autoscaling_signal", f"Mean per pod of the metric the {autoscaler} scales on.",
+                  ["namespace", "name", "metric"], registry=REGISTRY),
+            Counter(f"{prefix}autoscaling_decisions_total",
+                    f"{first_up(autoscaler)} decisions that changed {pods}, by direction.",
+                    ["namespace", "name", "direction"], registry=REGISTRY),
+        )
+
+
+# The replicas (the Service's pods), and with spec.disaggregation.prefill.replicas the prefill pods:
+# series of their own with the same labels, so that what reads the replicas' (the chart's
+# dashboard) reads what it always did.
+REPLICAS = ScalingSeries.of("pagoda_operator_", "replicas", "autoscaler")
+PREFILL = ScalingSeries.of("pagoda_operator_prefill_", "prefill pods", "prefill autoscaler")
 # What starts a reconcile pass (handlers.py): kopf's reasons, the ticker, the children's events.
 TRIGGERS = ("create", "update", "resume", "timer", "deployment", "statefulset", "pod")
 for _trigger in TRIGGERS:  # every error series exists from the start, at 0: rate() over it is 0, not "no data"
@@ -148,21 +163,21 @@ def serve(port: int, addr: str = "0.0.0.0", heartbeats: Heartbeats = HEARTBEATS)
     return server
 
 
-def autoscaled(namespace: str, name: str) -> None:
+def autoscaled(namespace: str, name: str, series: ScalingSeries = REPLICAS) -> None:
     """An InferenceService the autoscaler looks after: its decision series exist from now on, at 0
     until a decision, so that a dashboard's increase() over them reads 0 rather than no data."""
     for direction in DIRECTIONS:
-        DECISIONS.labels(namespace, name, direction)
+        series.decisions.labels(namespace, name, direction)
 
 
-def forget(namespace: str, name: str) -> None:
-    """Drop the per-object series of a deleted InferenceService."""
-    for gauge in (DESIRED,):
+def forget(namespace: str, name: str, every: Iterable[ScalingSeries] = (REPLICAS, PREFILL)) -> None:
+    """Drop the per-object series of a deleted InferenceService (or of the pods it no longer has)."""
+    for series in every:
         with contextlib.suppress(KeyError):
-            gauge.remove(namespace, name)
-    for direction in DIRECTIONS:
-        with contextlib.suppress(KeyError):
-            DECISIONS.remove(namespace, name, direction)
-    for metric in ("kvCacheUsage", "requestsWaiting", "requestsRunning"):
-        with contextlib.suppress(KeyError):
-            SIGNAL.remove(namespace, name, metric)
+            series.desired.remove(namespace, name)
+        for direction in DIRECTIONS:
+            with contextlib.suppress(KeyError):
+                series.decisions.remove(namespace, name, direction)
+        for metric in ("kvCacheUsage", "requestsWaiting", "requestsRunning"):
+            with contextlib.suppress(KeyError):
+                series.signal.remove(namespace, name, metric)
