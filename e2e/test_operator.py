@@ -333,7 +333,7 @@ def test_defaults_are_applied_by_the_api_server(cluster, ns):
         "enablePrefixCaching": True,
         "enforceEager": False,
     }
-    assert spec["parallelism"] == {"tensor": 1, "expert": 1, "data": 1}
+    assert spec["parallelism"] == {"tensor": 1, "expert": 1, "data": 1, "dataParallelExperts": False}
     assert spec["placement"] == {"numaPolicy": "auto", "requireNVLink": False}
 
 
