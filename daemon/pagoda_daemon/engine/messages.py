@@ -50,7 +50,12 @@ class ResizeExperts(msgspec.Struct, tag="resize_experts", array_like=True, gc=Fa
     size: int
 
 
-ToCore = AddRequest | AbortRequests | FinishRequest | Shutdown | ResizeExperts
+class WakeUp(msgspec.Struct, tag="wake", array_like=True, gc=False):
+    """Data-parallel attention: another engine was sent a request, so this idle one should agree
+    the next step at once rather than at the end of its idle wait (distributed/lockstep.py)."""
+
+
+ToCore = AddRequest | AbortRequests | FinishRequest | Shutdown | ResizeExperts | WakeUp
 
 # ---- engine core -> frontend ----------------------------------------------------------------
 

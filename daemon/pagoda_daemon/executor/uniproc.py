@@ -30,3 +30,11 @@ class UniProcExecutor(Executor):
 
     def synchronize(self) -> None:
         self.worker.synchronize()
+
+    def shutdown(self) -> None:
+        """With data-parallel attention the engines leave their world together (they stop after
+        the same agreement): a process group left behind aborted the process at exit."""
+        if self.worker.lockstep is not None:
+            from pagoda_daemon.executor.world import leave_world
+
+            leave_world(self.worker)

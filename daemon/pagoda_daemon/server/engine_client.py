@@ -44,6 +44,7 @@ from pagoda_daemon.engine.messages import (
     FinishRequest,
     ResizeExperts,
     Shutdown,
+    WakeUp,
 )
 from pagoda_daemon.engine.output_processor import OutputProcessor
 from pagoda_daemon.models import loader
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.2
 DRAIN_POLL_S = 0.05
+WAKE_FRAME = wire.encode(WakeUp())
 SHUTDOWN_SEND_S = 2.0  # the core reads its input between steps; a live one takes the Shutdown at once
 
 
@@ -293,6 +295,10 @@ class EngineClient:
             self.output_processor.add_request(rid, request.prompt_text, request.prompt_ids, request.params,
                                               output_kind, request.arrival)
             core.to_core.send(request.frame)
+            if self.config.data_parallel_experts:  # the others run this request's MoE layers too
+                for other in self._cores:
+                    if other is not core and other.in_flight == 0:  # the ones that may be waiting idle
+                        other.to_core.send(WAKE_FRAME)
         except BaseException:
             self._forget(rid)
             self.output_processor.abort_request(rid)
