@@ -31,9 +31,8 @@ from pagoda_daemon.engine.scheduler_output import SchedulerOutput, StepAgreement
 class Lockstep:
     """One engine's side of the per-step agreement (the gloo group of the engines' processes)."""
 
-    def __init__(self, group: Any, size: int) -> None:
+    def __init__(self, group: Any) -> None:
         self.group = group
-        self.size = size
         self.stopping = False  # this engine was asked to shut down; it steps on until all are
         self.last = StepAgreement(0, True, False)
 

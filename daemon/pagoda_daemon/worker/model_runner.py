@@ -350,9 +350,10 @@ class ModelRunner:
             t = n_rows = pad_to
         # An eager step with padding on runs padded_t token rows (token 0 at position 0 past
         # the step's own); the cache slots and the attention metadata cover the real ones only.
-        padded_t = step_shapes.padded(self.token_sizes, t) if pad_to is None and self.token_sizes else t
-        if pad_to is None and sched.lockstep is not None:
+        if pad_to is None and sched.lockstep is not None:  # the rows every data-parallel engine runs
             padded_t = self.lockstep_shape(sched.lockstep)[1]
+        else:
+            padded_t = step_shapes.padded(self.token_sizes, t) if pad_to is None and self.token_sizes else t
         ids_np[t:padded_t] = 0
         pos_np[t:padded_t] = 0
         slot_np[t:padded_t] = -1  # where the piecewise graphs write the pad rows' K/V: nowhere

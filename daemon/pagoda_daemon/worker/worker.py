@@ -166,7 +166,7 @@ class Worker:
         control = join_world(config.data_parallel_rank, config.data_parallel_size,
                              Rendezvous(file=config.data_parallel_rendezvous), device.type, config.device_offset,
                              threading.Event())
-        self.lockstep = Lockstep(control, config.data_parallel_size)
+        self.lockstep = Lockstep(control)
         size = config.data_parallel_size
         return TensorParallel(config.data_parallel_rank, size, dist.group.WORLD, expert_groups=size,
                               replicated_dense=True, spread_tokens=True)
