@@ -95,7 +95,13 @@ def test_outputs_identical_with_offload(model, block_bytes, reference, tmp_path,
     if "disk" in tiers:
         opts.update(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
     llm = LLM(model, **ENGINE, **opts)
+    worker = llm.engine.core.executor.worker.offload
+    prefetched: list[int] = []
+    prefetch = worker.prefetch
+    worker.prefetch = lambda transfers, kv_cache: (prefetched.append(len(transfers)), prefetch(transfers, kv_cache))
     assert run(llm, workload(order=ORDER)) == reference
+    # host-memory hits come back beside a step, for the next to read; files are read by the step
+    assert (sum(prefetched) > 0) == ("cpu" in tiers), prefetched
     stats = llm.get_stats().kv_offload
     assert stats is not None and stats.hits > 0 and stats.queries >= stats.hits
     for tier in tiers.split("+"):

@@ -20,8 +20,10 @@ BS = 16
 class FakeConnector(OffloadConnector):
     """Holds whatever is saved; loads what it holds."""
 
-    def __init__(self, held: set[BlockHash] | None = None, load_kind: str = "load_cpu") -> None:
+    def __init__(self, held: set[BlockHash] | None = None, load_kind: str = "load_cpu",
+                 prefetch: bool = False) -> None:
         super().__init__()
+        self.prefetch = prefetch  # its loads may run beside a step, for the next (host memory's can)
         self.held = set(held or ())
         self.saves: list[KVTransfer] = []
         self.lookups: list[int] = []
@@ -34,6 +36,9 @@ class FakeConnector(OffloadConnector):
         while n < len(block_hashes) and block_hashes[n] in self.held:
             n += 1
         return n
+
+    def can_prefetch(self, block_hashes):
+        return self.prefetch
 
     def plan_loads(self, block_hashes, gpu_block_ids):
         return [KVTransfer(self.load_kind, h, b, 0) for h, b in zip(block_hashes, gpu_block_ids, strict=True)]
@@ -136,9 +141,146 @@ def test_step_plan_carries_the_copies_to_every_rank():
     sched.add_request(request("a", 40))
     out = sched.schedule()
     out.kv_loads = [KVTransfer("load_disk", b"\x01" * 32, 3)]
+    out.kv_prefetch = [KVTransfer("load_cpu", b"\x02" * 32, 4, 9)]
     frame = step_plan.encode(step_plan.PlanWriter().plan(out))
     mirrored = step_plan.RequestMirrors(BS).apply(step_plan.decode(frame))
     assert mirrored.kv_loads == out.kv_loads and mirrored.kv_saves == out.kv_saves and len(out.kv_saves) == 2
+    assert mirrored.kv_prefetch == out.kv_prefetch
+
+
+def _offloaded(conn: FakeConnector, **kwargs) -> Scheduler:
+    """A scheduler whose connector holds the 4 full blocks of request("a", 64), which the GPU
+    cache has forgotten."""
+    sched = make(connector=conn, **kwargs)
+    sched.add_request(request("a", 64))
+    step(sched)
+    sched.abort_requests(["a"])
+    sched.kv_cache.reset_prefix_cache()
+    return sched
+
+
+def test_host_memory_loads_run_beside_a_step_and_the_request_computes_from_the_next():
+    """A request whose hits are all in host memory is admitted with its loads in the step's
+    ``kv_prefetch`` (beside the forward pass) and is not in the step: the running request
+    decodes without waiting for them. The next step computes it, new to the runner with its
+    whole block list, from the first token the loads do not cover."""
+    conn = FakeConnector(prefetch=True)
+    sched = _offloaded(conn)
+    sched.add_request(request("x", 20, first=1000))
+    step(sched)  # x's prompt
+    sched.add_request(request("b", 64))
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["x"] and out.num_scheduled_tokens == 1
+    assert not out.kv_loads and [t.kind for t in out.kv_prefetch] == ["load_cpu"] * 3
+    assert [t.gpu_block for t in out.kv_prefetch] == sched.kv_cache.block_ids("b")
+    b = sched.requests["b"]
+    assert b in sched.running and b.num_computed_tokens == 48 and b.num_cached_tokens == 48
+    out = step(sched)
+    first = next(s for s in out.scheduled if s.request is b)
+    assert first.is_new and first.start == 48 and first.num_new_tokens == 16 and first.samples
+    assert first.new_block_ids == sched.kv_cache.block_ids("b") and len(first.new_block_ids) == 4
+    assert not out.kv_prefetch
+    out = step(sched)
+    again = next(s for s in out.scheduled if s.request is b)
+    assert not again.is_new and again.num_new_tokens == 1  # a decode like any other
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert sched.kv_cache.num_free_blocks == 32 and not sched._prefetching
+    assert (conn.stats.hits, conn.stats.queries) == (3 * BS, (3 + 1 + 3) * BS)  # a, x and b asked
+
+
+def test_a_request_on_a_prefix_still_coming_back_waits_one_step():
+    """"c" shares the 3 blocks "b" prefetches: in the step that prefetches them it would read them
+    before they are back, so it keeps its place (those behind it go on); the next step, when
+    that step's stream has waited for them, it takes them as GPU prefix hits beside "b"."""
+    conn = FakeConnector(prefetch=True)
+    sched = _offloaded(conn)
+    for rid, first in (("b", 100), ("c", 100), ("d", 1000)):
+        sched.add_request(request(rid, 64, first=first))
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["d"] and len(out.kv_prefetch) == 3
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    out = step(sched)
+    by_id = {s.request.request_id: s for s in out.scheduled}
+    assert by_id["b"].is_new and by_id["c"].is_new and by_id["c"].start == 48
+    assert sched.kv_cache.block_ids("c")[:3] == sched.kv_cache.block_ids("b")[:3] and not out.kv_prefetch
+    assert sched.requests["c"].num_cached_tokens == 48
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert sched.kv_cache.num_free_blocks == 32
+
+
+def test_disk_loads_are_read_by_the_step_that_makes_them():
+    """A load that can fail (a file) is never prefetched: its step must be the one that reads it,
+    to be undone when it fails."""
+    conn = FakeConnector(load_kind="load_disk")
+    sched = _offloaded(conn)
+    sched.add_request(request("b", 64))
+    out = step(sched)
+    assert len(out.kv_loads) == 3 and not out.kv_prefetch and out.scheduled[0].start == 48
+
+
+def test_a_prefetching_request_aborted_or_preempted_leaks_nothing():
+    """Aborted before its first step, a prefetching request gives its blocks back (their loads are
+    stream-ordered before any step that reuses them) and never reaches the runner; preempted (the
+    latest arrival when blocks run out), it goes back to the queue and is served later."""
+    conn = FakeConnector(prefetch=True)
+    sched = _offloaded(conn)
+    sched.add_request(request("b", 64))
+    out = step(sched)
+    assert out.kv_prefetch and not out.scheduled
+    sched.abort_requests(["b"])
+    out = step(sched)
+    assert "b" in out.finished_request_ids and not out.scheduled and sched.kv_cache.num_free_blocks == 32
+    assert not sched._prefetching
+
+    sched = _offloaded(conn, num_blocks=8)
+    sched.add_request(request("x", 63, first=1000))  # 4 blocks, a 5th at its second decode
+    step(sched)
+    sched.add_request(request("b", 64))  # 3 blocks prefetched
+    out = step(sched)
+    assert len(out.kv_prefetch) == 3 and sched.kv_cache.num_free_blocks == 1
+    sched.add_request(request("y", 17, first=3000))  # waits behind the preemption below
+    out = step(sched)  # x needs its 5th block, b's first chunk its 4th: b, the latest, is preempted
+    assert out.preempted_request_ids == ["b"] and "b" not in {s.request.request_id for s in out.scheduled}
+    assert not sched._prefetching and sched.requests["b"] in sched.waiting
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+    assert not sched.has_unfinished_requests() and sched.kv_cache.num_free_blocks == 8
+
+
+def test_without_chunked_prefill_a_prefetched_prompt_waits_for_a_step_with_room_for_all_of_it():
+    """Two prompts prefetched in one step (16 tokens each to compute, 17 a step, x decoding): the
+    next step computes the first whole; the one after has 15 tokens left beside the decodes, so
+    the second waits (its prompt is never cut) until x finishes."""
+    conn = FakeConnector(prefetch=True)
+    sched = make(connector=conn)
+    for rid, first in (("a1", 100), ("a2", 5000)):
+        sched.add_request(request(rid, 64, first=first))
+    step(sched)
+    sched.abort_requests(["a1", "a2"])
+    sched.kv_cache.reset_prefix_cache()
+    sched.max_num_batched_tokens, sched.enable_chunked_prefill = 17, False
+    sched.add_request(request("x", 4, first=1000))
+    step(sched)
+    sched.add_request(request("b1", 64, first=100))
+    sched.add_request(request("b2", 64, first=5000))
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["x"] and len(out.kv_prefetch) == 6
+    out = step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("x", 1), ("b1", 16)]
+    out = step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("x", 1), ("b1", 1)]
+    while not any(s.request.request_id == "b2" for s in out.scheduled):
+        assert sched.requests["b2"] in sched.running
+        out = step(sched)
+    first = next(s for s in out.scheduled if s.request.request_id == "b2")
+    assert first.is_new and first.num_new_tokens == 16 and first.start == 48
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert sched.kv_cache.num_free_blocks == 32
 
 
 def test_host_index_evicts_least_recently_used_and_capacity_covers_every_rank():

@@ -237,7 +237,8 @@ class EngineCore:
                 sched.lockstep = self.lockstep.agree(sched, self.has_unfinished_requests())
             if not sched.lockstep.anyone_busy:
                 return outputs
-        if sched.is_empty and self._in_flight is None and not (sched.lockstep and sched.lockstep.tokens):
+        if (sched.is_empty and self._in_flight is None and not sched.kv_prefetch
+                and not (sched.lockstep and sched.lockstep.tokens)):
             # every request waits (a grammar compiling, KV arriving from another instance): yield
             # to the threads doing that work rather than spin (a 100-block fetch on loopback took
             # 2,600 empty steps on 2 cores without this)

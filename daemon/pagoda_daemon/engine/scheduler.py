@@ -67,6 +67,9 @@ class Scheduler:
         # them, or once computed: kv_offload_write_policy).
         self.connector = connector
         self._num_offered: dict[str, int] = {}  # per request: leading full blocks offered to the connector
+        # Requests admitted with their KV prefetched from host memory, beside the step that
+        # admitted them: they compute from a later step, the runner meets them then
+        self._prefetching: set[str] = set()
         if connector is not None and connector.write_back:  # offered as the GPU cache evicts them
             kv_cache.record_evictions()
         self.grammars = grammars  # None: no tokenizer, so structured outputs are refused
@@ -142,6 +145,10 @@ class Scheduler:
                 i += 1  # its pending token ends it: nothing more to compute
                 continue
             num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
+            first_step = req.request_id in self._prefetching  # its KV came back beside an earlier step
+            if first_step and num_new < req.num_tokens - req.num_computed_tokens and not self.enable_chunked_prefill:
+                i += 1  # its prompt waits for a step with room for all of it
+                continue
             new_blocks = self.kv_cache.allocate_slots(req, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # latest arrival loses its blocks
@@ -151,7 +158,12 @@ class Scheduler:
                 new_blocks = self.kv_cache.allocate_slots(req, num_new)
             if new_blocks is None:
                 break  # req itself was preempted; everything after it already was too
-            out.scheduled.append(self._advance(req, num_new, [b.block_id for b in new_blocks], False))
+            if first_step:
+                self._prefetching.discard(req.request_id)
+                block_ids = self.kv_cache.block_ids(req.request_id)
+            else:
+                block_ids = [b.block_id for b in new_blocks]
+            out.scheduled.append(self._advance(req, num_new, block_ids, first_step))
             budget -= num_new
             i += 1
 
@@ -159,6 +171,7 @@ class Scheduler:
         # still compiling, or whose prompt's KV is still arriving from another instance, keeps
         # its place and lets those behind it go first.
         held_back: deque[Request] = deque()
+        prefetched_blocks: set[int] = set()  # GPU blocks this step's prefetches fill
         while self.waiting and budget > 0 and not out.preempted_request_ids:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -170,8 +183,12 @@ class Scheduler:
                 self._fail(req, f"structured output could not be compiled: {req.grammar.error}")
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(req)
-            # then the offload tiers, for the blocks after the GPU's hits: loaded before the step's
-            # forward pass and counted as computed, like prefix-cache hits (the last token never is)
+            if prefetched_blocks and any(b.block_id in prefetched_blocks for b in computed_blocks):
+                held_back.append(self.waiting.popleft())  # its prefix is still coming back: next step
+                continue
+            # then the offload tiers, for the blocks after the GPU's hits: counted as computed, like
+            # prefix-cache hits (the last token never is), and loaded before the step's forward
+            # pass, or, from host memory, beside it for the next step to compute the rest
             offload_hashes = self._offload_candidates(req, len(computed_blocks))
             num_loaded_blocks = self.connector.lookup(offload_hashes) if offload_hashes and self.connector else 0
             if (self.connector is not None and num_loaded_blocks < len(offload_hashes)
@@ -183,6 +200,10 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
+            prefetch = bool(num_loaded_blocks) and self.connector is not None and self.connector.can_prefetch(
+                offload_hashes[:num_loaded_blocks])
+            if prefetch:
+                num_new = 0  # computed from the next step, once its KV is back
             new_blocks = self.kv_cache.allocate_slots(req, num_loaded + num_new, computed_blocks)
             if new_blocks is None:
                 break
@@ -192,15 +213,22 @@ class Scheduler:
                 self.connector.stats.hits += num_loaded
                 if num_loaded_blocks:
                     start = len(computed_blocks)
-                    out.kv_loads += self.connector.plan_loads(
-                        offload_hashes[:num_loaded_blocks],
-                        [b.block_id for b in new_blocks[start : start + num_loaded_blocks]])
+                    loaded_ids = [b.block_id for b in new_blocks[start : start + num_loaded_blocks]]
+                    loads = self.connector.plan_loads(offload_hashes[:num_loaded_blocks], loaded_ids)
+                    if prefetch:
+                        out.kv_prefetch += loads
+                        prefetched_blocks.update(loaded_ids)
+                    else:
+                        out.kv_loads += loads
             num_cached += num_loaded
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             self.running.append(req)
+            if prefetch:
+                self._prefetching.add(req.request_id)
+                continue
             all_ids = self.kv_cache.block_ids(req.request_id)
             out.scheduled.append(self._advance(req, num_new, all_ids, True))
             budget -= num_new
@@ -292,6 +320,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(req)
         self._num_offered.pop(req.request_id, None)
+        self._prefetching.discard(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -407,6 +436,7 @@ class Scheduler:
         req.status = status
         self.kv_cache.free(req)
         self._num_offered.pop(req.request_id, None)
+        self._prefetching.discard(req.request_id)
         del self.requests[req.request_id]
         if req.sampling_params.needs_host_tokens:
             self.num_needing_host_tokens -= 1

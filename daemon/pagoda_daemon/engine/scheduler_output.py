@@ -87,6 +87,10 @@ class SchedulerOutput:
     kv_evicted: list[KVTransfer] = field(default_factory=list)
     kv_loads: list[KVTransfer] = field(default_factory=list)
     kv_saves: list[KVTransfer] = field(default_factory=list)
+    # Host-memory loads for requests that compute from the next step on: they run beside this
+    # step's forward pass (on a stream of their own on a GPU), and the next step waits for them,
+    # so the batch does not wait for a request whose KV is coming back (after the evictions)
+    kv_prefetch: list[KVTransfer] = field(default_factory=list)
     # EPLB in the background (distributed/eplb.py): how many MoE layers every rank holds the new
     # experts of, as rank 0 saw before this step; None: each rank follows the fixed schedule
     eplb_layers_held: int | None = None

@@ -223,6 +223,7 @@ def _bring_joiners_up(seat: RankSeat, t: Transition, groups: tuple[Any, Any],
         for tensor in worker.dense_tensors():
             dist.broadcast(tensor.data, src=0, group=tensors_group)
         assert worker.runner.kv_cache is not None
+        worker.await_kv_prefetches()
         _broadcast_blocks(worker.runner.kv_cache, state.kv_block_ids, seat.rank, tensors_group)
     return state if seat.rank != 0 else None
 

@@ -12,7 +12,9 @@ fits the GPU, nothing is copied.
 
 Worker half (on every rank): ``run`` performs a list of copies between the rank's KV cache
 tensor and its tiers. The worker runs ``kv_evicted`` and then ``kv_loads`` before the step's
-forward pass and ``kv_saves`` after it; how each copy runs (host-memory copies batched and
+forward pass and ``kv_saves`` after it; ``prefetch`` starts a step's ``kv_prefetch`` (host-memory
+loads for requests that compute from the next step) beside its forward pass, and the next step
+waits for them (``await_prefetches``); how each copy runs (host-memory copies batched and
 asynchronous, disk I/O in threads) is the worker half's affair (cpu.py, tiered.py): the
 scheduler half plans every copy and eviction.
 
@@ -63,6 +65,13 @@ class OffloadConnector(ABC):
         another instance (``source``: the one the request names, if any): the request then waits,
         keeping its place, while the batch runs on, and is looked up again next step. Tiers that
         fetch nothing say no."""
+        return False
+
+    def can_prefetch(self, block_hashes: list[BlockHash]) -> bool:
+        """Whether these blocks (a ``lookup`` hit) can come back beside a step, for the next step
+        to read: loads that cannot fail (host memory: copies between tensors the engine owns). A
+        load that can fail (a file) runs before the forward pass that reads it, so that its step
+        can be undone (docs/kv-offload.md, "A load that fails")."""
         return False
 
     @abstractmethod
@@ -128,6 +137,14 @@ class OffloadWorker(ABC):
         (scheduler_output.FALLIBLE_LOADS) may: its GPU block is zeroed and the scheduler recomputes
         the requests that read it. ``kv_cache``: the worker's
         ``[layers, 2, blocks, block_size, heads, head_dim]`` tensor."""
+
+    def prefetch(self, transfers: list[KVTransfer], kv_cache) -> None:
+        """Start host-memory loads (``can_prefetch``) beside the step about to be launched: they
+        may overlap its forward pass, which reads none of their blocks."""
+        raise NotImplementedError(f"{type(self).__name__} does not prefetch")
+
+    def await_prefetches(self) -> None:  # noqa: B027 (a worker whose loads are synchronous waits for nothing)
+        """Make what runs next on the step's stream wait for the prefetches started so far."""
 
     def take_transfer_seconds(self) -> float:
         seconds, self.transfer_seconds = self.transfer_seconds, 0.0

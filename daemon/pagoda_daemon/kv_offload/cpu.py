@@ -108,11 +108,13 @@ class CpuStore:
 
     On a GPU, copies are asynchronous and batched: a step's blocks are gathered into contiguous
     buffers on the device (one kernel per ``STAGE_BLOCKS``) and cross PCIe as one copy per run
-    of consecutive host slots. Loads run on the step's stream, before the forward pass that
-    reads them. Saves are gathered on the step's stream before anything can overwrite the
-    blocks (written back: before the step that reuses them; written through: right after the
-    forward pass that wrote them), then copied to host memory on a stream of their own, beside
-    the next steps: on the step's stream, one copy per block, write-through saves cost the
+    of consecutive host slots. Loads run on the current stream: the prefetch stream beside a
+    step, for the next to read (TieredWorker.prefetch), or the step's, before the forward pass
+    that reads them (a request that also loads from disk; the disk loads' staging slots). Saves
+    are gathered on the step's stream before anything can overwrite the blocks (written back:
+    before the step that reuses them; written through: right after the forward pass that wrote
+    them), then copied to host memory on a stream of their own, beside the next steps: on the
+    step's stream, one copy per block, write-through saves cost the
     nano-vllm workload 16% (Llama-3-8B) to 31% (Qwen3-0.6B) of its throughput on an H100 with
     every prefix fitting the GPU, 2.5-5% on a stream of their own
     (docs/benchmarks/2026-11-26-kv-offload-fit-h100.md). A load from a slot whose save is

@@ -64,10 +64,12 @@ def enabled(config: EngineConfig) -> bool:
 
 def device_staging_bytes(config: EngineConfig, block_bytes: int) -> int:
     """What the copies may hold on the device beside the KV cache: the saves crossing to host
-    memory, a load's and a disk save's staging buffers (the worker sizes the cache without it)."""
+    memory, a load's, a prefetch's and a disk save's staging buffers (the worker sizes the cache
+    without it)."""
     if not enabled(config):
         return 0
-    return (SAVE_STAGING_BYTES if config.kv_offload_cpu_gib > 0 else 0) + (STAGE_BLOCKS + SAVE_COPY_BLOCKS) * block_bytes
+    host = config.kv_offload_cpu_gib > 0  # then also the saves in flight and the prefetches' buffer
+    return (SAVE_STAGING_BYTES if host else 0) + ((2 if host else 1) * STAGE_BLOCKS + SAVE_COPY_BLOCKS) * block_bytes
 
 
 def check_options(config: EngineConfig) -> None:
@@ -280,6 +282,9 @@ class TieredConnector(OffloadConnector):
             while len(self._answered) > MAX_ANSWERED:
                 self._answered.popitem(last=False)
 
+    def can_prefetch(self, block_hashes: list[BlockHash]) -> bool:
+        return self.cpu is not None and all(block_hash in self.cpu for block_hash in block_hashes)
+
     def plan_loads(self, block_hashes: list[BlockHash], gpu_block_ids: list[int]) -> list[KVTransfer]:
         loads = []
         for block_hash, gpu_block in zip(block_hashes, gpu_block_ids, strict=True):
@@ -407,6 +412,11 @@ class TieredWorker(OffloadWorker):
                                        initargs=(transfer_cpu,)) if self.disk else None)
         self._staging: CpuStore | None = None  # made at the first disk load: engines that never load pay nothing
         self._staging_read: torch.cuda.Event | None = None  # recorded after the copies out of the slots
+        # Prefetches (host-memory loads for the next step) run on a stream of their own, beside the
+        # step's forward pass; the next step's stream waits for the last one's event.
+        on_gpu = self.cpu is not None and self.cpu.on_gpu
+        self._prefetches = torch.cuda.Stream(kv_cache.device) if on_gpu else None
+        self._prefetched: torch.cuda.Event | None = None
 
     def _disk_staging(self, kv_cache: torch.Tensor) -> CpuStore:
         if self._staging is None:
@@ -446,6 +456,29 @@ class TieredWorker(OffloadWorker):
                 if staging.on_gpu:
                     self._staging_read = torch.cuda.Event()
                     self._staging_read.record()
+
+    def prefetch(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> None:
+        """The copies start after everything the step's stream holds so far (earlier steps, which
+        may still use these blocks' previous contents, and this step's write-back saves, which
+        read blocks these loads overwrite) and run beside what follows: this step's forward pass
+        reads none of these blocks."""
+        assert self.cpu is not None and all(t.kind == "load_cpu" for t in transfers)
+        started = time.perf_counter()
+        slots, blocks = [t.slot for t in transfers], [t.gpu_block for t in transfers]
+        if self._prefetches is None:  # on the CPU a copy is done when it returns
+            self.cpu.load(slots, kv_cache, blocks)
+        else:
+            self._prefetches.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._prefetches):  # its staging buffers are this stream's too
+                self.cpu.load(slots, kv_cache, blocks)
+                self._prefetched = torch.cuda.Event()
+                self._prefetched.record()
+        self.transfer_seconds += time.perf_counter() - started
+
+    def await_prefetches(self) -> None:
+        if self._prefetched is not None:
+            torch.cuda.current_stream().wait_event(self._prefetched)
+            self._prefetched = None
 
     def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> list[bool]:
         """Host-memory copies in list order (batched; on a GPU, loads on the step's stream and

@@ -272,9 +272,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         """KV offload copies first: the saves of blocks the GPU cache evicted for this step
-        (write-back), then the loads (the step counts their tokens as computed); then the step,
-        then the saves of the blocks it filled (write-through; docs/kv-offload.md, "How the
-        copies run").
+        (write-back), then the prefetches (started beside the step, read by the next) and the
+        loads (the step counts their tokens as computed); then the step, then the saves of the
+        blocks it filled (write-through; docs/kv-offload.md, "How the copies run").
 
         A load that failed on any rank (a block file changed since its lookup) leaves wrong KV
         in its block and in the blocks computed on top of it: the step's result names the failed
@@ -282,9 +282,13 @@ class Worker:
         what the step saved of them."""
         so = scheduler_output
         failed: set[int] = set()
+        self.await_kv_prefetches()  # the blocks the previous step brought back, for this step to read
         if so.kv_evicted and self.offload is not None:  # write-back: before anything overwrites them
             with phase("pagoda.kv_offload_evict"):
                 self.offload.run(so.kv_evicted, self.runner.kv_cache)
+        if so.kv_prefetch and self.offload is not None:  # for the next step, beside this one
+            with phase("pagoda.kv_offload_prefetch"):
+                self.offload.prefetch(so.kv_prefetch, self.runner.kv_cache)
         if so.kv_loads and self.offload is not None:
             with phase("pagoda.kv_offload_load"):
                 flags = self.offload.run(so.kv_loads, self.runner.kv_cache)
@@ -299,6 +303,11 @@ class Worker:
         if self.balancer is not None and not so.is_empty:
             self.balancer.step(so.eplb_layers_held)  # every rank runs the same steps: they rebalance together
         return launched
+
+    def await_kv_prefetches(self) -> None:
+        """What runs next on the step's stream waits for the KV blocks prefetched so far."""
+        if self.offload is not None:
+            self.offload.await_prefetches()
 
     def sample_tokens(self, grammar: GrammarBitmask) -> LaunchedStep:
         launched = self._with_failed_loads(self.runner.sample(grammar))
