@@ -397,6 +397,9 @@ def test_helm_template_defaults(helm):
         "vllm:generation_tokens_total",
         "pagoda_operator_desired_replicas",
         "pagoda_operator_autoscaling_decisions_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:external_prefix_cache_hits_total",
+        "pagoda:kv_offload_transfer_seconds_total",
     ):
         assert metric in exprs
 
