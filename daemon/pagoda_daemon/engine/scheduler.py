@@ -12,6 +12,11 @@ EngineCore). A step that reaches the end of a request's tokens samples one more 
 which counts as *pending* until update_from_output brings it to the host: the next
 schedule already gives that request its decode step (the model runner takes the
 pending token straight from the previous step's device output).
+
+A waiting request whose prefix comes back from the KV offload tiers' host memory is admitted
+without joining the step: its blocks cross beside the step's forward pass (``kv_prefetch``)
+and it computes from the next step, so the batch does not wait for its copies
+(docs/kv-offload.md, "Loads beside the step").
 """
 
 from __future__ import annotations
