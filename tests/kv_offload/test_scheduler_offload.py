@@ -148,13 +148,15 @@ def test_step_plan_carries_the_copies_to_every_rank():
     assert mirrored.kv_prefetch == out.kv_prefetch
 
 
-def _offloaded(conn: FakeConnector, **kwargs) -> Scheduler:
-    """A scheduler whose connector holds the 4 full blocks of request("a", 64), which the GPU
-    cache has forgotten."""
+def _offloaded(conn: FakeConnector, firsts: tuple[int, ...] = (100,), **kwargs) -> Scheduler:
+    """A scheduler whose connector holds the 4 full blocks of request(..., 64, first) for each of
+    ``firsts``, which the GPU cache has forgotten."""
     sched = make(connector=conn, **kwargs)
-    sched.add_request(request("a", 64))
+    names = [f"a{first}" for first in firsts]
+    for name, first in zip(names, firsts, strict=True):
+        sched.add_request(request(name, 64, first=first))
     step(sched)
-    sched.abort_requests(["a"])
+    sched.abort_requests(names)
     sched.kv_cache.reset_prefix_cache()
     return sched
 
@@ -256,12 +258,7 @@ def test_without_chunked_prefill_a_prefetched_prompt_waits_for_a_step_with_room_
     next step computes the first whole; the one after has 15 tokens left beside the decodes, so
     the second waits (its prompt is never cut) until x finishes."""
     conn = FakeConnector(prefetch=True)
-    sched = make(connector=conn)
-    for rid, first in (("a1", 100), ("a2", 5000)):
-        sched.add_request(request(rid, 64, first=first))
-    step(sched)
-    sched.abort_requests(["a1", "a2"])
-    sched.kv_cache.reset_prefix_cache()
+    sched = _offloaded(conn, firsts=(100, 5000))
     sched.max_num_batched_tokens, sched.enable_chunked_prefill = 17, False
     sched.add_request(request("x", 4, first=1000))
     step(sched)

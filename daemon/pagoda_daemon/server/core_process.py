@@ -44,9 +44,10 @@ IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
 # Data-parallel attention: how long an idle engine waits for input before it agrees the next
 # step with the other engines, at first; doubled after each idle agreement up to an idle engine's
 # usual wait. An agreement every 2 ms cost each idle engine 37-39% of a core; doubling up to 64 ms,
-# 4%; up to 500 ms, 0.8% (2 CPU engines, 20 s idle, 2026-11-29). The API server wakes the idle engines when it sends a request
-# (WakeUp), so the longer waits delay only a request that arrives as a burst of work ends (an
-# engine took its WakeUp during the burst), and then by the few milliseconds waited so far.
+# 4%; up to 500 ms, 0.8% (2 CPU engines, 20 s idle, 2026-11-29). The API server wakes the idle
+# engines when it sends a request (WakeUp), so the longer waits delay only a request that arrives
+# as a burst of work ends (an engine took its WakeUp during the burst), and then by the few
+# milliseconds waited so far.
 LOCKSTEP_IDLE_POLL_MS = 2
 LOCKSTEP_IDLE_POLL_MAX_MS = IDLE_POLL_MS
 PARENT_CHECK_S = 0.25  # how often a busy engine checks it (behind PR_SET_PDEATHSIG, which is at once)
