@@ -1,4 +1,4 @@
-"""KV offload on a GPU: the host tier's copies are asynchronous (enqueued on the step's stream,
+"""KV offload on a GPU: the host tier's copies are asynchronous (on streams beside the step's,
 docs/kv-offload.md), async scheduling is on, CUDA graphs are captured. Greedy float32 output
 must equal the engine without offload, with every tier serving hits; and block files corrupted
 after their lookups cost a recompute, not a wrong token.
@@ -28,10 +28,19 @@ def model(tiny_models) -> str:
     return tiny_models["llama"]
 
 
-@pytest.mark.parametrize(("tiers", "policy"), [("cpu", "write-through"), ("cpu+disk", "write-through"),
-                                               ("cpu", "write-back"), ("cpu+disk", "write-back")])
-def test_outputs_identical_with_asynchronous_host_copies(model, tmp_path, tiers, policy):
+@pytest.mark.parametrize(("tiers", "policy", "layered"), [
+    ("cpu", "write-through", False), ("cpu+disk", "write-through", False), ("cpu", "write-back", False),
+    ("cpu+disk", "write-back", False), ("cpu", "write-through", True), ("cpu+disk", "write-back", True),
+])
+def test_outputs_identical_with_asynchronous_host_copies(model, tmp_path, monkeypatch, tiers, policy, layered):
+    """``layered``: a step loads host-memory blocks for itself (up to 6 a step), in two layer
+    groups on the load stream, its layers' attention waiting for each (off by default,
+    kv_offload/tiered.py)."""
     from pagoda_daemon import LLM
+    from pagoda_daemon.kv_offload import tiered
+
+    if layered:
+        monkeypatch.setattr(tiered, "LOAD_LAYER_GROUPS", 2)
 
     prompts = workload(order=ORDER + PAIRS_ORDER)
     reference = run_pairs(LLM(model, **ENGINE), prompts)
@@ -43,7 +52,10 @@ def test_outputs_identical_with_asynchronous_host_copies(model, tmp_path, tiers,
     if "disk" in tiers:
         opts.update(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
     llm = LLM(model, **ENGINE, **opts)
-    assert llm.engine.core.executor.worker.offload.cpu.data.is_pinned()
+    if layered:
+        llm.engine.core.connector.step_load_blocks = 6
+    assert all(d.is_pinned() for d in llm.engine.core.executor.worker.offload.cpu.data)
+    assert len(llm.engine.core.executor.worker.offload.cpu.data) == (2 if layered else 1)
     assert run_pairs(llm, prompts) == reference
     stats = llm.get_stats().kv_offload
     for tier in tiers.split("+"):

@@ -49,7 +49,7 @@ def test_loads_more_than_the_window_land_in_their_blocks_and_a_bad_file_fails_al
     for h, g in zip(hashes, targets, strict=True):
         want = torch.zeros_like(blocks[h]) if h == bad else blocks[h]
         assert torch.equal(kv[:, :, g], want), (h, g)
-    assert w._staging is not None and w._staging.data.shape[0] == window
+    assert w._staging is not None and w._staging.num_slots == window
     # the slots serve the next step's loads again
     kv.zero_()
     again = [KVTransfer("load_disk", h, g) for h, g in zip(hashes[:4], targets[:4], strict=True)]

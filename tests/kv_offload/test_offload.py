@@ -82,26 +82,44 @@ def assert_idle_and_consistent(llm: LLM) -> None:
         assert not list(worker.disk.dir.glob("*.tmp"))
 
 
-@pytest.mark.parametrize(("tiers", "policy"), [("cpu", "write-through"), ("disk", "write-through"),
-                                               ("cpu+disk", "write-through"), ("cpu", "write-back"),
-                                               ("cpu+disk", "write-back")])
-def test_outputs_identical_with_offload(model, block_bytes, reference, tmp_path, tiers, policy):
+@pytest.mark.parametrize(("tiers", "policy", "step_load_blocks"), [
+    ("cpu", "write-through", 6), ("cpu", "write-through", 0), ("disk", "write-through", 6),
+    ("cpu+disk", "write-through", 6), ("cpu", "write-back", 6), ("cpu", "write-back", 0), ("cpu+disk", "write-back", 0),
+])
+def test_outputs_identical_with_offload(model, block_bytes, reference, tmp_path, tiers, policy, step_load_blocks):
     """Host memory alone, disk alone, and a host tier too small for the working set (30 blocks
     for 8 prefixes of 6) that spills to disk: hits in every configured tier, whether host memory
-    gets each block once computed or once the GPU cache evicts it."""
+    gets each block once computed or once the GPU cache evicts it, and whether a step loads a
+    prefix (6 blocks) from host memory for itself or prefetches every one for the next step."""
     opts: dict = {"kv_offload_write_policy": policy}
     if "cpu" in tiers:
         opts["kv_offload_cpu_gib"] = gib(64 if tiers == "cpu" else 30, block_bytes)
     if "disk" in tiers:
         opts.update(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
     llm = LLM(model, **ENGINE, **opts)
+    llm.engine.core.connector.step_load_blocks = step_load_blocks
     worker = llm.engine.core.executor.worker.offload
     prefetched: list[int] = []
     prefetch = worker.prefetch
     worker.prefetch = lambda transfers, kv_cache: (prefetched.append(len(transfers)), prefetch(transfers, kv_cache))
+    in_step: list[int] = []
+    run_copies = worker.run
+    worker.run = lambda transfers, kv_cache: (in_step.append(sum(t.kind == "load_cpu" for t in transfers)),
+                                              run_copies(transfers, kv_cache))[1]
+    waited: list[int] = []
+    wait_for_layer = worker.wait_for_layer
+    worker.wait_for_layer = lambda layer: (waited.append(layer), wait_for_layer(layer))
     assert run(llm, workload(order=ORDER)) == reference
-    # host-memory hits come back beside a step, for the next to read; files are read by the step
-    assert (sum(prefetched) > 0) == ("cpu" in tiers), prefetched
+    # host-memory hits come back in the step that computes their request (up to the step's
+    # share) or beside a step, for the next to read; files are read by the step
+    if tiers == "cpu":  # (a request with hits on disk too loads in its step, however many)
+        assert (sum(prefetched) > 0) == (step_load_blocks == 0), prefetched
+        assert (sum(in_step) > 0) == (step_load_blocks > 0), in_step
+        assert max(in_step) <= step_load_blocks, in_step
+    # every step with loads waits for each layer before its attention, in order
+    layers = llm.engine.core.executor.worker.runner.num_layers
+    assert bool(waited) == (tiers != "cpu" or step_load_blocks > 0), waited
+    assert waited == list(range(layers)) * (len(waited) // layers), waited
     stats = llm.get_stats().kv_offload
     assert stats is not None and stats.hits > 0 and stats.queries >= stats.hits
     for tier in tiers.split("+"):

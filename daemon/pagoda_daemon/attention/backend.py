@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,9 @@ class AttentionMetadata:
     # plan). Filled inside the forward pass, so a CUDA graph captures that work too: a graph
     # must be captured with fresh metadata, never with one a warm-up pass has filled.
     backend_state: dict = field(default_factory=dict)
+    # KV offload: makes the step's stream wait until this step's loads have brought layer i's
+    # KV in (kv_offload/connector.py, wait_for_layer); the model calls it before each attention
+    wait_for_kv_layer: Callable[[int], None] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -13,10 +13,12 @@ which counts as *pending* until update_from_output brings it to the host: the ne
 schedule already gives that request its decode step (the model runner takes the
 pending token straight from the previous step's device output).
 
-A waiting request whose prefix comes back from the KV offload tiers' host memory is admitted
-without joining the step: its blocks cross beside the step's forward pass (``kv_prefetch``)
-and it computes from the next step, so the batch does not wait for its copies
-(docs/kv-offload.md, "Loads beside the step").
+A waiting request whose prefix comes back from the KV offload tiers' host memory joins the
+step while the step's host loads stay within the connector's ``step_load_blocks``: they cross
+beside the forward pass, each layer's attention waiting for its own. Beyond that, it is
+admitted without joining the step: its blocks cross beside the step (``kv_prefetch``) and it
+computes from the next step, so the batch does not wait for a large copy (docs/kv-offload.md,
+"Loads beside the step").
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ class Scheduler:
         # its place and lets those behind it go first.
         held_back: deque[Request] = deque()
         prefetched_blocks: set[int] = set()  # GPU blocks this step's prefetches fill
+        step_loaded_blocks = 0  # host-memory blocks this step loads for itself, beside its forward pass
         while self.waiting and budget > 0 and not out.preempted_request_ids:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -205,8 +208,10 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            prefetch = bool(num_loaded_blocks) and self.connector is not None and self.connector.can_prefetch(
+            prefetch = beside = bool(num_loaded_blocks) and self.connector is not None and self.connector.can_prefetch(
                 offload_hashes[:num_loaded_blocks])
+            if beside and self.connector is not None:  # loaded for this step while it fits the step's share
+                prefetch = step_loaded_blocks + num_loaded_blocks > self.connector.step_load_blocks
             if prefetch:
                 num_new = 0  # computed from the next step, once its KV is back
             new_blocks = self.kv_cache.allocate_slots(req, num_loaded + num_new, computed_blocks)
@@ -225,6 +230,7 @@ class Scheduler:
                         prefetched_blocks.update(loaded_ids)
                     else:
                         out.kv_loads += loads
+                        step_loaded_blocks += num_loaded_blocks if beside else 0
             num_cached += num_loaded
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached

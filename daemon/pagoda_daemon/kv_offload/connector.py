@@ -12,11 +12,13 @@ fits the GPU, nothing is copied.
 
 Worker half (on every rank): ``run`` performs a list of copies between the rank's KV cache
 tensor and its tiers. The worker runs ``kv_evicted`` and then ``kv_loads`` before the step's
-forward pass and ``kv_saves`` after it; ``prefetch`` starts a step's ``kv_prefetch`` (host-memory
-loads for requests that compute from the next step) beside its forward pass, and the next step
-waits for them (``await_prefetches``); how each copy runs (host-memory copies batched and
-asynchronous, disk I/O in threads) is the worker half's affair (cpu.py, tiered.py): the
-scheduler half plans every copy and eviction.
+forward pass and ``kv_saves`` after it. Loads may still be crossing when ``run`` returns: the
+forward pass calls ``wait_for_layer`` before each layer's attention (host memory comes back a
+layer group at a time beside the first layers' compute). ``prefetch`` starts a step's
+``kv_prefetch`` (host-memory loads for requests that compute from the next step) beside its
+forward pass, and the next step waits for them (``await_prefetches``); how each copy runs
+(host-memory copies batched and asynchronous, disk I/O in threads) is the worker half's affair
+(cpu.py, tiered.py): the scheduler half plans every copy and eviction.
 
 All of a tier's bookkeeping (which hash sits where, LRU order, capacity) lives in the
 scheduler half; the worker half only stores bytes where it is told. So the ranks of a
@@ -54,6 +56,10 @@ class OffloadConnector(ABC):
         # they are computed (plan_save)
         self.write_back = False
         self.record_events = record_events  # KV events (--enable-kv-events): stores and removals per tier
+        # Host-memory blocks (``can_prefetch`` hits) a step loads for its own requests, beside
+        # its forward pass layer by layer; a request whose hits would pass it is prefetched for
+        # the next step instead (the scheduler's choice, docs/kv-offload.md)
+        self.step_load_blocks = 0
         self.events: list[StoredBlock | RemovedBlock] = []
 
     @abstractmethod
@@ -145,6 +151,14 @@ class OffloadWorker(ABC):
 
     def await_prefetches(self) -> None:  # noqa: B027 (a worker whose loads are synchronous waits for nothing)
         """Make what runs next on the step's stream wait for the prefetches started so far."""
+
+    def wait_for_layer(self, layer: int) -> None:  # noqa: B027 (as await_prefetches)
+        """Make what runs next on the step's stream (the layer's attention) wait until this
+        step's loads have brought the layer's KV in."""
+
+    def await_layer_loads(self) -> None:  # noqa: B027 (as await_prefetches)
+        """``wait_for_layer`` for every layer not waited for yet (a step that replays one CUDA
+        graph for all its layers)."""
 
     def take_transfer_seconds(self) -> float:
         seconds, self.transfer_seconds = self.transfer_seconds, 0.0

@@ -1,13 +1,18 @@
-"""The host-memory tier: whole blocks (every layer, K and V) in slots of one host tensor.
+"""The host-memory tier: whole blocks (every layer, K and V) in slots of host tensors.
 
 ``CpuIndex`` (scheduler half) maps block hash -> slot in LRU order; ``CpuStore`` (worker half,
-one per rank) holds ``[slots, layers, 2, block_size, heads, head_dim]``, pinned when the KV
-cache is on a GPU so that copies to and from it are asynchronous and run at full bandwidth.
+one per rank) holds a slot's layers in a few groups, one host tensor ``[slots, layers_in_group,
+2, block_size, heads, head_dim]`` per group, pinned when the KV cache is on a GPU so that copies
+to and from it are asynchronous and run at full bandwidth. A run of consecutive slots of one group
+is contiguous: a load crosses PCIe group by group, a few copies each, and the step's forward pass
+reads a layer as soon as its group has arrived (``load_by_layer_group``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 import torch
 
@@ -103,32 +108,45 @@ def gather(kv_cache: torch.Tensor, gpu_blocks: list[int]) -> torch.Tensor:
     return _blocks(kv_cache)[_on_device(gpu_blocks, kv_cache.device)]
 
 
+def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """``groups`` (at most one a layer) ranges ``(first, end)`` of near-equal layer counts."""
+    groups = max(1, min(groups, num_layers))
+    bounds = [num_layers * g // groups for g in range(groups + 1)]
+    return list(itertools.pairwise(bounds))
+
+
 class CpuStore:
     """One rank's host copy of the blocks.
 
     On a GPU, copies are asynchronous and batched: a step's blocks are gathered into contiguous
-    buffers on the device (one kernel per ``STAGE_BLOCKS``) and cross PCIe as one copy per run
-    of consecutive host slots. Loads run on the current stream: the prefetch stream beside a
-    step, for the next to read (TieredWorker.prefetch), or the step's, before the forward pass
-    that reads them (a request that also loads from disk; the disk loads' staging slots). Saves
-    are gathered on the step's stream before anything can overwrite the blocks (written back:
-    before the step that reuses them; written through: right after the forward pass that wrote
-    them), then copied to host memory on a stream of their own, beside the next steps: on the
-    step's stream, one copy per block, write-through saves cost the
-    nano-vllm workload 16% (Llama-3-8B) to 31% (Qwen3-0.6B) of its throughput on an H100 with
-    every prefix fitting the GPU, 2.5-5% on a stream of their own
-    (docs/benchmarks/2026-11-26-kv-offload-fit-h100.md). A load from a slot whose save is
-    still under way waits for it on the GPU; ``block`` (the host reading a slot, to demote it
-    to disk) waits for it on the host."""
+    buffers on the device (one kernel per layer group and ``STAGE_BLOCKS``) and cross PCIe as one
+    copy per group and run of consecutive host slots. Loads run on the current stream: a load
+    stream of the worker's (TieredWorker), beside the step that reads them layer group by layer
+    group or beside the one before it (a prefetch), or the step's (the disk loads' staging slots).
+    Saves are gathered on the step's stream before anything can overwrite the blocks (written
+    back: before the step that reuses them; written through: right after the forward pass that
+    wrote them), then copied to host memory on a stream of their own, beside the next steps: on
+    the step's stream, one copy per block, write-through saves cost the nano-vllm workload 16%
+    (Llama-3-8B) to 31% (Qwen3-0.6B) of its throughput on an H100 with every prefix fitting the
+    GPU, 2.5-5% on a stream of their own (docs/benchmarks/2026-11-26-kv-offload-fit-h100.md). A
+    load from a slot whose save is still under way waits for it on the GPU; ``block`` (the host
+    reading a slot, to demote it to disk) waits for it on the host."""
 
     def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, groups: int = 1) -> None:
+        """``block_shape``: one block's ``(layers, 2, block_size, heads, head_dim)``; its layers
+        are kept in ``groups`` host tensors."""
         self.on_gpu = device is not None and device.type == "cuda"
+        self.num_slots = num_slots
+        self.block_shape = block_shape
+        self.groups = layer_groups(block_shape[0], groups)
         # pinned on a GPU (copies from and to pageable memory are synchronous), allocated so at
         # once: pinning a pageable tensor would hold the tier twice over while it copies. A slot is
         # only read once a save has written it.
-        self.data = (torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=True) if self.on_gpu
-                     else torch.zeros((num_slots, *block_shape), dtype=dtype))
+        self.data = [torch.empty((num_slots, end - first, *block_shape[1:]), dtype=dtype, pin_memory=True)
+                     if self.on_gpu else torch.zeros((num_slots, end - first, *block_shape[1:]), dtype=dtype)
+                     for first, end in self.groups]
+        self.slot_bytes = sum(d[0].nbytes for d in self.data)
         self.saves = torch.cuda.Stream(device) if self.on_gpu else None
         self._written: dict[int, torch.cuda.Event] = {}  # slot -> recorded after the save that last wrote it
         self._in_flight: deque[tuple[torch.cuda.Event, int]] = deque()  # saves' (done, staged bytes), oldest first
@@ -137,23 +155,27 @@ class CpuStore:
         """Copy the GPU blocks into the host slots (pairwise)."""
         for first in range(0, len(slots), STAGE_BLOCKS):
             chunk = slots[first : first + STAGE_BLOCKS]
+            blocks = gpu_blocks[first : first + STAGE_BLOCKS]
             if self.saves is not None:
-                self._make_room(len(chunk) * self.data[0].nbytes)
-            staged = gather(kv_cache, gpu_blocks[first : first + STAGE_BLOCKS])
-            if self.saves is None:
-                for i, slot, n in _runs(chunk):
-                    self.data[slot : slot + n].copy_(staged[i : i + n])
-                continue
-            self.saves.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.saves):
-                for i, slot, n in _runs(chunk):
-                    self.data[slot : slot + n].copy_(staged[i : i + n], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            staged.record_stream(self.saves)  # the allocator keeps it until the copies have run
-            self._in_flight.append((done, staged.nbytes))
-            for slot in chunk:
-                self._written[slot] = done
+                self._make_room(len(chunk) * self.slot_bytes)
+            done = torch.cuda.Event() if self.saves is not None else None
+            for (start, end), data in zip(self.groups, self.data, strict=True):
+                staged = gather(kv_cache[start:end], blocks)
+                if self.saves is None:
+                    for i, slot, n in _runs(chunk):
+                        data[slot : slot + n].copy_(staged[i : i + n])
+                    continue
+                self.saves.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.saves):
+                    for i, slot, n in _runs(chunk):
+                        data[slot : slot + n].copy_(staged[i : i + n], non_blocking=True)
+                staged.record_stream(self.saves)  # the allocator keeps it until the copies have run
+            if self.saves is not None and done is not None:
+                with torch.cuda.stream(self.saves):
+                    done.record()
+                self._in_flight.append((done, len(chunk) * self.slot_bytes))
+                for slot in chunk:
+                    self._written[slot] = done
 
     def _make_room(self, nbytes: int) -> None:
         while self._in_flight and self._in_flight[0][0].query():
@@ -163,21 +185,38 @@ class CpuStore:
 
     def load(self, slots: list[int], kv_cache: torch.Tensor, gpu_blocks: list[int]) -> None:
         """Copy the host slots into the GPU blocks (pairwise), on the current stream."""
+        for _ in self.load_by_layer_group(slots, kv_cache, gpu_blocks):
+            pass
+
+    def load_by_layer_group(self, slots: list[int], kv_cache: torch.Tensor,
+                            gpu_blocks: list[int]) -> Iterator[tuple[int, int]]:
+        """``load``, one layer group at a time: yields each group's ``(first, end)`` layers once
+        its copies are issued on the current stream (a caller records an event there for the
+        forward pass's layers to wait on)."""
         if self.saves is not None:
             for event in {id(e): e for e in map(self._written.get, slots) if e is not None}.values():
                 torch.cuda.current_stream().wait_event(event)  # a save of the slot still under way
-        for first in range(0, len(slots), STAGE_BLOCKS):
-            chunk = slots[first : first + STAGE_BLOCKS]
-            # stream-ordered: the next chunk's buffer may reuse this one's memory once the scatter ran
-            staged = torch.empty((len(chunk), *self.data.shape[1:]), dtype=self.data.dtype, device=kv_cache.device)
-            for i, slot, n in _runs(chunk):
-                staged[i : i + n].copy_(self.data[slot : slot + n], non_blocking=self.on_gpu)
-            ids = _on_device(gpu_blocks[first : first + STAGE_BLOCKS], kv_cache.device)
-            _blocks(kv_cache)[ids] = staged  # one scatter
+        ids = [_on_device(gpu_blocks[first : first + STAGE_BLOCKS], kv_cache.device)
+               for first in range(0, len(slots), STAGE_BLOCKS)]
+        for (start, end), data in zip(self.groups, self.data, strict=True):
+            for k, first in enumerate(range(0, len(slots), STAGE_BLOCKS)):
+                chunk = slots[first : first + STAGE_BLOCKS]
+                # stream-ordered: the next buffer may reuse this one's memory once the scatter ran
+                staged = torch.empty((len(chunk), *data.shape[1:]), dtype=data.dtype, device=kv_cache.device)
+                for i, slot, n in _runs(chunk):
+                    staged[i : i + n].copy_(data[slot : slot + n], non_blocking=self.on_gpu)
+                _blocks(kv_cache[start:end])[ids[k]] = staged  # one scatter
+            yield start, end
 
     def block(self, slot: int) -> torch.Tensor:
-        """The slot's bytes on the host, once the save that wrote them has run."""
+        """A copy of the slot's bytes on the host ``(layers, 2, ...)``, once the save that wrote
+        them has run."""
         event = self._written.pop(slot, None)
         if event is not None:
             event.synchronize()
-        return self.data[slot]
+        return torch.cat([data[slot] for data in self.data])
+
+    def slot(self, k: int) -> torch.Tensor:
+        """Slot ``k`` itself, to be written in place (a store of one group only: disk staging)."""
+        assert len(self.data) == 1, "a slot of a store split into layer groups is not one tensor"
+        return self.data[0][k]

@@ -42,6 +42,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DISK_IO_THREADS = 8
+# A step may load host-memory blocks for its own requests beside its forward pass (each layer's
+# attention waits for its layers' copies), up to STEP_LOAD_BYTES a rank; past that, a request is
+# prefetched beside the step and computes from the next. The host tier can keep each slot's
+# layers in LOAD_LAYER_GROUPS tensors, so that such a load crosses a group at a time and the
+# step waits for its first group only. Measured on an H200 (Llama-3-8B shape, multi-turn,
+# docs/benchmarks/2026-11-29-kv-offload-layer-groups-h200.md): with 256 MiB a step and 2 groups
+# the median TTFT fell 8-12% against prefetching everything, but p90 and p99 rose (by up to 21%
+# and 46%) and the copies' issuing time grew with the groups (1.4 s a run with 1, 2.2-2.5 with
+# 2, 3.8 with 4, 7.2 with 8); so every host-memory hit is prefetched, a slot in one piece.
+LOAD_LAYER_GROUPS = 1
+STEP_LOAD_BYTES = 0
 # Disk loads are read into pinned host slots (this many bytes of them, at least one block) and
 # cross PCIe a window at a time in a few copies. Read into a new tensor each and copied one block
 # at a time, 128 files of 1.84 MB took about 250 ms on an H200 host (2026-11-28): page faults on
@@ -191,6 +202,7 @@ class TieredConnector(OffloadConnector):
         # (its files are what other instances and a restarted engine read).
         self.write_back = config.kv_offload_write_policy == "write-back" and self.cpu is not None
         self._step_reads: set[BlockHash] = set()  # what this step's loads read (write-back spares it)
+        self.step_load_blocks = STEP_LOAD_BYTES // block_bytes if self.cpu is not None else 0
         if self.disk is not None:
             for block_hash in self.disk.files:  # what an earlier run left on disk is there to be found
                 self.stored(block_hash, DISK_MEDIUM)
@@ -402,7 +414,8 @@ class TieredWorker(OffloadWorker):
         shape = (layers, two, block_size, heads, head_dim)
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        self.cpu = CpuStore(cpu_blocks, shape, kv_cache.dtype, kv_cache.device) if cpu_blocks else None
+        self.cpu = (CpuStore(cpu_blocks, shape, kv_cache.dtype, kv_cache.device, groups=LOAD_LAYER_GROUPS)
+                    if cpu_blocks else None)
         self.disk = (DiskStore(config.kv_offload_disk_path, rank, _identities(config, dtype, block_bytes)[rank], shape,
                                kv_cache.dtype)
                      if disk_blocks and config.kv_offload_disk_path is not None else None)
@@ -412,11 +425,13 @@ class TieredWorker(OffloadWorker):
                                        initargs=(transfer_cpu,)) if self.disk else None)
         self._staging: CpuStore | None = None  # made at the first disk load: engines that never load pay nothing
         self._staging_read: torch.cuda.Event | None = None  # recorded after the copies out of the slots
-        # Prefetches (host-memory loads for the next step) run on a stream of their own, beside the
-        # step's forward pass; the next step's stream waits for the last one's event.
+        # Host-memory loads run on a stream of their own, beside the step's forward pass: a step's
+        # own loads a layer group at a time, each layer's attention waiting for its group's event;
+        # prefetches (for the next step) whole, the next step's stream waiting for the last one's.
         on_gpu = self.cpu is not None and self.cpu.on_gpu
-        self._prefetches = torch.cuda.Stream(kv_cache.device) if on_gpu else None
+        self._loads = torch.cuda.Stream(kv_cache.device) if on_gpu else None
         self._prefetched: torch.cuda.Event | None = None
+        self._layer_ready: dict[int, torch.cuda.Event] = {}  # layer -> its group's copies done
 
     def _disk_staging(self, kv_cache: torch.Tensor) -> CpuStore:
         if self._staging is None:
@@ -433,13 +448,13 @@ class TieredWorker(OffloadWorker):
         disk, io = self.disk, self._io
         assert disk is not None and io is not None
         staging = self._disk_staging(kv_cache)
-        window = staging.data.shape[0]
+        window = staging.num_slots
         for first in range(0, len(loads), window):
             chunk = loads[first : first + window]
             if self._staging_read is not None:
                 self._staging_read.synchronize()
                 self._staging_read = None
-            reads = [io.submit(disk.read, t.block_hash, staging.data[k]) for k, (_, t) in enumerate(chunk)]
+            reads = [io.submit(disk.read, t.block_hash, staging.slot(k)) for k, (_, t) in enumerate(chunk)]
             slots, blocks = [], []
             for k, ((i, t), read) in enumerate(zip(chunk, reads, strict=True)):
                 try:
@@ -465,11 +480,11 @@ class TieredWorker(OffloadWorker):
         assert self.cpu is not None and all(t.kind == "load_cpu" for t in transfers)
         started = time.perf_counter()
         slots, blocks = [t.slot for t in transfers], [t.gpu_block for t in transfers]
-        if self._prefetches is None:  # on the CPU a copy is done when it returns
+        if self._loads is None:  # on the CPU a copy is done when it returns
             self.cpu.load(slots, kv_cache, blocks)
         else:
-            self._prefetches.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._prefetches):  # its staging buffers are this stream's too
+            self._loads.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._loads):  # its staging buffers are this stream's too
                 self.cpu.load(slots, kv_cache, blocks)
                 self._prefetched = torch.cuda.Event()
                 self._prefetched.record()
@@ -480,9 +495,31 @@ class TieredWorker(OffloadWorker):
             torch.cuda.current_stream().wait_event(self._prefetched)
             self._prefetched = None
 
+    def _load_beside_forward(self, slots: list[int], kv_cache: torch.Tensor, blocks: list[int]) -> None:
+        """A step's own host-memory loads: issued after everything the step's stream holds so far
+        (earlier steps, this step's write-back saves) on the load stream, a layer group at a time,
+        so that the forward pass's first layers compute while the later groups still cross."""
+        assert self.cpu is not None and self._loads is not None
+        self._loads.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._loads):
+            for first, end in self.cpu.load_by_layer_group(slots, kv_cache, blocks):
+                ready = torch.cuda.Event()
+                ready.record()
+                self._layer_ready.update(dict.fromkeys(range(first, end), ready))
+
+    def wait_for_layer(self, layer: int) -> None:
+        ready = self._layer_ready.pop(layer, None)
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+
+    def await_layer_loads(self) -> None:
+        for layer in list(self._layer_ready):
+            self.wait_for_layer(layer)
+
     def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> list[bool]:
-        """Host-memory copies in list order (batched; on a GPU, loads on the step's stream and
-        saves beside it: CpuStore); disk reads (into pinned slots, then batched to the GPU after
+        """Host-memory copies in list order (batched; on a GPU, loads a layer group at a time on
+        the load stream, which the step's layers wait for, wait_for_layer, and saves beside the
+        step: CpuStore); disk reads (into pinned slots, then batched to the GPU after
         the host-memory copies: loads fill distinct fresh blocks) and writes in the I/O threads,
         every one finished before this returns, so a step's files are whole when its outputs go
         out (a prefill instance's answer promises them).
@@ -507,8 +544,13 @@ class TieredWorker(OffloadWorker):
         def flush() -> None:
             if batch:
                 assert self.cpu is not None
-                copy = self.cpu.load if batch[0].kind == "load_cpu" else self.cpu.save
-                copy([b.slot for b in batch], kv_cache, [b.gpu_block for b in batch])
+                slots, blocks = [b.slot for b in batch], [b.gpu_block for b in batch]
+                if batch[0].kind == "save_cpu":
+                    self.cpu.save(slots, kv_cache, blocks)
+                elif self._loads is not None:  # on a GPU, beside the forward pass that reads them
+                    self._load_beside_forward(slots, kv_cache, blocks)
+                else:
+                    self.cpu.load(slots, kv_cache, blocks)
                 batch.clear()
 
         for i, t in enumerate(transfers):
@@ -525,8 +567,8 @@ class TieredWorker(OffloadWorker):
                 writes[t.block_hash] = io.submit(disk.write, t.block_hash, from_gpu[t.block_hash])
             elif t.kind == "demote":
                 assert self.cpu is not None and disk is not None and io is not None
-                # a copy: a later save of this list may reuse the slot while the write runs
-                writes[t.block_hash] = io.submit(disk.write, t.block_hash, self.cpu.block(t.slot).clone())
+                # block() copies: a later save of this list may reuse the slot while the write runs
+                writes[t.block_hash] = io.submit(disk.write, t.block_hash, self.cpu.block(t.slot))
             elif t.kind == "drop":
                 assert disk is not None
                 pending = writes.pop(t.block_hash, None)

@@ -158,7 +158,9 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor | None], meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if meta.wait_for_kv_layer is not None:  # this layer's offloaded KV may still be crossing
+                meta.wait_for_kv_layer(index)
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -442,9 +442,12 @@ class ModelRunner:
         return host.to(self.device, non_blocking=True) if pin else host
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> LaunchedStep | None:
+    def execute(self, sched: SchedulerOutput,
+                wait_for_kv_layer: Callable[[int], None] | None = None) -> LaunchedStep | None:
         """Launch the step and start its sampled tokens on their way to the host; with
-        constrained rows, launch the forward pass only and return None (then sample())."""
+        constrained rows, launch the forward pass only and return None (then sample()).
+        ``wait_for_kv_layer``: called before each layer's attention (KV offload loads still
+        crossing; before the whole pass when it replays one graph)."""
         self._update_states(sched)
         if sched.is_empty:
             if sched.lockstep is not None and sched.lockstep.tokens:  # the other engines' tokens, our experts
@@ -457,7 +460,12 @@ class ModelRunner:
             graph_size = self.graph_size(sched)
             inputs = self.prepare_inputs(sched, graph_size)
             rows = inputs.sample_rows
+            if inputs.meta is not None:  # (None: a step that replays one graph, waited for below)
+                inputs.meta.wait_for_kv_layer = wait_for_kv_layer
         with phase("pagoda.forward"):
+            if graph_size is not None and wait_for_kv_layer is not None:
+                for index in range(self.num_layers):
+                    wait_for_kv_layer(index)
             if graph_size is not None:  # the graph computes every row's logits
                 all_logits = self.cuda_graphs.replay(graph_size)
                 every_row = len(rows) == len(sched.scheduled)  # then logits_indices is 0, 1, 2, ...

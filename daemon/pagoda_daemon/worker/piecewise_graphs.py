@@ -107,6 +107,8 @@ class PiecewiseGraphRunner:
             self.o[n:size].zero_()  # the pad rows' attention output: nothing, as in an eager step
         for index, layer in enumerate(self.layers):
             self._piece(graphs, index, size)
+            if meta.wait_for_kv_layer is not None:  # this layer's offloaded KV may still be crossing
+                meta.wait_for_kv_layer(index)
             layer.self_attn.attend(self.q[:size], self.k[:size], self.v[:size], kv_caches[index], meta,
                                    out=self.o[:size])
         self._piece(graphs, len(self.layers), size)

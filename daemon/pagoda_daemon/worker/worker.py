@@ -273,8 +273,9 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedStep | None:
         """KV offload copies first: the saves of blocks the GPU cache evicted for this step
         (write-back), then the prefetches (started beside the step, read by the next) and the
-        loads (the step counts their tokens as computed); then the step, then the saves of the
-        blocks it filled (write-through; docs/kv-offload.md, "How the copies run").
+        loads (the step counts their tokens as computed; from host memory they cross beside the
+        forward pass, each layer's attention waiting for its own); then the step, then the saves
+        of the blocks it filled (write-through; docs/kv-offload.md, "How the copies run").
 
         A load that failed on any rank (a block file changed since its lookup) leaves wrong KV
         in its block and in the blocks computed on top of it: the step's result names the failed
@@ -296,7 +297,10 @@ class Worker:
                 flags = any_over_ranks(flags, self.tp.engine)
             failed = {t.gpu_block for t, bad in zip(so.kv_loads, flags, strict=True) if bad}
         self._failed_kv_blocks = sorted(failed)
-        launched = self._with_failed_loads(self.runner.execute(so))
+        loading = self.offload if so.kv_loads else None
+        launched = self._with_failed_loads(self.runner.execute(so, loading.wait_for_layer if loading else None))
+        if loading is not None:
+            loading.await_layer_loads()  # any layer the pass did not wait for: before what follows
         if so.kv_saves and self.offload is not None:
             with phase("pagoda.kv_offload_save"):
                 self.offload.run(so.kv_saves, self.runner.kv_cache)
