@@ -208,10 +208,12 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            prefetch = beside = bool(num_loaded_blocks) and self.connector is not None and self.connector.can_prefetch(
+            # host-memory hits cross beside a step: this one's, while they fit its share, else the
+            # one before the step that computes the request (a prefetch)
+            beside = bool(num_loaded_blocks) and self.connector is not None and self.connector.can_prefetch(
                 offload_hashes[:num_loaded_blocks])
-            if beside and self.connector is not None:  # loaded for this step while it fits the step's share
-                prefetch = step_loaded_blocks + num_loaded_blocks > self.connector.step_load_blocks
+            prefetch = beside and self.connector is not None and (
+                step_loaded_blocks + num_loaded_blocks > self.connector.step_load_blocks)
             if prefetch:
                 num_new = 0  # computed from the next step, once its KV is back
             new_blocks = self.kv_cache.allocate_slots(req, num_loaded + num_new, computed_blocks)
@@ -230,7 +232,8 @@ class Scheduler:
                         prefetched_blocks.update(loaded_ids)
                     else:
                         out.kv_loads += loads
-                        step_loaded_blocks += num_loaded_blocks if beside else 0
+                        if beside:
+                            step_loaded_blocks += num_loaded_blocks
             num_cached += num_loaded
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached

@@ -138,7 +138,6 @@ class CpuStore:
         are kept in ``groups`` host tensors."""
         self.on_gpu = device is not None and device.type == "cuda"
         self.num_slots = num_slots
-        self.block_shape = block_shape
         self.groups = layer_groups(block_shape[0], groups)
         # pinned on a GPU (copies from and to pageable memory are synchronous), allocated so at
         # once: pinning a pageable tensor would hold the tier twice over while it copies. A slot is
@@ -156,9 +155,10 @@ class CpuStore:
         for first in range(0, len(slots), STAGE_BLOCKS):
             chunk = slots[first : first + STAGE_BLOCKS]
             blocks = gpu_blocks[first : first + STAGE_BLOCKS]
+            done = None  # on a GPU: recorded once every group's copies of the chunk are issued
             if self.saves is not None:
                 self._make_room(len(chunk) * self.slot_bytes)
-            done = torch.cuda.Event() if self.saves is not None else None
+                done = torch.cuda.Event()
             for (start, end), data in zip(self.groups, self.data, strict=True):
                 staged = gather(kv_cache[start:end], blocks)
                 if self.saves is None:
@@ -170,7 +170,7 @@ class CpuStore:
                     for i, slot, n in _runs(chunk):
                         data[slot : slot + n].copy_(staged[i : i + n], non_blocking=True)
                 staged.record_stream(self.saves)  # the allocator keeps it until the copies have run
-            if self.saves is not None and done is not None:
+            if done is not None:
                 with torch.cuda.stream(self.saves):
                     done.record()
                 self._in_flight.append((done, len(chunk) * self.slot_bytes))
