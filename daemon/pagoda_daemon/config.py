@@ -74,7 +74,8 @@ class EngineConfig:
         1, "groups of ranks the MoE experts are spread over (a MoE model only); the engine runs tensor × expert "
         "ranks, one per GPU", minimum=1, maximum=64, needs="expert_parallel")
     enable_eplb: bool = option(
-        False, "balance the MoE experts' load over the expert-parallel ranks while serving (EPLB)")
+        False, "balance the MoE experts' load over the expert-parallel ranks (or, with data_parallel_experts, "
+        "the engines) while serving (EPLB)")
     num_redundant_experts: int = option(
         0, "with EPLB: extra expert slots, for copies of the busiest experts", minimum=0, maximum=4096)
     eplb_step_interval: int = option(
@@ -222,9 +223,6 @@ class EngineConfig:
         if self.data_parallel_experts and self.world_size != 1:
             problems.append("data_parallel_experts runs each engine on one GPU (tensor_parallel_size and "
                             "expert_parallel_size 1): the experts are spread over the engines")
-        if self.data_parallel_experts and self.enable_eplb:
-            problems.append("data_parallel_experts does not combine with enable_eplb yet (the balancer moves experts "
-                            "within one engine)")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -593,10 +593,10 @@ def data_parallel_experts_field_errors(raw: Any) -> list[str]:
     if any(v is not None and (isinstance(v, bool) or not isinstance(v, int)) for v in sizes.values()):
         return []  # a size of the wrong type is the schema's to refuse
     data, tensor, expert = (1 if v is None else v for v in sizes.values())
-    return _data_parallel_experts_rules(data, tensor, expert, eplb=raw.get("eplb") is not None)
+    return _data_parallel_experts_rules(data, tensor, expert)
 
 
-def _data_parallel_experts_rules(data: int, tensor: int, expert: int, eplb: bool) -> list[str]:
+def _data_parallel_experts_rules(data: int, tensor: int, expert: int) -> list[str]:
     """The daemon's rules for data_parallel_experts (EngineConfig), in the CRD's field names."""
     errors = []
     if data < 2:
@@ -605,9 +605,6 @@ def _data_parallel_experts_rules(data: int, tensor: int, expert: int, eplb: bool
     if tensor != 1 or expert != 1:
         errors.append(f"{DATA_PARALLEL_EXPERTS} runs each engine on one GPU, the experts spread over the engines: it "
                       f"needs parallelism.tensor 1 and expert 1 (got {tensor} and {expert})")
-    if eplb:
-        errors.append(f"{DATA_PARALLEL_EXPERTS} does not combine with parallelism.eplb yet (the balancer moves "
-                      "experts within one engine)")
     return errors
 
 
@@ -869,8 +866,7 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
         errors.append("parallelism.data above 1 does not combine with parallelism.elastic (a resize changes one "
                       "engine)")
     if par.data_parallel_experts:
-        errors += _data_parallel_experts_rules(par.data, par.tensor, par.expert,
-                                               eplb=par.eplb_redundant_experts is not None)
+        errors += _data_parallel_experts_rules(par.data, par.tensor, par.expert)
     # (gpusPerReplica 0: CPU ranks over gloo share the pod's cores, so a layout can be tried without GPUs)
     if s.gpus and par.elastic is None and ranks != s.gpus_per_engine and not (s.disaggregation and s.gpus % 2):
         # one engine rank per GPU: none idle, none shared
@@ -896,8 +892,9 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
                 f"({par.tensor * par.expert}) and resources.gpusPerReplica ({s.gpus}): every pod runs "
                 "an equal share of the ranks"
             )
-    if par.eplb_redundant_experts is not None and par.expert < 2:
-        errors.append("parallelism.eplb needs parallelism.expert of 2 or more (it balances experts between ranks)")
+    if par.eplb_redundant_experts is not None and par.expert < 2 and not par.data_parallel_experts:
+        errors.append("parallelism.eplb needs parallelism.expert of 2 or more, or dataParallelExperts (it balances "
+                      "experts between ranks, or engines)")
     if par.eplb_async_steps and par.elastic is not None:
         errors.append("parallelism.eplb.asyncSteps does not combine with parallelism.elastic (a resize moves the "
                       "experts itself)")

@@ -35,8 +35,6 @@ from pagoda_daemon.telemetry.kv_events import offset_endpoint
       "elastic_ep_max_size": 2}, "elastic expert parallelism resizes one engine"),
     ({"data_parallel_experts": True}, "needs data_parallel_size 2 or more"),
     ({"data_parallel_size": 2, "data_parallel_experts": True, "tensor_parallel_size": 2}, "each engine on one GPU"),
-    ({"data_parallel_size": 2, "data_parallel_experts": True, "enable_eplb": True},
-     "does not combine with enable_eplb"),
 ])
 def test_what_data_parallelism_does_not_combine_with_is_refused(options, message):
     with pytest.raises(ValueError, match=message):
@@ -220,19 +218,23 @@ def test_pagoda_serve_with_the_experts_spread_over_two_engines(tiny_models, tmp_
     check_experts_spread_over_two_engines(tiny_models["qwen3_moe"], tmp_path, "cpu")
 
 
-def _lockstep_engine(path: str, rank: int, rendezvous: str, prompts: list[list[int]], out: str) -> None:
+def _lockstep_engine(path: str, rank: int, rendezvous: str, prompts: list[list[int]], out: str,
+                     extra: dict | None = None, device: str = "cpu") -> None:
     """One data-parallel engine core driven directly, with the GPU's step settings (async
-    scheduling, eager steps padded to the token grid): its greedy tokens to `out`."""
+    scheduling, eager steps padded to the token grid): its greedy tokens to `out`, and with
+    EPLB (`extra`) its rebalances and the experts' placement of every MoE layer."""
     import json
 
     from pagoda_daemon.engine.engine_core import EngineCore
     from pagoda_daemon.engine.request import Request
     from pagoda_daemon.sampling_params import SamplingParams
 
-    config = EngineConfig(model=path, device="cpu", dtype="float32", numa_policy="none", max_model_len=128,
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    config = EngineConfig(model=path, device=device, dtype="float32", numa_policy="none", max_model_len=128,
                           max_num_batched_tokens=48, num_kv_blocks=10, async_scheduling=True, pad_eager_steps=True,
                           data_parallel_size=2, data_parallel_rank=rank, data_parallel_experts=True,
-                          data_parallel_rendezvous=rendezvous)
+                          data_parallel_rendezvous=rendezvous, **(extra or {}))
     core = EngineCore(config)
     core.warm_up()
     lockstep = core.lockstep
@@ -247,27 +249,45 @@ def _lockstep_engine(path: str, rank: int, rendezvous: str, prompts: list[list[i
             tokens[o.request_id] += o.new_token_ids
         steps += 1
         lockstep.stopping = not core.has_unfinished_requests()
+    balancer = core.executor.balancer()
+    balanced = {} if balancer is None else {"rebalances": balancer.rebalances, "slots_moved": balancer.slots_moved,
+                                            "placements": [layer.placement for layer in balancer.layers]}
     core.shutdown()
     with open(out, "w") as f:
-        json.dump({"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "steps": steps}, f)
+        json.dump({"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "steps": steps, **balanced}, f)
 
 
-def test_engines_with_the_experts_spread_step_together_with_async_scheduling_and_padded_steps(tiny_models, tmp_path):
+# EPLB every 3 steps with 2 redundant slots, the experts moved at the rebalance or in the background
+SPREAD_EPLB = {"enable_eplb": True, "num_redundant_experts": 2, "eplb_step_interval": 3}
+SPREAD_EPLB_ASYNC = {**SPREAD_EPLB, "eplb_async_steps": 1}
+
+
+@pytest.mark.parametrize("eplb", [None, SPREAD_EPLB, SPREAD_EPLB_ASYNC], ids=["plain", "eplb", "eplb-async"])
+def test_engines_with_the_experts_spread_step_together_with_async_scheduling_and_padded_steps(tiny_models, tmp_path,
+                                                                                               eplb):
     """Two engine cores in processes of their own, one with seven prompts (chunked, preempted) and
     one with a single short one that finishes early and then lends its experts on padding: with
     async scheduling and the padded token grid (a GPU's defaults) both produce the one-process
-    engine's greedy tokens, and they stop together."""
+    engine's greedy tokens, and they stop together. With EPLB every 3 steps (2 redundant slots),
+    the experts move between the engines while they serve, at the rebalance or in the background
+    (each layer switching at a step the engines agree on), both engines ending on one placement."""
+    check_engines_step_together(tiny_models["qwen3_moe"], tmp_path, "cpu", eplb)
+
+
+def check_engines_step_together(path: str, tmp_path: Path, device: str, eplb: dict | None) -> None:
+    """The test above on `device` (tests/gpu/test_multi_gpu.py runs it on two GPUs: NCCL, CUDA
+    graphs replayed by both engines, EPLB's moves between them)."""
     import json
 
     import torch.multiprocessing as mp
 
     from pagoda_daemon import LLM, SamplingParams
 
-    path = tiny_models["qwen3_moe"]
     prompts = random_prompts(512, [75, 9, 30, 61, 5, 90, 40, 12], seed=int(torch.randint(0, 2**31, ()).item()))
     split = [prompts[:7], prompts[7:]]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_lockstep_engine, args=(path, d, str(tmp_path / "rdv"), split[d], str(tmp_path / f"{d}")))
+    procs = [ctx.Process(target=_lockstep_engine,
+                         args=(path, d, str(tmp_path / "rdv"), split[d], str(tmp_path / f"{d}"), eplb, device))
              for d in range(2)]
     for p in procs:
         p.start()
@@ -275,11 +295,18 @@ def test_engines_with_the_experts_spread_step_together_with_async_scheduling_and
         p.join(300)
     assert [p.exitcode for p in procs] == [0, 0]
     results = [json.loads((tmp_path / f"{d}").read_text()) for d in range(2)]
-    one = LLM(path, dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64)
+    one = LLM(path, dtype="float32", device=device, max_model_len=128, num_kv_blocks=64)
     want = [o.outputs[0].token_ids for o in one.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))]
     assert results[0]["tokens"] + results[1]["tokens"] == [list(w) for w in want]
     assert results[0]["steps"] == results[1]["steps"]  # every agreement matched: the same number of calls
+    if eplb:
+        from pagoda_daemon.distributed.eplb import initial_placement
+
+        assert results[0]["rebalances"] == results[1]["rebalances"] >= 3, results
+        assert results[0]["placements"] == results[1]["placements"]
+        assert any(p != initial_placement(8, 2, 5) for p in results[0]["placements"]), "no expert moved"
+        assert results[0]["slots_moved"] == results[1]["slots_moved"] > 0
 
 
 def check_experts_spread_over_two_engines(path: str, tmp_path: Path, device: str) -> None:

@@ -70,6 +70,46 @@ def test_eplb_settings_the_model_cannot_take_are_refused(tiny_models, arch, expe
         check_layout(load_config(tiny_models[arch]), 1, expert, eplb, redundant)
 
 
+@pytest.mark.parametrize(("engines", "redundant", "message"), [
+    (2, 1, r"experts \(8\) plus num_redundant_experts \(1\) is not divisible by data_parallel_size 2"),
+    (2, 9, r"num_redundant_experts \(9\) is more than experts × \(data_parallel_size - 1\) = 8"),
+    (3, 0, r"experts \(8\) is not divisible by data_parallel_size 3"),
+])
+def test_eplb_over_data_parallel_engines_takes_their_number_for_the_ranks(tiny_models, engines, redundant, message):
+    """With the experts spread over the engines (data_experts) the balancer's ranks are the engines."""
+    config = load_config(tiny_models["qwen3_moe"])
+    check_layout(config, 1, 1, True, 2, data_experts=2)  # the CPU test's layout
+    with pytest.raises(ValueError, match=message):
+        check_layout(config, 1, 1, True, redundant, data_experts=engines)
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_moe_layer_counts_the_load_of_its_real_rows_only(tiny_models, spread):
+    """Padding rows (CUDA-graph sizes, the token grid, an idle data-parallel engine's rows) route
+    too; only the step's own tokens count toward the next placement, and with data-parallel
+    attention only this engine's share of the gathered rows, so the sum over engines counts
+    each token once."""
+    import torch
+
+    from pagoda_daemon.distributed.parallel_state import TensorParallel
+    from pagoda_daemon.models.qwen3_moe import SparseMoE
+
+    tp = TensorParallel(1, 2, None, expert_groups=2, eplb=True, redundant_experts=2, replicated_dense=spread,
+                        spread_tokens=spread)
+    layer = SparseMoE(load_config(tiny_models["qwen3_moe"]), tp=tp)
+    rows_per_engine, real = 6, 4
+    rows = 2 * rows_per_engine if spread else rows_per_engine
+    ids = torch.randint(0, layer.num_experts, (rows, layer.top_k))
+    layer._slot_ids(ids)  # no counted_rows: every row counts (a layer built outside a balancer)
+    assert layer.expert_load.tolist() == torch.bincount(ids.flatten(), minlength=layer.num_experts).tolist()
+    layer.expert_load.zero_()
+    layer.counted_rows = torch.tensor(real)
+    layer._slot_ids(ids)
+    first = rows_per_engine if spread else 0  # engine 1's rows come second in the gathered rows
+    want = torch.bincount(ids[first:first + real].flatten(), minlength=layer.num_experts)
+    assert layer.expert_load.tolist() == want.tolist() and int(want.sum()) == real * layer.top_k
+
+
 @pytest.mark.parametrize("value", [-1, 10**6 + 1])
 def test_eplb_async_steps_out_of_bounds_or_without_eplb_is_refused(tiny_models, value):
     from pagoda_daemon.config import EngineConfig

@@ -103,3 +103,19 @@ def test_experts_spread_over_two_gpu_engines_match_one_engine(tiny_models, tmp_p
 
     torch.backends.cuda.matmul.allow_tf32 = False
     check_experts_spread_over_two_engines(tiny_models["qwen3_moe"], tmp_path, "cuda")
+
+
+@pytest.mark.parametrize("eplb", ["sync", "async"])
+def test_eplb_moves_experts_between_two_gpu_engines_and_the_tokens_stay(tiny_models, tmp_path, eplb):
+    """`--data-parallel-experts` with EPLB on two GPUs: two engine cores (async scheduling, CUDA
+    graphs, padded steps) move experts between them while serving, over NCCL at the rebalance or
+    over gloo in the background; the CPU test's checks (the one-process engine's tokens, one
+    placement on both engines, experts moved)."""
+    from tests.distributed.test_data_parallel import (
+        SPREAD_EPLB,
+        SPREAD_EPLB_ASYNC,
+        check_engines_step_together,
+    )
+
+    check_engines_step_together(tiny_models["qwen3_moe"], tmp_path, "cuda",
+                                SPREAD_EPLB if eplb == "sync" else SPREAD_EPLB_ASYNC)

@@ -138,6 +138,12 @@ def test_data_parallel_experts_engines_get_one_gpu_each():
     assert container(kids)["resources"]["limits"] == {"nvidia.com/gpu": 4}
     _, plain = build(resources={"gpusPerReplica": 4}, parallelism={"data": 4})
     assert "data_parallel_experts" not in yaml.safe_load(plain.config_map["data"]["engine.yaml"])
+    # EPLB balances the experts over the engines (the daemon's enable_eplb with data_parallel_experts)
+    _, balanced = build(resources={"gpusPerReplica": 2}, parallelism={
+        "data": 2, "dataParallelExperts": True, "eplb": {"redundantExperts": 2, "stepInterval": 100, "asyncSteps": 4}})
+    cfg = yaml.safe_load(balanced.config_map["data"]["engine.yaml"])
+    assert (cfg["data_parallel_experts"], cfg["enable_eplb"], cfg["num_redundant_experts"], cfg["eplb_step_interval"],
+            cfg["eplb_async_steps"]) == (True, True, 2, 100, 4)
 
 
 def test_engine_config_in_the_config_map():

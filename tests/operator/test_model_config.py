@@ -59,6 +59,17 @@ def test_data_parallel_experts_needs_experts_the_engines_divide_named_in_the_spe
     assert layout_error(engines(4), MOE) is None
     assert layout_error(spec(resources={"gpusPerReplica": 3}, parallelism={"data": 3}), MOE) is None  # experts whole
 
+    def balanced(data: int, redundant: int):  # EPLB over the engines: its copies must divide evenly too
+        return spec(resources={"gpusPerReplica": data}, parallelism={
+            "data": data, "dataParallelExperts": True, "eplb": {"redundantExperts": redundant}})
+
+    assert layout_error(balanced(2, 4), MOE) is None
+    msg = layout_error(balanced(2, 3), MOE)
+    assert msg and ("experts (128) plus spec.parallelism.eplb.redundantExperts (3) is not divisible by "
+                    "spec.parallelism.data 2") in msg
+    msg = layout_error(balanced(2, 129), MOE)
+    assert msg and "more than experts × (spec.parallelism.data - 1) = 128" in msg
+
 
 @pytest.mark.parametrize("heads, kv_heads", [(None, 8), ("32", 8), (32, "8"), (0, 0), (32, None), ([32], 8),
                                              (-32, 8), (10**30, 8), (32, {"a": 1})])

@@ -324,9 +324,6 @@ DATA_EXPERTS_REFUSED = [
      "it needs parallelism.tensor 1 and expert 1 (got 2 and 1)"),
     ({"resources": {"gpusPerReplica": 8}, "parallelism": {"data": 4, "expert": 2, "dataParallelExperts": True}},
      "it needs parallelism.tensor 1 and expert 1 (got 1 and 2)"),
-    ({"resources": {"gpusPerReplica": 4},
-      "parallelism": {"data": 4, "dataParallelExperts": True, "eplb": {"redundantExperts": 0}}},
-     "does not combine with parallelism.eplb yet"),
 ]
 
 
@@ -383,7 +380,6 @@ def test_the_webhook_admits_data_parallel_experts_the_daemon_takes():
     Parallelism(data=1, data_parallel_experts=True),
     Parallelism(data=2, tensor=2, data_parallel_experts=True),
     Parallelism(data=2, expert=2, data_parallel_experts=True),
-    Parallelism(data=2, eplb_redundant_experts=0, data_parallel_experts=True),
 ])
 def test_what_the_operator_refuses_for_data_parallel_experts_the_daemon_refuses(parallelism):
     """The same rules on both sides: the rendering of a refused spec is a configuration the daemon refuses."""
@@ -392,6 +388,19 @@ def test_what_the_operator_refuses_for_data_parallel_experts_the_daemon_refuses(
         validate(s)
     with pytest.raises(ValueError, match="data_parallel_experts"):
         EngineConfig(model="/m", **daemon_config(s))
+
+
+def test_eplb_over_data_parallel_engines_is_accepted_on_both_sides():
+    """parallelism.eplb with dataParallelExperts: the balancer's ranks are the engines."""
+    s = dataclasses.replace(parse("svc", "ns", {"model": MODEL}), gpus=0, parallelism=Parallelism(
+        data=2, eplb_redundant_experts=2, eplb_async_steps=4, data_parallel_experts=True))
+    validate(s)
+    config = EngineConfig(model="/m", **daemon_config(s))
+    assert (config.data_parallel_experts, config.enable_eplb, config.num_redundant_experts,
+            config.eplb_async_steps) == (True, True, 2, 4)
+    with pytest.raises(InvalidSpec, match=r"parallelism\.eplb needs parallelism\.expert of 2 or more, or "
+                                          "dataParallelExperts"):
+        validate(dataclasses.replace(s, parallelism=Parallelism(data=2, eplb_redundant_experts=2)))
 
 
 def test_data_parallel_experts_is_refused_naming_the_field_by_a_build_without_it():

@@ -5,7 +5,10 @@ taking a share of the expert's tokens), and move the weights between ranks while
 
 Every rank of a replica runs the same steps, so every rank decides to rebalance at the same
 step with no message; the loads are summed over the ranks first so that every rank computes
-the same placement from the same numbers. Weights move with point-to-point sends between the
+the same placement from the same numbers. With the experts spread over data-parallel engines
+(``--data-parallel-experts``) the ranks are the engines: each runs every agreed forward pass
+(distributed/lockstep.py), so their step counts match too, and each counts its own tokens.
+Weights move with point-to-point sends between the
 ranks (``batch_isend_irecv``, NCCL or gloo) and in-place copies, so CUDA graphs captured over
 the expert tensors stay valid.
 
@@ -21,7 +24,8 @@ rebalance at which every rank holds them: each rank's thread passes a barrier of
 after each layer, and rank 0's step plans say how many layers it has seen pass, so every rank
 switches a layer at the same step and none waits for the move (on 2 × H200 a rebalance moving
 13.6 GB took ~5 s through host memory; with the switch at a fixed step the steps had waited for
-it). Ranks started by a launcher have no plans: they switch at the fixed step, counted alike on
+it); data-parallel engines, which have no common plans, agree on that count with each step.
+Ranks started by a launcher have no plans: they switch at the fixed step, counted alike on
 every rank, and a rank whose thread is late waits for it. The next rebalance is due only after
 the last layer has switched.
 
@@ -309,10 +313,20 @@ class ExpertBalancer:
         self.rank_load_per_step = 0.0
         self._window_start = 0  # self.steps at the last rebalance or reset
         self._reported = (0, 0)
+        # The real token rows of this rank's step, read on the device by every layer as it counts
+        # (SparseMoE.counted_rows): padding rows route too, and must not weigh in the placement
+        self.counted_rows = torch.zeros((), dtype=torch.int64,
+                                        device=layers[0].expert_load.device if layers else "cpu")
+        for layer in layers:
+            layer.counted_rows = self.counted_rows
 
     def _peer(self, expert_group: int) -> int:
         slice_rank, slices = self.tp.expert_slicing
         return expert_group * slices + slice_rank
+
+    def count_rows(self, rows: int) -> None:
+        """Before a step's forward pass (on its stream): its first ``rows`` token rows are real."""
+        self.counted_rows.fill_(rows)
 
     def reset(self) -> None:
         """Forget the load counted so far (warm-up and graph capture run the model too)."""
@@ -355,8 +369,10 @@ class ExpertBalancer:
         after = [0.0] * self.tp.expert_groups
         for layer in self.layers:
             load = layer.expert_load.clone()
-            if self.tp.enabled:  # every rank counted the same tokens; the sum makes them agree exactly
+            if self.tp.enabled:  # the sum makes every rank agree exactly, from the same numbers
                 dist.all_reduce(load, group=self.tp.group)
+                if not self.tp.spread_tokens:  # every rank counted every token: once each
+                    load //= self.tp.size
             old = layer.placement
             loads = [float(x) for x in load.tolist()]
             new = rebalance(loads, old, self.tp.expert_groups, layer.slots_per_rank)

@@ -26,8 +26,10 @@ def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, red
     if elastic_max:
         return _check_elastic_layout(model_config, elastic_max)
     if data_experts:
-        _check_data_experts_layout(model_config, data_experts)
+        _check_data_experts_layout(model_config)
     ranks = tensor * expert
+    groups = data_experts or expert  # the ranks, or engines, the experts are spread over
+    spread_over = "data_parallel_size" if data_experts else "expert_parallel_size"
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     experts = num_experts_of(model_config)
@@ -40,17 +42,19 @@ def check_layout(model_config, tensor: int, expert: int, eplb: bool = False, red
                         f"heads ({kv_heads})")
     if expert > 1 and not is_moe:
         problems.append(f"expert_parallel_size {expert} needs a mixture-of-experts model; this one has no experts")
-    if is_moe and (experts + redundant) % expert:
+    if is_moe and (experts + redundant) % groups:
         problems.append(f"the number of experts ({experts})" + (f" plus num_redundant_experts ({redundant})"
                                                                  if redundant else "")
-                        + f" is not divisible by expert_parallel_size {expert}")
-    if eplb and (expert < 2 or not is_moe):
-        problems.append("enable_eplb needs a mixture-of-experts model and expert_parallel_size of 2 or more")
+                        + f" is not divisible by {spread_over} {groups}"
+                        + (" (data_parallel_experts spreads them evenly over the engines)" if data_experts else ""))
+    if eplb and (groups < 2 or not is_moe):
+        problems.append("enable_eplb needs a mixture-of-experts model and expert_parallel_size of 2 or more "
+                        "(or data_parallel_experts)")
     if redundant and not eplb:
         problems.append("num_redundant_experts needs enable_eplb")
-    if eplb and is_moe and redundant > experts * (expert - 1):
-        problems.append(f"num_redundant_experts ({redundant}) is more than experts × (expert_parallel_size - 1) "
-                        f"= {experts * (expert - 1)}: a rank would hold two copies of one expert")
+    if eplb and is_moe and redundant > experts * (groups - 1):
+        problems.append(f"num_redundant_experts ({redundant}) is more than experts × ({spread_over} - 1) "
+                        f"= {experts * (groups - 1)}: a rank would hold two copies of one expert")
     moe_inter = getattr(model_config, "moe_intermediate_size", None)
     if is_moe and moe_inter and moe_inter % tensor:
         problems.append(f"the experts' intermediate size ({moe_inter}) is not divisible by tensor_parallel_size "
@@ -74,10 +78,7 @@ def _check_elastic_layout(model_config, elastic_max: int) -> None:
                          "would hold only copies")
 
 
-def _check_data_experts_layout(model_config, engines: int) -> None:
+def _check_data_experts_layout(model_config) -> None:
     experts = num_experts_of(model_config)
     if not experts or not (getattr(model_config, "num_experts_per_tok", 0) or 0):
         raise ValueError("data_parallel_experts needs a mixture-of-experts model; this one has no experts")
-    if experts % engines:
-        raise ValueError(f"the number of experts ({experts}) is not divisible by data_parallel_size {engines} "
-                         "(data_parallel_experts spreads them evenly over the engines)")

@@ -68,6 +68,9 @@ class StepAgreement:
     decode_only: bool  # every engine's step decodes one token per request (CUDA graphs may replay)
     anyone_busy: bool  # some engine has requests (else none steps, and idle ones may wait for input)
     all_stopping: bool = False  # every engine was asked to shut down: they leave together
+    # EPLB in the background: the MoE layers of the move under way that every engine holds (each
+    # switches no later one this step); None without one
+    eplb_layers_held: int | None = None
 
 
 @dataclass

@@ -25,11 +25,17 @@ class SparseMoE(nn.Module):
     With EPLB (``tp.eplb``) the rank's slots hold whichever experts the balancer placed there
     (``placement``: the expert of every physical slot of the replica), an expert may have
     copies on several ranks, each taking the tokens whose index falls to it, and the layer
-    counts the tokens routed to each expert (``expert_load``) for the next rebalance."""
+    counts the tokens routed to each expert (``expert_load``) for the next rebalance: only the
+    step's own tokens (``counted_rows``, set each step by the balancer), never padding rows, and
+    with data-parallel attention only this engine's, so that the sum over the ranks counts each
+    token once (an idle engine's padding rows, all zeros, route to the same few experts)."""
 
     expert_load: torch.Tensor  # buffers, with EPLB only
     replica_slots: torch.Tensor
     replica_counts: torch.Tensor
+    # With EPLB: a 0-d tensor shared by every MoE layer, the real token rows of this rank's step
+    # (eplb.ExpertBalancer.count_rows); None: every row counts
+    counted_rows: torch.Tensor | None = None
 
     def __init__(self, config, kernels: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -113,10 +119,19 @@ class SparseMoE(nn.Module):
         if not self.eplb:
             return ids
         ids = ids.long()
-        self.expert_load.scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         token = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        self.expert_load.scatter_add_(0, ids.flatten(), self._counted(token).expand_as(ids).flatten())
         copy = token % self.replica_counts[ids]
         return self.replica_slots[ids, copy]
+
+    def _counted(self, token: torch.Tensor) -> torch.Tensor:
+        """1 for the rows whose routing counts toward ``expert_load``, else 0 (on the device: no
+        host sync, so CUDA graphs capture it). With data-parallel attention the rows are every
+        engine's, this engine's at ``rank × rows / engines``."""
+        if self.counted_rows is None:
+            return torch.ones_like(token)
+        first = self.tp.rank * (token.shape[0] // self.tp.size) if self.tp.spread_tokens else 0
+        return ((token >= first) & (token < first + self.counted_rows)).long()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Unsummed:
         """The experts' output, its sum over the ranks left to the norm after it; with

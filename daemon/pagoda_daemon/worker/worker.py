@@ -144,6 +144,8 @@ class Worker:
             self.balancer = ExpertBalancer(
                 layers, EplbConfig(config.num_redundant_experts, config.eplb_step_interval, config.eplb_async_steps),
                 self.tp, transfer_group=self._eplb_transfer_group() if config.eplb_async_steps else None)
+            if self.lockstep is not None and self.balancer.is_async:  # the engines agree on it each step
+                self.lockstep.eplb_layers_held = self.balancer.layers_held_everywhere
         self.runner = ModelRunner(model, model_config, config, self.device, self.dtype, max_model_len)
         self.uses_cuda_graphs = (self.device.type == "cuda" and self.backend.uses_kernels
                                  and not config.enforce_eager)
@@ -298,14 +300,17 @@ class Worker:
             failed = {t.gpu_block for t, bad in zip(so.kv_loads, flags, strict=True) if bad}
         self._failed_kv_blocks = sorted(failed)
         loading = self.offload if so.kv_loads else None
+        if self.balancer is not None:
+            self.balancer.count_rows(so.num_scheduled_tokens)
         launched = self._with_failed_loads(self.runner.execute(so, loading.wait_for_layer if loading else None))
         if loading is not None:
             loading.await_layer_loads()  # any layer the pass did not wait for: before what follows
         if so.kv_saves and self.offload is not None:
             with phase("pagoda.kv_offload_save"):
                 self.offload.run(so.kv_saves, self.runner.kv_cache)
-        if self.balancer is not None and not so.is_empty:
-            self.balancer.step(so.eplb_layers_held)  # every rank runs the same steps: they rebalance together
+        if self.balancer is not None and (so.lockstep.tokens > 0 if so.lockstep is not None else not so.is_empty):
+            # every rank (every data-parallel engine) runs the same forward passes: they rebalance together
+            self.balancer.step(so.eplb_layers_held if so.lockstep is None else so.lockstep.eplb_layers_held)
         return launched
 
     def await_kv_prefetches(self) -> None:
