@@ -258,6 +258,17 @@ class LocalCluster(KubeCluster):
         self.release, self.release_namespace = "pagoda", "pagoda-system"
         self.host_settings_before: dict[str, str] = {}  # host_settings() before the node started
 
+    def moe_model_dir(self) -> Path:
+        """A tiny random Qwen3-MoE (8 experts, top 2) beside the Qwen3, built on first use."""
+        from pagoda_daemon.models.tiny import build_tiny_model
+
+        model = self.model_dir.parent / "tiny-qwen3-moe"
+        if not (model / "config.json").exists():
+            build_tiny_model("qwen3_moe", model, seed=3)
+            for f in model.iterdir():  # safetensors writes 0600; the daemon runs as another user
+                f.chmod(0o644)
+        return model
+
     def bridge_mac(self) -> str:
         """The node bridge's MAC address (fixed by node.sh; see there why it must not move)."""
         return Path(f"/sys/class/net/{self.bridge}/address").read_text().strip()

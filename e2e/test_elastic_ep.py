@@ -74,15 +74,8 @@ def _wait_size(local_cluster, ns: str, size: int, timeout: float) -> dict[str, A
 
 
 def test_elastic_ep_grows_under_load_and_shrinks_when_idle(local_cluster):
-    from pagoda_daemon.models.tiny import build_tiny_model
-
-    model = local_cluster.model_dir.parent / "tiny-qwen3-moe"
-    if not (model / "config.json").exists():
-        build_tiny_model("qwen3_moe", model, seed=3)
-        for f in model.iterdir():  # safetensors writes 0600; the daemon runs as another user
-            f.chmod(0o644)
     ns = local_cluster.create_namespace("elastic")
-    doc = manifest(local_cluster, NAME, model_path=str(model))
+    doc = manifest(local_cluster, NAME, model_path=str(local_cluster.moe_model_dir()))
     doc["spec"]["model"]["name"] = MODEL
     doc["spec"]["parallelism"] = {"expert": 2, "elastic": {
         "minExpert": 2, "maxExpert": 3, "metric": "requestsRunning", "target": 2, "tolerance": 0.1,

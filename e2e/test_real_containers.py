@@ -361,6 +361,47 @@ def test_tensor_and_data_parallel_ranks_serve_in_one_unprivileged_pod(local_clus
         local_cluster.delete_namespace(ns)
 
 
+def test_experts_spread_over_two_engines_with_eplb_serve_in_one_unprivileged_pod(local_cluster):
+    """parallelism.data 2 with dataParallelExperts and eplb on CPU: two engines in one pod, each
+    holding half of a MoE model's experts (plus a redundant slot) and its own requests, every MoE
+    layer run by both each step (gloo on loopback), the experts rebalanced between the engines while
+    they serve; greedy answers equal the one-process engine's on the same weights, both engines
+    serve, and the rebalances show in the metrics."""
+    ns = local_cluster.create_namespace("spread")
+    name = "tiny-spread"
+    model = local_cluster.moe_model_dir()
+    served = "tiny-qwen3-moe"
+    doc = manifest(local_cluster, name, model_path=str(model))
+    doc["spec"]["model"]["name"] = served
+    doc["spec"]["parallelism"] = {"data": 2, "dataParallelExperts": True,
+                                  "eplb": {"redundantExperts": 2, "stepInterval": 3}}
+    doc["spec"]["engine"].update(numKvBlocks=160, maxModelLen=256)
+    try:
+        local_cluster.apply(doc, namespace=ns)
+        wait_ready(local_cluster, ns, replicas=1, name=name, timeout=300)
+        (ip,) = local_cluster.endpoints(name, ns)
+        prompts = ["The capital of", "Paged attention keeps", "1 2 3 4", "Experts spread over"]
+        got = [client(ip).completions.create(model=served, prompt=p, max_tokens=12, temperature=0).choices[0].text
+               for p in prompts]
+        from pagoda_daemon import LLM, SamplingParams
+
+        one = LLM(str(model), device="cpu", max_model_len=256, num_kv_blocks=64)
+        want = [o.outputs[0].text for o in one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))]
+        assert got == want
+        health = httpx.get(f"http://{ip}:{PORT}/health", timeout=10).json()["engine"]
+        assert [e["requests"] >= 1 for e in health["engines"]] == [True, True], health  # no shared prefix: turns
+        metrics = httpx.get(f"http://{ip}:{PORT}/metrics", timeout=10).text
+        assert f'pagoda:expert_parallel_size{{model_name="{served}"}} 2.0' in metrics
+        rebalances = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith("pagoda:eplb_rebalances_total{")]
+        assert rebalances and rebalances[0] >= 1, metrics  # 48 tokens out in steps of 3: several windows
+        pod = local_cluster.kubectl_json("get", "pods", "-n", ns)["items"][0]["metadata"]["name"]
+        logs = local_cluster.kubectl("logs", "-n", ns, pod).stdout
+        assert "rank 1 of 2) loaded" in logs and "EPLB: rebalance" in logs  # half the experts each
+    finally:
+        local_cluster.delete_namespace(ns)
+
+
 def test_a_replica_spanning_two_pods_serves_and_restarts_as_a_unit(local_cluster):
     """resources.podsPerReplica 2 with parallelism.tensor 2 on CPU: one group of a leader pod (the
     API and rank 0) and a worker pod (rank 1) from two StatefulSets; the ranks meet at the leader's
