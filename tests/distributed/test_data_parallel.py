@@ -250,8 +250,10 @@ def _lockstep_engine(path: str, rank: int, rendezvous: str, prompts: list[list[i
         steps += 1
         lockstep.stopping = not core.has_unfinished_requests()
     balancer = core.executor.balancer()
+    reported = core.make_stats().balancer  # the replica's rebalances, reported by the first engine only
     balanced = {} if balancer is None else {"rebalances": balancer.rebalances, "slots_moved": balancer.slots_moved,
-                                            "placements": [layer.placement for layer in balancer.layers]}
+                                            "placements": [layer.placement for layer in balancer.layers],
+                                            "reported": None if reported is None else reported.rebalances}
     core.shutdown()
     with open(out, "w") as f:
         json.dump({"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "steps": steps, **balanced}, f)
@@ -307,6 +309,8 @@ def check_engines_step_together(path: str, tmp_path: Path, device: str, eplb: di
         assert results[0]["placements"] == results[1]["placements"]
         assert any(p != initial_placement(8, 2, 5) for p in results[0]["placements"]), "no expert moved"
         assert results[0]["slots_moved"] == results[1]["slots_moved"] > 0
+        # (stats since the engine's last ones, taken once after its warm-up)
+        assert 0 < results[0]["reported"] <= results[0]["rebalances"] and results[1]["reported"] is None
 
 
 def check_experts_spread_over_two_engines(path: str, tmp_path: Path, device: str) -> None:
