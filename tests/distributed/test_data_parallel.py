@@ -249,7 +249,7 @@ def _lockstep_engine(path: str, rank: int, rendezvous: str, prompts: list[list[i
             tokens[o.request_id] += o.new_token_ids
         steps += 1
         lockstep.stopping = not core.has_unfinished_requests()
-    balancer = core.executor.balancer()
+    balancer = core.executor.worker.balancer  # each engine's own
     reported = core.make_stats().balancer  # the replica's rebalances, reported by the first engine only
     balanced = {} if balancer is None else {"rebalances": balancer.rebalances, "slots_moved": balancer.slots_moved,
                                             "placements": [layer.placement for layer in balancer.layers],

@@ -383,10 +383,6 @@ class EngineCore:
         previous call: each consumer adds them to its own totals."""
         s = self.scheduler.make_stats()
         balancer = self.executor.balancer()
-        if self.config.data_parallel_experts and self.config.data_parallel_rank:
-            # the experts spread over the engines: every engine's balancer is the replica's (the
-            # same rebalances and placement), which the first engine reports, once
-            balancer = None
         return EngineStats(
             num_steps=s.num_steps,
             num_preemptions=s.num_preemptions,

@@ -50,8 +50,12 @@ class Executor(ABC):
         """Wait until every worker's device is idle."""
 
     def balancer(self):
-        """Rank 0's expert balancer (EPLB), or None (every rank's is the same)."""
-        return getattr(getattr(self, "worker", None), "balancer", None)
+        """Rank 0's expert balancer (EPLB), or None: every rank's is the replica's (the same
+        rebalances and placement), reported once. With the experts spread over data-parallel
+        engines the ranks are the engines, and only the first reports it."""
+        worker = getattr(self, "worker", None)
+        balancer = getattr(worker, "balancer", None)
+        return balancer if balancer is not None and worker.tp.rank == 0 else None
 
     def lockstep(self) -> Lockstep | None:
         """With data-parallel attention, this engine's per-step agreement with the others
