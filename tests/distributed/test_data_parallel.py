@@ -371,7 +371,9 @@ def check_experts_spread_over_two_engines(path: str, tmp_path: Path, device: str
         assert 'pagoda:expert_parallel_size{model_name="tiny"} 2.0' in metrics  # the experts over both engines
     finally:
         code = srv.stop()
-    assert code == 0, srv.log_path.read_text()[-3000:]
+    log = srv.log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert "engine failed" not in log, log[-3000:]  # engines leaving on request is no failure
 
 
 def _free(port: int) -> bool:

@@ -151,6 +151,7 @@ class EngineClient:
                        for d in range(config.data_parallel_size)]
         self._router = EngineRouter(len(self._cores)) if len(self._cores) > 1 else None
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False  # shutdown() under way: engines leaving are not failures
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -230,6 +231,7 @@ class EngineClient:
             self._fail_in_flight(ServerShuttingDownError(f"the drain timeout of {timeout_s:g} s ran out"))
 
     async def shutdown(self) -> None:
+        self._stopping = True
         live = [c.process for c in self._cores if c.process is not None and c.process.is_alive()]
         if self.dead_reason is None:  # a dead core (still exiting) reads nothing: the send would wait forever
             for core in self._cores:
@@ -488,6 +490,8 @@ class EngineClient:
     async def _watchdog(self) -> None:
         while self.dead_reason is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if self._stopping:  # the engines exit because they were asked to: no failure
+                return
             for core in self._cores:
                 if core.process is not None and not core.process.is_alive():
                     which = f"engine {core.index}'s" if len(self._cores) > 1 else "the engine"
