@@ -599,14 +599,18 @@ if has dp; then
   # went. With the vLLM kit unpacked (a `vllm-stash` call first, .vllm_b carried, DP_VLLM=1), `vllm
   # serve --data-parallel-size N` after each model's Pagoda runs. DP_MODELS: configs under $CFG.
   # DP_PAGODA_ARGS / DP_VLLM_ARGS: more flags for runs with N > 1, e.g. the experts spread over the
-  # engines: DP_MODELS=qwen3-30b-a3b DP_PAGODA_ARGS=--data-parallel-experts DP_VLLM_ARGS=--enable-expert-parallel
+  # engines: DP_MODELS=qwen3-30b-a3b DP_PAGODA_ARGS=--data-parallel-experts DP_VLLM_ARGS=--enable-expert-parallel.
+  # DP_VLLM_SIZES: vLLM's sizes where they differ from DP_SIZES. Each line also records the client's
+  # and the server's inter-token gaps and the CPU seconds the API server's process used for the run.
   step "data parallelism: pagoda serve --data-parallel-size ${DP_SIZES:-1 2}, same requests"
   [ -z "${DP_VLLM:-}" ] || unpack_vllm || status=1
   dp_bench() {  # LABEL PORT DP PID: the requests once the server is ready, then stop it
     if wait_ready "$2" "$5" "$4"; then
+      cpu0=$(proc_cpu_s "$4")
       python3 -m pagoda_daemon bench serve --base-url "http://127.0.0.1:$2" --model m --vocab-size "$vocab" \
         --num-prompts "${DP_PROMPTS:-1024}" --input-len 512 --range-ratio 0.8 --output-len 512 --seed 0 --no-progress \
         --result-file "$OUT/dp-$1-$cfg-$3.json" > /dev/null || status=1
+      export DP_API_CPU_S=$(python3 -c "print(round($(proc_cpu_s "$4") - $cpu0, 2))")
       curl -s "localhost:$2/health" > "$OUT/dp-$1-$cfg-$3-health.json"
       python3 - "$1" "$cfg" "$3" "$OUT/dp-$1-$cfg-$3.json" "$OUT/dp-$1-$cfg-$3-health.json" <<'PY' | tee -a "$OUT/dp.jsonl"
 import json, os, sys
@@ -621,10 +625,14 @@ print(json.dumps({"server": server, "model": model, "data_parallel_size": int(dp
                            if int(dp) > 1 else ""), "completed": r["completed"],
                   "failed": r["failed"], "duration_s": r["duration_s"], "output_throughput": r["output_throughput"],
                   "total_token_throughput": r["total_token_throughput"], "ttft_ms_p50": r["ttft_ms"]["p50"],
-                  "engines": engines}))
+                  "itl_ms": r["itl_ms"], "server_itl": (r.get("server_metrics") or {}).get("inter_token_latency"),
+                  "api_process_cpu_s": float(os.environ["DP_API_CPU_S"]), "engines": engines}))
 PY
     else status=1; tail -20 "$OUT/dp-$1-$cfg-$3.log"; fi
     kill -TERM "$4"; wait "$4"
+  }
+  proc_cpu_s() {  # PID: the CPU seconds (user + system) the process has used so far (its API server)
+    awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat"
   }
   for cfg in ${DP_MODELS:-qwen3-0.6b llama3-8b}; do
     M=/tmp/dp-$cfg; mkdir -p $M && cp $CFG/$cfg/config.json $M/
@@ -637,7 +645,7 @@ PY
       dp_bench pagoda 18000 "$dp" $! /ready
     done
     if [ -n "${DP_VLLM:-}" ] && [ -f /tmp/vsite/vllm/__init__.py ]; then
-      for dp in ${DP_SIZES:-1 2}; do
+      for dp in ${DP_VLLM_SIZES:-${DP_SIZES:-1 2}}; do
         VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
           PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
           --max-model-len 4096 --port 18001 --served-model-name m --generation-config vllm --seed 0 \
