@@ -48,17 +48,6 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_models) -> str:
-    return tiny_models["llama"]
-
-
-@pytest.fixture(scope="module")
-def block_bytes(model) -> int:
-    llm = LLM(model, **ENGINE)
-    return llm.engine.core.worker_info.kv_block_bytes
-
-
-@pytest.fixture(scope="module")
 def reference(model) -> list[list[int]]:
     llm = LLM(model, **ENGINE)
     out = run(llm, workload(order=ORDER))
@@ -103,22 +92,26 @@ def test_outputs_identical_with_offload(model, block_bytes, reference, tmp_path,
     prefetch = worker.prefetch
     worker.prefetch = lambda transfers, kv_cache: (prefetched.append(len(transfers)), prefetch(transfers, kv_cache))
     in_step: list[int] = []
+    files_in_step: list[int] = []
     run_copies = worker.run
     worker.run = lambda transfers, kv_cache: (in_step.append(sum(t.kind == "load_cpu" for t in transfers)),
-                                              run_copies(transfers, kv_cache))[1]
+                                              files_in_step.append(sum(t.kind == "load_disk" for t in transfers)),
+                                              run_copies(transfers, kv_cache))[2]
     waited: list[int] = []
     wait_for_layer = worker.wait_for_layer
     worker.wait_for_layer = lambda layer: (waited.append(layer), wait_for_layer(layer))
     assert run(llm, workload(order=ORDER)) == reference
     # host-memory hits come back in the step that computes their request (up to the step's
-    # share) or beside a step, for the next to read; files are read by the step
-    if tiers == "cpu":  # (a request with hits on disk too loads in its step, however many)
+    # share) or beside a step, for the next to read; files are read into host memory in the
+    # background first (test_disk_staging.py), or by the step with no host tier
+    if tiers != "disk":
         assert (sum(prefetched) > 0) == (step_load_blocks == 0), prefetched
         assert (sum(in_step) > 0) == (step_load_blocks > 0), in_step
         assert max(in_step) <= step_load_blocks, in_step
+    assert (sum(files_in_step) > 0) == (tiers == "disk"), files_in_step
     # every step with loads waits for each layer before its attention, in order
     layers = llm.engine.core.executor.worker.runner.num_layers
-    assert bool(waited) == (tiers != "cpu" or step_load_blocks > 0), waited
+    assert bool(waited) == (tiers == "disk" or step_load_blocks > 0), waited
     assert waited == list(range(layers)) * (len(waited) // layers), waited
     stats = llm.get_stats().kv_offload
     assert stats is not None and stats.hits > 0 and stats.queries >= stats.hits

@@ -142,10 +142,11 @@ def test_step_plan_carries_the_copies_to_every_rank():
     out = sched.schedule()
     out.kv_loads = [KVTransfer("load_disk", b"\x01" * 32, 3)]
     out.kv_prefetch = [KVTransfer("load_cpu", b"\x02" * 32, 4, 9)]
+    out.kv_stages = [KVTransfer("stage_disk", b"\x03" * 32, -1, 7)]
     frame = step_plan.encode(step_plan.PlanWriter().plan(out))
     mirrored = step_plan.RequestMirrors(BS).apply(step_plan.decode(frame))
     assert mirrored.kv_loads == out.kv_loads and mirrored.kv_saves == out.kv_saves and len(out.kv_saves) == 2
-    assert mirrored.kv_prefetch == out.kv_prefetch
+    assert mirrored.kv_prefetch == out.kv_prefetch and mirrored.kv_stages == out.kv_stages
 
 
 def _offloaded(conn: FakeConnector, firsts: tuple[int, ...] = (100,), **kwargs) -> Scheduler:

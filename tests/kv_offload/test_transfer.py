@@ -26,16 +26,6 @@ from tests.server.conftest import free_port
 KEY = "k" * 24
 
 
-@pytest.fixture(scope="module")
-def model(tiny_models) -> str:
-    return tiny_models["llama"]
-
-
-@pytest.fixture(scope="module")
-def block_bytes(model) -> int:
-    return LLM(model, **ENGINE).engine.core.worker_info.kv_block_bytes
-
-
 @pytest.fixture(autouse=True)
 def key(monkeypatch):
     monkeypatch.setenv(transfer_auth.KEY_ENV, KEY)

@@ -228,6 +228,9 @@ class EngineCore:
             outputs = self._finish_in_flight()  # penalties need every token on the host first
             if self.lockstep is None:
                 return outputs
+        connector = self.scheduler.connector
+        if connector is not None:  # disk blocks now in host memory: their requests may go on
+            connector.staged(self.executor.take_staged_kv())
         # phase labels name the step's parts in torch-profiler traces (benchmarks/throughput.py).
         with phase("pagoda.schedule"):
             sched = (self.scheduler.schedule() if self.lockstep is None or self.scheduler.has_unfinished_requests()

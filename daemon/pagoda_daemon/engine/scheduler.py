@@ -18,7 +18,8 @@ step while the step's host loads stay within the connector's ``step_load_blocks`
 beside the forward pass, each layer's attention waiting for its own. Beyond that, it is
 admitted without joining the step: its blocks cross beside the step (``kv_prefetch``) and it
 computes from the next step, so the batch does not wait for a large copy (docs/kv-offload.md,
-"Loads beside the step").
+"Loads beside the step"). A request whose prefix is on disk waits, keeping its place, while its
+blocks are read into host memory in the background (``kv_stages``), then comes back that way.
 """
 
 from __future__ import annotations
@@ -203,6 +204,9 @@ class Scheduler:
                     and self.connector.arriving(offload_hashes[num_loaded_blocks:], req.kv_source, req.request_id)):
                 held_back.append(self.waiting.popleft())
                 continue
+            if num_loaded_blocks and self.connector is not None and self.connector.staging(offload_hashes[:num_loaded_blocks], req.request_id):
+                held_back.append(self.waiting.popleft())  # its disk blocks come to host memory meanwhile
+                continue
             num_loaded = num_loaded_blocks * self.kv_cache.block_size
             num_new = req.num_tokens - num_cached - num_loaded
             if num_new > budget and not self.enable_chunked_prefill:
@@ -250,6 +254,7 @@ class Scheduler:
         evicted = self.kv_cache.take_evicted()  # recorded for a write-back connector only
         if self.connector is not None:
             self._plan_saves(out, evicted)
+            out.kv_stages = self.connector.take_stages()  # read after the saves (which free their slots)
 
         out.samples_under_grammar = any(s.samples and s.request.grammar is not None for s in out.scheduled)
 

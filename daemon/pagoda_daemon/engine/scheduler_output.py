@@ -23,7 +23,8 @@ class KVTransfer(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     ``kind`` names source and destination: ``load_cpu`` (host slot -> GPU block), ``load_disk``
     (file -> GPU block), ``save_cpu`` (GPU block -> host slot), ``save_disk`` (GPU block -> file),
-    ``demote`` (host slot -> file, the host tier evicting to disk) and ``drop`` (delete the file).
+    ``demote`` (host slot -> file, the host tier evicting to disk), ``drop`` (delete the file) and
+    ``stage_disk`` (file -> host slot, read in the background while the steps run on).
     The scheduler decides every copy and every eviction; each rank performs them in list order
     on its own slice of the heads, so the ranks' tiers never disagree."""
 
@@ -94,6 +95,9 @@ class SchedulerOutput:
     # step's forward pass (on a stream of their own on a GPU), and the next step waits for them,
     # so the batch does not wait for a request whose KV is coming back (after the evictions)
     kv_prefetch: list[KVTransfer] = field(default_factory=list)
+    # Disk blocks read into host memory in the background, started after this step's saves: the
+    # requests that need them wait, keeping their place, and come back as host-memory hits
+    kv_stages: list[KVTransfer] = field(default_factory=list)
     # EPLB in the background (distributed/eplb.py): how many MoE layers every rank holds the new
     # experts of, as rank 0 saw before this step; None: each rank follows the fixed schedule
     eplb_layers_held: int | None = None

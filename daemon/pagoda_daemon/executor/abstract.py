@@ -62,6 +62,13 @@ class Executor(ABC):
         (distributed/lockstep.py; its one in-process worker holds it), else None."""
         return getattr(getattr(self, "worker", None), "lockstep", None)
 
+    def take_staged_kv(self) -> list[tuple[bytes, bool]]:
+        """The disk blocks of the KV offload tiers that every rank has read into host memory
+        since the last call (its in-process worker is rank 0, whose answer is agreed over the
+        ranks)."""
+        worker = getattr(self, "worker", None)
+        return worker.take_staged_kv() if worker is not None else []
+
     def worker_infos(self) -> list[WorkerInfo]:
         """Every rank's worker, rank 0 first (the pod's GPUs and NUMA nodes, for READY)."""
         return [self.info()]

@@ -54,6 +54,7 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
     kv_evicted: list[KVTransfer] = []  # before the loads
     eplb_layers_held: int | None = None  # EPLB in the background: layers every rank has received
     kv_prefetch: list[KVTransfer] = []  # beside the forward pass, for the next step
+    kv_stages: list[KVTransfer] = []  # disk -> host memory in the background, after the saves
 
 
 class SampleTokens(msgspec.Struct, tag="sample", array_like=True, gc=False):
@@ -133,7 +134,8 @@ class PlanWriter:
                                             s.samples))
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
                         sched.samples_under_grammar, list(sched.kv_loads), list(sched.kv_saves),
-                        list(sched.kv_evicted), sched.eplb_layers_held, list(sched.kv_prefetch))
+                        list(sched.kv_evicted), sched.eplb_layers_held, list(sched.kv_prefetch),
+                        list(sched.kv_stages))
 
     def rank_state(self, requests: dict[str, Request], runner, kv_block_ids: list[int]) -> RankState:
         """The requests the ranks know of, as a joining rank must know them: each with the
@@ -179,7 +181,8 @@ class RequestMirrors:
         return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens,
                                plan.samples_under_grammar, kv_evicted=list(plan.kv_evicted),
                                kv_loads=list(plan.kv_loads), kv_saves=list(plan.kv_saves),
-                               kv_prefetch=list(plan.kv_prefetch), eplb_layers_held=plan.eplb_layers_held)
+                               kv_prefetch=list(plan.kv_prefetch), kv_stages=list(plan.kv_stages),
+                               eplb_layers_held=plan.eplb_layers_held)
 
     def adopt(self, state: RankState, runner) -> None:
         """A joining rank: take over rank 0's requests and random state."""

@@ -73,6 +73,22 @@ class OffloadConnector(ABC):
         fetch nothing say no."""
         return False
 
+    def staging(self, block_hashes: list[BlockHash], request_id: str = "") -> bool:
+        """Whether these blocks (a ``lookup`` hit) are first being brought into host memory from
+        disk, in the background: the request then waits, keeping its place, while the batch runs
+        on, and is looked up again next step (its blocks then host-memory hits, loaded beside a
+        step). Tiers without host memory and disk say no, and a request whose blocks cannot be
+        staged is loaded before its step as before."""
+        return False
+
+    def take_stages(self) -> list[KVTransfer]:
+        """The reads into host memory planned by this step's ``staging`` calls."""
+        return []
+
+    def staged(self, results: list[tuple[BlockHash, bool]]) -> None:  # noqa: B027 (as staging)
+        """Reads started by ``take_stages`` that every rank has finished: (hash, whether it was
+        read whole), in any order."""
+
     def can_prefetch(self, block_hashes: list[BlockHash]) -> bool:
         """Whether these blocks (a ``lookup`` hit) can come back beside a step, for the next step
         to read: loads that cannot fail (host memory: copies between tensors the engine owns). A
@@ -159,6 +175,16 @@ class OffloadWorker(ABC):
     def await_layer_loads(self) -> None:  # noqa: B027 (as await_prefetches)
         """``wait_for_layer`` for every layer not waited for yet (a step that replays one CUDA
         graph for all its layers)."""
+
+    def stage(self, transfers: list[KVTransfer], kv_cache) -> None:
+        """Start reading these blocks (``stage_disk``) from disk into host memory in the
+        background, after every copy issued so far; ``take_staged`` reports them once done."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage")
+
+    def take_staged(self) -> list[tuple[bytes, bool]]:
+        """The reads started by ``stage`` that are done on every rank since the last call: (hash,
+        whether it was read whole). Rank 0's answer is the replica's."""
+        return []
 
     def take_transfer_seconds(self) -> float:
         seconds, self.transfer_seconds = self.transfer_seconds, 0.0

@@ -20,12 +20,15 @@ from pagoda_daemon.engine.block_hash import BlockHash
 
 
 class CpuIndex:
-    """Which hash sits in which slot, least recently used first."""
+    """Which hash sits in which slot, least recently used first. A slot may also be reserved:
+    taken for a block on its way from disk (``reserve``), neither free nor found by lookups
+    until the read is done (``fill``) or failed (``release``)."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.slots: OrderedDict[BlockHash, int] = OrderedDict()
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.reserved: set[int] = set()
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.slots
@@ -44,14 +47,36 @@ class CpuIndex:
 
     def insert(self, block_hash: BlockHash) -> tuple[int, tuple[BlockHash, int] | None]:
         """A slot for a new hash, and the (hash, slot) evicted to make room, if any."""
+        slot, evicted = self.reserve()
+        self.reserved.discard(slot)
+        self.slots[block_hash] = slot
+        return slot, evicted
+
+    def next_evicted_n(self, n: int) -> list[BlockHash]:
+        """The hashes the next ``n`` inserts or reservations evict, in order."""
+        return list(itertools.islice(self.slots, max(0, n - len(self.free))))
+
+    def reserve(self) -> tuple[int, tuple[BlockHash, int] | None]:
+        """A slot for a block still to be written (``fill`` once it is), and the (hash, slot)
+        evicted to make room, if any."""
         evicted = None
         if self.free:
             slot = self.free.pop()
         else:
             old, slot = self.slots.popitem(last=False)
             evicted = (old, slot)
-        self.slots[block_hash] = slot
+        self.reserved.add(slot)
         return slot, evicted
+
+    def fill(self, block_hash: BlockHash, slot: int) -> None:
+        """A reserved slot now holds this hash (the most recently used)."""
+        self.reserved.remove(slot)
+        self.slots[block_hash] = slot
+
+    def release(self, slot: int) -> None:
+        """A reserved slot free again (what was to be written into it never was)."""
+        self.reserved.remove(slot)
+        self.free.append(slot)
 
     def remove(self, block_hash: BlockHash) -> bool:
         """Forget a hash, its slot free again; False if it was not here."""
@@ -65,7 +90,8 @@ class CpuIndex:
         used = list(self.slots.values())
         assert len(used) == len(set(used)), "two hashes share a host slot"
         assert not set(used) & set(self.free), "a host slot is both used and free"
-        assert len(used) + len(self.free) == self.num_slots, "host slots leaked"
+        assert not self.reserved & (set(used) | set(self.free)), "a reserved host slot is also used or free"
+        assert len(used) + len(self.free) + len(self.reserved) == self.num_slots, "host slots leaked"
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -220,3 +246,14 @@ class CpuStore:
         """Slot ``k`` itself, to be written in place (a store of one group only: disk staging)."""
         assert len(self.data) == 1, "a slot of a store split into layer groups is not one tensor"
         return self.data[0][k]
+
+    def write(self, k: int, block: torch.Tensor) -> None:
+        """Slot ``k`` from a host copy of a whole block ``(layers, 2, ...)`` (a store in layer groups)."""
+        for (start, end), data in zip(self.groups, self.data, strict=True):
+            data[k].copy_(block[start:end])
+
+    def take_save_event(self, slot: int) -> torch.cuda.Event | None:
+        """The event after the save still writing this slot, if any, now the caller's to wait
+        for: a slot about to be written by the host (a block read from disk) must not be written
+        again by a copy from the GPU still under way."""
+        return self._written.pop(slot, None)

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,7 +65,12 @@ CPU, DISK = "cpu", "disk"  # the tiers' names in the stats (the metrics' `medium
 # INCOMING, then are adopted into the disk tier by the scheduler's thread.
 FETCH_THREADS = 4
 INCOMING = ".incoming"
-MAX_ANSWERED = 4096  # requests whose fetch is done, remembered so that they do not ask again
+MAX_ANSWERED = 4096  # requests whose fetch (or disk staging) is done, remembered so that they do not ask again
+# Disk hits are read into host memory in the background while the requests that need them wait
+# (TieredConnector.staging), with at most this share of the host tier's slots reserved for reads
+# under way; past it, or for a request whose blocks were staged once already (evicted again
+# meanwhile), a disk hit is read before the forward pass of the step that needs it.
+MAX_STAGING_SHARE = 0.5
 MAX_SOURCES = 64  # prefill instances whose sockets' settings are kept (a request may name any)
 
 
@@ -198,6 +203,10 @@ class TieredConnector(OffloadConnector):
         self._fetch_numbers = itertools.count()
         self._saves: list[KVTransfer] = []
         self._promotions: list[tuple[BlockHash, int]] = []
+        # Disk blocks on their way into host memory: hash -> the host slot reserved for it
+        self._staging: dict[BlockHash, int] = {}
+        self._stages: list[KVTransfer] = []  # planned this step
+        self._staged_for: OrderedDict[str, None] = OrderedDict()  # requests that waited for staging once
         # Write-back applies to host memory: a disk tier alone is written as blocks are computed
         # (its files are what other instances and a restarted engine read).
         self.write_back = config.kv_offload_write_policy == "write-back" and self.cpu is not None
@@ -294,6 +303,60 @@ class TieredConnector(OffloadConnector):
             while len(self._answered) > MAX_ANSWERED:
                 self._answered.popitem(last=False)
 
+    def staging(self, block_hashes: list[BlockHash], request_id: str = "") -> bool:
+        """Disk hits come back through host memory: each is read into a reserved host slot in
+        the background (``stage_disk``, run by the workers after the step's saves) and the request
+        waits until every rank has read them; its next lookup finds them in host memory, loaded
+        beside a step. So a step never waits for a file (nor for a read that may fail: a bad file
+        only frees its slot and the request computes those tokens). The request's host-memory
+        hits are touched first, so that the reservations evict other blocks."""
+        if self.cpu is None or self.disk is None:
+            return False
+        need = [h for h in block_hashes if h not in self.cpu and h not in self._staging]
+        if not need:
+            return any(h in self._staging for h in block_hashes)
+        if request_id in self._staged_for or len(self._staging) + len(need) > MAX_STAGING_SHARE * self.cpu.num_slots:
+            return False  # staged once already and evicted again since, or too much under way
+        hits = {h for h in block_hashes if h in self.cpu}
+        for block_hash in hits:
+            self.cpu.touch(block_hash)
+        evicts = self.cpu.next_evicted_n(len(need))
+        if (any(h in self._step_reads or h in hits for h in evicts) or 2 * len(need) > self.disk.num_files):
+            # it would evict what this step loads or this request's own hits, or the blocks it
+            # demotes could push the files it reads off the disk
+            return False
+        for block_hash in need:  # the newest on disk: the demotes below evict older files first
+            self.disk.touch(block_hash)
+        for block_hash in need:
+            slot, evicted = self.cpu.reserve()
+            if evicted is not None:
+                self._evict_host_block(evicted, frozenset(need))
+            self._staging[block_hash] = slot
+            self._stages.append(KVTransfer("stage_disk", block_hash, -1, slot))
+        self._staged_for[request_id] = None
+        while len(self._staged_for) > MAX_ANSWERED:
+            self._staged_for.popitem(last=False)
+        return True
+
+    def take_stages(self) -> list[KVTransfer]:
+        stages, self._stages = self._stages, []
+        return stages
+
+    def staged(self, results: list[tuple[BlockHash, bool]]) -> None:
+        for block_hash, ok in results:
+            slot = self._staging.pop(block_hash)
+            assert self.cpu is not None and self.disk is not None
+            if ok and block_hash not in self.cpu:  # (a save may have put it there meanwhile)
+                self.cpu.fill(block_hash, slot)
+                self.stored(block_hash, CPU_MEDIUM)
+                self._count(self.stats.loaded_bytes, DISK)
+                continue
+            self.cpu.release(slot)
+            if not ok:  # the file changed since its lookup
+                self.stats.failed_loads += 1
+                if self.disk.forget(block_hash):
+                    self.removed(block_hash, DISK_MEDIUM)
+
     def can_prefetch(self, block_hashes: list[BlockHash]) -> bool:
         return self.cpu is not None and all(block_hash in self.cpu for block_hash in block_hashes)
 
@@ -327,7 +390,7 @@ class TieredConnector(OffloadConnector):
         run, so their copies must not take a host slot or a disk file those loads read: a save
         that would is skipped (the block is lost to the tiers). The step's loads touched what
         they read, so only a tier smaller than one step's traffic gets there."""
-        assert self.write_back and not self._saves
+        assert self.write_back  # (self._saves may hold the demotes of this step's staging: run first)
         for block_hash, gpu_block in evicted:
             self._save(block_hash, gpu_block, self._step_reads)
         saves, self._saves = self._saves, []
@@ -340,17 +403,21 @@ class TieredConnector(OffloadConnector):
                 return
             slot, evicted = self.cpu.insert(block_hash)
             if evicted is not None:
-                self.removed(evicted[0], CPU_MEDIUM)
-                if (self.disk is not None and not self.disk.contains(evicted[0])
-                        and self.disk.next_evicted() not in spare):
-                    self._disk_insert(evicted[0])
-                    self._saves.append(KVTransfer("demote", evicted[0], -1, evicted[1]))
+                self._evict_host_block(evicted, spare)
             self._saves.append(KVTransfer("save_cpu", block_hash, gpu_block_id, slot))
             self.stored(block_hash, CPU_MEDIUM)
             self._count(self.stats.saved_bytes, CPU)
         elif self.disk is not None and not self.disk.contains(block_hash):
             self._disk_insert(block_hash)
             self._saves.append(KVTransfer("save_disk", block_hash, gpu_block_id))
+
+    def _evict_host_block(self, evicted: tuple[BlockHash, int], spare: set[BlockHash] | frozenset[BlockHash]) -> None:
+        """A block host memory let go of goes to disk (a ``demote``, before its slot is written
+        again) unless the disk has it, or writing it would evict a block in ``spare``."""
+        self.removed(evicted[0], CPU_MEDIUM)
+        if self.disk is not None and not self.disk.contains(evicted[0]) and self.disk.next_evicted() not in spare:
+            self._disk_insert(evicted[0])
+            self._saves.append(KVTransfer("demote", evicted[0], -1, evicted[1]))
 
     def _disk_insert(self, block_hash: BlockHash) -> None:
         assert self.disk is not None
@@ -388,6 +455,7 @@ class TieredConnector(OffloadConnector):
     def check(self) -> None:
         if self.cpu is not None:
             self.cpu.check()
+            assert set(self._staging.values()) == self.cpu.reserved, "a host slot reserved for no read under way"
         if self.disk is not None:
             self.disk.check()
 
@@ -404,11 +472,13 @@ class TieredConnector(OffloadConnector):
 
 class TieredWorker(OffloadWorker):
     def __init__(self, config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_bytes: int,
-                 transfer_cpu: int | None = None) -> None:
+                 transfer_cpu: int | None = None, group=None) -> None:
         """``block_bytes``: the rank's KV block size as the scheduler half was told it
         (Worker.kv_block_bytes), so both halves size the tiers and name the engine alike.
         ``transfer_cpu``: the core the pinning plan keeps for KV-transfer threads on this rank's
-        NUMA node, where its disk I/O threads run (beside, not among, the cores its steps use)."""
+        NUMA node, where its disk I/O threads run (beside, not among, the cores its steps use).
+        ``group``: a gloo group over the engine's ranks (None with one rank), over which the
+        background reads into host memory agree that every rank has finished them."""
         super().__init__()
         layers, two, _, block_size, heads, head_dim = kv_cache.shape
         shape = (layers, two, block_size, heads, head_dim)
@@ -423,6 +493,18 @@ class TieredWorker(OffloadWorker):
         # one at a time on the engine's thread, a step waited for each file in turn.
         self._io = (ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-disk", initializer=pin_thread,
                                        initargs=(transfer_cpu,)) if self.disk else None)
+        # Disk blocks read into host memory in the background (stage): one thread takes each
+        # step's batch in order, reads its files in threads of its own (the step's disk I/O does
+        # not queue behind them) and, with several ranks, agrees with the others that every rank
+        # has read them (the same batches in the same order on every rank); then take_staged
+        # reports them.
+        both = self.cpu is not None and self.disk is not None
+        self._stager = (ThreadPoolExecutor(1, thread_name_prefix="pagoda-kv-stage", initializer=pin_thread,
+                                           initargs=(transfer_cpu,)) if both else None)
+        self._stage_io = (ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-stage-read",
+                                             initializer=pin_thread, initargs=(transfer_cpu,)) if both else None)
+        self._stage_group = group
+        self._staged: deque[tuple[bytes, bool]] = deque()
         self._staging: CpuStore | None = None  # made at the first disk load: engines that never load pay nothing
         self._staging_read: torch.cuda.Event | None = None  # recorded after the copies out of the slots
         # Host-memory loads run on a stream of their own, beside the step's forward pass: a step's
@@ -471,6 +553,53 @@ class TieredWorker(OffloadWorker):
                 if staging.on_gpu:
                     self._staging_read = torch.cuda.Event()
                     self._staging_read.record()
+
+    def stage(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> None:
+        """The files are read into their host slots once every copy issued so far that touches
+        host memory has run (a load may still read a slot's previous block, a save still write
+        it): the thread waits for the streams' events recorded here, never the engine's thread."""
+        assert self.cpu is not None and self._stager is not None and all(t.kind == "stage_disk" for t in transfers)
+        issued = []
+        if self.cpu.on_gpu:
+            for stream in (torch.cuda.current_stream(), self._loads, self.cpu.saves):
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    issued.append(event)
+        issued += [e for e in map(self.cpu.take_save_event, [t.slot for t in transfers]) if e is not None]
+        self._stager.submit(self._stage_batch, list(transfers), issued)
+
+    def _stage_batch(self, transfers: list[KVTransfer], issued: list[torch.cuda.Event]) -> None:
+        assert self.cpu is not None and self.disk is not None and self._stage_io is not None
+        for event in issued:
+            event.synchronize()
+        cpu, disk = self.cpu, self.disk
+
+        def read(t: KVTransfer) -> bool:
+            try:
+                if len(cpu.data) == 1:
+                    disk.read(t.block_hash, cpu.slot(t.slot))
+                else:
+                    cpu.write(t.slot, disk.read(t.block_hash))
+                return False
+            except RuntimeError as e:  # the file changed since the lookup: those tokens are computed
+                log.warning("%s: its requests compute those tokens", e)
+                return True
+
+        failed = list(self._stage_io.map(read, transfers))
+        if self._stage_group is not None:  # done everywhere once every rank is here; failed if on any
+            import torch.distributed as dist
+
+            flags = torch.tensor([int(f) for f in failed], dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._stage_group)
+            failed = [bool(f) for f in flags.tolist()]
+        self._staged.extend((t.block_hash, not bad) for t, bad in zip(transfers, failed, strict=True))
+
+    def take_staged(self) -> list[tuple[bytes, bool]]:
+        done = []
+        while self._staged:
+            done.append(self._staged.popleft())
+        return done
 
     def prefetch(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> None:
         """The copies start after everything the step's stream holds so far (earlier steps, which
@@ -593,6 +722,11 @@ def build_connector(config: EngineConfig, dtype: str, block_bytes: int,
 
 
 def build_worker(config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_bytes: int,
-                 transfer_cpu: int | None = None) -> TieredWorker | None:
+                 transfer_cpu: int | None = None, group=None) -> TieredWorker | None:
     """One rank's worker half, or None with offload off."""
-    return TieredWorker(config, rank, kv_cache, block_bytes, transfer_cpu) if enabled(config) else None
+    return TieredWorker(config, rank, kv_cache, block_bytes, transfer_cpu, group) if enabled(config) else None
+
+
+def stages_in_background(config: EngineConfig) -> bool:
+    """Whether disk hits come back through host memory in the background (both tiers)."""
+    return config.kv_offload_cpu_gib > 0 and config.kv_offload_disk_path is not None

@@ -251,11 +251,17 @@ class Worker:
         log.info("start-up: KV cache %d blocks of %d tokens = %d tokens, %.2f GiB, allocated in %.1f s", num_blocks,
                  block_size, num_blocks * block_size, num_blocks * self.kv_block_bytes() / 2**30,
                  time.monotonic() - started)
-        from pagoda_daemon.kv_offload.tiered import build_worker
+        from pagoda_daemon.kv_offload.tiered import build_worker, stages_in_background
 
         assert self.runner.kv_cache is not None
-        self.offload = build_worker(self.config, self.tp.engine.rank, self.runner.kv_cache, self.kv_block_bytes(),
-                                    transfer_cpu=None if self.cpu_pin is None else self.cpu_pin.kv_transfer_cpu)
+        engine = self.tp.engine
+        # the background reads into host memory agree over a gloo group of the engine's ranks,
+        # which every rank creates together
+        group = (dist.new_group(dist.get_process_group_ranks(engine.group), backend="gloo")
+                 if engine.enabled and stages_in_background(self.config) else None)
+        self.offload = build_worker(self.config, engine.rank, self.runner.kv_cache, self.kv_block_bytes(),
+                                    transfer_cpu=None if self.cpu_pin is None else self.cpu_pin.kv_transfer_cpu,
+                                    group=group)
         self.runner.prepare_eager_steps()
         if capture:
             self.capture_cuda_graphs()
@@ -308,10 +314,17 @@ class Worker:
         if so.kv_saves and self.offload is not None:
             with phase("pagoda.kv_offload_save"):
                 self.offload.run(so.kv_saves, self.runner.kv_cache)
+        if so.kv_stages and self.offload is not None:  # into slots the saves may just have demoted from
+            self.offload.stage(so.kv_stages, self.runner.kv_cache)
         if self.balancer is not None and (so.lockstep.tokens > 0 if so.lockstep is not None else not so.is_empty):
             # every rank (every data-parallel engine) runs the same forward passes: they rebalance together
             self.balancer.step(so.eplb_layers_held if so.lockstep is None else so.lockstep.eplb_layers_held)
         return launched
+
+    def take_staged_kv(self) -> list[tuple[bytes, bool]]:
+        """The disk blocks every rank has read into host memory since the last call (rank 0's
+        answer, agreed over the ranks: TieredWorker.stage)."""
+        return self.offload.take_staged() if self.offload is not None else []
 
     def await_kv_prefetches(self) -> None:
         """What runs next on the step's stream waits for the KV blocks prefetched so far."""
