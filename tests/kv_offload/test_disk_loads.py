@@ -86,3 +86,42 @@ def test_a_block_file_of_another_size_is_not_read_into_a_slot(tmp_path):
     with pytest.raises(RuntimeError, match="changed under the engine"):
         w.disk.read(h, slot)
     assert torch.equal(slot, torch.full_like(slot, 7.0))  # nothing written into it
+
+
+def test_stages_land_in_their_host_slots_and_a_failed_thread_fails_the_engine(tmp_path, monkeypatch):
+    """Disk blocks read into host slots in the background (``stage``): each good block lands in
+    the slot the plan names, a corrupt file is reported failed alone; an error of the staging
+    thread itself is raised by ``take_staged``, not left as blocks that never arrive."""
+    import time
+
+    w, kv = worker(tmp_path, cpu_gib=16 * LAYERS * 2 * BS * HEADS * DIM * 4 / 2**30)  # 16 float32 blocks
+    assert w.disk is not None and w.cpu is not None
+    blocks = {bytes([i]) * 32: torch.randn(LAYERS, 2, BS, HEADS, DIM) for i in range(6)}
+    for h, block in blocks.items():
+        w.disk.write(h, block)
+    bad = list(blocks)[2]
+    path = w.disk.dir / disk_tier.file_name(bad)
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    slots = random.Random(4).sample(range(16), len(blocks))
+    w.stage([KVTransfer("stage_disk", h, -1, s) for h, s in zip(blocks, slots, strict=True)], kv)
+    done: list[tuple[bytes, bool]] = []
+    deadline = time.monotonic() + 30
+    while len(done) < len(blocks):
+        assert time.monotonic() < deadline, done
+        done += w.take_staged()
+        time.sleep(0.01)
+    assert dict(done) == {h: h != bad for h in blocks}
+    for (h, block), s in zip(blocks.items(), slots, strict=True):
+        if h != bad:
+            assert torch.equal(w.cpu.block(s), block), h
+    def no_memory(*_args, **_kwargs):
+        raise MemoryError("no pinned memory")
+
+    monkeypatch.setattr(w.disk, "read", no_memory)
+    w.stage([KVTransfer("stage_disk", next(iter(blocks)), -1, slots[0])], kv)
+    deadline = time.monotonic() + 30
+    with pytest.raises(RuntimeError, match="into host memory failed: no pinned memory"):
+        while time.monotonic() < deadline:
+            w.take_staged()
+            time.sleep(0.01)

@@ -505,6 +505,7 @@ class TieredWorker(OffloadWorker):
                                              initializer=pin_thread, initargs=(transfer_cpu,)) if both else None)
         self._stage_group = group
         self._staged: deque[tuple[bytes, bool]] = deque()
+        self._stage_error: BaseException | None = None  # the staging thread's (take_staged raises it)
         self._staging: CpuStore | None = None  # made at the first disk load: engines that never load pay nothing
         self._staging_read: torch.cuda.Event | None = None  # recorded after the copies out of the slots
         # Host-memory loads run on a stream of their own, beside the step's forward pass: a step's
@@ -567,7 +568,11 @@ class TieredWorker(OffloadWorker):
                     event.record(stream)
                     issued.append(event)
         issued += [e for e in map(self.cpu.take_save_event, [t.slot for t in transfers]) if e is not None]
-        self._stager.submit(self._stage_batch, list(transfers), issued)
+        self._stager.submit(self._stage_batch, list(transfers), issued).add_done_callback(self._stage_done)
+
+    def _stage_done(self, batch: Future[None]) -> None:
+        if batch.exception() is not None and self._stage_error is None:
+            self._stage_error = batch.exception()
 
     def _stage_batch(self, transfers: list[KVTransfer], issued: list[torch.cuda.Event]) -> None:
         assert self.cpu is not None and self.disk is not None and self._stage_io is not None
@@ -596,6 +601,11 @@ class TieredWorker(OffloadWorker):
         self._staged.extend((t.block_hash, not bad) for t, bad in zip(transfers, failed, strict=True))
 
     def take_staged(self) -> list[tuple[bytes, bool]]:
+        """Raises what failed the staging thread (another rank gone, a device error): its blocks
+        would never be reported, and their requests would wait for ever."""
+        if self._stage_error is not None:
+            raise RuntimeError(f"KV offload: reading disk blocks into host memory failed: {self._stage_error}") \
+                from self._stage_error
         done = []
         while self._staged:
             done.append(self._staged.popleft())

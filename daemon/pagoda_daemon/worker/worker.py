@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 # A background EPLB move gives up (and the engine with it) when a peer has not answered for this
 # long: a rank that died mid-transfer, rather than a wait for ever.
 EPLB_TRANSFER_TIMEOUT_S = 300
+# KV offload's background disk reads: how long a rank waits for the others to finish a batch
+# before its staging thread fails (a rank gone must not hold this process's exit for gloo's 30 min)
+KV_STAGE_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -257,7 +260,8 @@ class Worker:
         engine = self.tp.engine
         # the background reads into host memory agree over a gloo group of the engine's ranks,
         # which every rank creates together
-        group = (dist.new_group(dist.get_process_group_ranks(engine.group), backend="gloo")
+        group = (dist.new_group(dist.get_process_group_ranks(engine.group), backend="gloo",
+                                timeout=datetime.timedelta(seconds=KV_STAGE_TIMEOUT_S))
                  if engine.enabled and stages_in_background(self.config) else None)
         self.offload = build_worker(self.config, engine.rank, self.runner.kv_cache, self.kv_block_bytes(),
                                     transfer_cpu=None if self.cpu_pin is None else self.cpu_pin.kv_transfer_cpu,
