@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from test_prometheus import PREFILL_SERIES, PROMETHEUS, PROMTOOL, Prometheus, dashboard_queries
 from test_real_containers import PORT, client, cond, httpx, isvc, manifest, wait_ready
 
 NAME = "pd"
@@ -62,7 +63,7 @@ def test_prefill_decode_and_proxy_serve_as_one_ready_pod(local_cluster):
         local_cluster.delete_namespace(ns)
 
 
-def test_prefill_pods_apart_serve_through_the_decode_replicas_proxy(local_cluster):
+def test_prefill_pods_apart_serve_through_the_decode_replicas_proxy(local_cluster, tmp_path):
     ns = local_cluster.create_namespace("pd-apart")
     doc = manifest(local_cluster, NAME)
     # the prefill autoscaler held at one pod by its bounds: it reads the prefill pod's /metrics, scales nothing
@@ -108,6 +109,17 @@ def test_prefill_pods_apart_serve_through_the_decode_replicas_proxy(local_cluste
         stepped = local_cluster.wait_for(prefill_stepped, timeout=60, interval=1, what="a prefill autoscaler step")
         deployment = local_cluster.kubectl_json("get", "deployment", f"{NAME}-prefill", "-n", ns)
         assert deployment["spec"]["replicas"] == stepped["replicas"] == stepped["autoscaling"]["desiredReplicas"] == 1
+        # the Grafana dashboard's queries over the prefill autoscaler's series return them through a
+        # real Prometheus scraping the operator (e2e/test_prometheus.py checks the other queries)
+        if PROMETHEUS is not None and PROMTOOL is not None:
+            with Prometheus(local_cluster, tmp_path) as prom:
+                prom.wait_until_scraped({"pagoda-operator"})
+                queries = [q for q in dashboard_queries() if PREFILL_SERIES in q]
+                assert len(queries) == 3, queries  # wanted, signal, decisions
+                for q in queries:
+                    result = prom.query(q)
+                    assert any(r["metric"].get("namespace") == ns and r["metric"].get("name") == NAME
+                               for r in result), (q, result)
 
         # the prefill pod replaced (a new IP): the operator lists the new one, the kubelet refreshes
         # the proxy's file, the decode engine fetches from it; the replica's pod is not rolled

@@ -100,54 +100,80 @@ def _free_port() -> int:
 
 
 def test_every_dashboard_query_returns_series(local_cluster, tmp_path):
+    """Every query but the prefill autoscaler's, which need prefill pods apart
+    (e2e/test_disaggregation.py checks those the same way)."""
     ns = local_cluster.create_namespace("prom")
     name = "tiny-prom"
     doc = manifest(local_cluster, name)
     # Autoscaled, so that the operator exports the autoscaler's signal and decision series.
     doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 2, "metric": "requestsWaiting", "target": 8}
-    daemons_file, operator_file = tmp_path / "daemons.json", tmp_path / "operator.json"
+    with Prometheus(local_cluster, tmp_path) as prom:
+        try:
+            local_cluster.apply(doc, namespace=ns)
+            wait_ready(local_cluster, ns, replicas=1, name=name, timeout=300)
+            prom.rediscover()
+            (ip,) = local_cluster.endpoints(name, ns)
+            for _ in range(6):  # traffic, so that the latency histograms have counts
+                client(ip).completions.create(model="tiny-qwen3", prompt="Paged attention", max_tokens=8)
+            prom.wait_until_scraped({"pagoda-daemons", "pagoda-operator"})
+            empty = [q for q in dashboard_queries() if PREFILL_SERIES not in q and not prom.query(q)]
+            assert not empty, "dashboard queries without series:\n" + "\n".join(empty)
+        finally:
+            local_cluster.delete_namespace(ns)
 
-    def rediscover() -> None:
-        found = discover(local_cluster.kubectl_json("get", "pods", "-A")["items"], local_cluster.release_namespace)
-        for path, targets in zip((daemons_file, operator_file), found):
+
+# The prefill autoscaler's series (prefill pods apart): the dashboard's queries over them have
+# series only where such an InferenceService runs.
+PREFILL_SERIES = "pagoda_operator_prefill_"
+
+
+class Prometheus:
+    """Debian's Prometheus scraping the cluster's daemon pods and operator (file discovery, as
+    :func:`discover` describes), for as long as the ``with`` block runs."""
+
+    def __init__(self, local_cluster, tmp_path: Path) -> None:
+        self.cluster, self.dir = local_cluster, tmp_path
+        self.daemons, self.operator = tmp_path / "daemons.json", tmp_path / "operator.json"
+
+    def rediscover(self) -> None:
+        found = discover(self.cluster.kubectl_json("get", "pods", "-A")["items"], self.cluster.release_namespace)
+        for path, targets in zip((self.daemons, self.operator), found):
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(targets))
             tmp.rename(path)  # Prometheus never reads half a file
 
-    rediscover()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(scrape_config(daemons_file, operator_file)))
-    check = subprocess.run([PROMTOOL, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0, check.stdout + check.stderr
-    port = _free_port()
-    log = (tmp_path / "prometheus.log").open("w")
-    prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-    api = f"http://127.0.0.1:{port}/api/v1"
-    try:
-        local_cluster.apply(doc, namespace=ns)
-        wait_ready(local_cluster, ns, replicas=1, name=name, timeout=300)
-        rediscover()
-        (ip,) = local_cluster.endpoints(name, ns)
-        for _ in range(6):  # traffic, so that the latency histograms have counts
-            client(ip).completions.create(model="tiny-qwen3", prompt="Paged attention", max_tokens=8)
+    def __enter__(self) -> Prometheus:
+        self.rediscover()
+        config = self.dir / "prometheus.yml"
+        config.write_text(yaml.safe_dump(scrape_config(self.daemons, self.operator)))
+        check = subprocess.run([PROMTOOL, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
+        port = _free_port()
+        self.log = (self.dir / "prometheus.log").open("w")
+        self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={self.dir / 'data'}",
+                                      f"--web.listen-address=127.0.0.1:{port}"], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self.api = f"http://127.0.0.1:{port}/api/v1"
+        return self
 
-        def targets_up() -> bool:
-            active = httpx.get(f"{api}/targets", timeout=10).json()["data"]["activeTargets"]
-            jobs = {t["labels"]["job"] for t in active if t["health"] == "up"}
-            return {"pagoda-daemons", "pagoda-operator"} <= jobs
+    def __exit__(self, *_exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
 
-        local_cluster.wait_for(targets_up, timeout=120, interval=1, what="both scrape jobs up")
-        time.sleep(8)  # a few scrapes after the traffic: rate() needs two samples
-        empty = []
-        for query in dashboard_queries():
-            body = httpx.get(f"{api}/query", params={"query": query}, timeout=30).json()
-            assert body["status"] == "success", (query, body)
-            if not body["data"]["result"]:
-                empty.append(query)
-        assert not empty, "dashboard queries without series:\n" + "\n".join(empty)
-    finally:
-        prom.terminate()
-        prom.wait(30)
-        log.close()
-        local_cluster.delete_namespace(ns)
+    def wait_until_scraped(self, jobs: set[str]) -> None:
+        """Until these jobs' targets are up, then a few scrapes more (rate() needs two samples)."""
+        def up() -> bool:
+            try:
+                active = httpx.get(f"{self.api}/targets", timeout=10).json()["data"]["activeTargets"]
+            except httpx.TransportError:  # still starting
+                return False
+            return jobs <= {t["labels"]["job"] for t in active if t["health"] == "up"}
+
+        self.cluster.wait_for(up, timeout=120, interval=1, what=f"scrape jobs {sorted(jobs)} up")
+        time.sleep(8)
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        body = httpx.get(f"{self.api}/query", params={"query": expr}, timeout=30).json()
+        assert body["status"] == "success", (expr, body)
+        return body["data"]["result"]
