@@ -17,6 +17,7 @@ the ranks' outputs: the all-gather + reduce form of dispatch and combine.
 
 from __future__ import annotations
 
+import datetime
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +231,22 @@ def min_over_ranks(value: int, tp: TensorParallel) -> int:
 def any_over_ranks(flags: list[bool], tp: TensorParallel) -> list[bool]:
     """Each flag set where any rank set it (KV loads that failed on some rank: the scheduler must
     undo the same requests whichever rank's file was bad)."""
-    if not tp.enabled or not flags:
+    if not tp.enabled:
         return flags
-    return [bool(v) for v in _reduce_ints([int(f) for f in flags], dist.ReduceOp.MAX, tp.group)]
+    return any_over_group(flags, tp.group)
+
+
+def any_over_group(flags: list[bool], group: Any) -> list[bool]:
+    """Each flag set where any rank of ``group`` set it (collective)."""
+    if not flags:
+        return flags
+    return [bool(v) for v in _reduce_ints([int(f) for f in flags], dist.ReduceOp.MAX, group)]
+
+
+def gloo_group_like(tp: TensorParallel, timeout_s: float) -> Any:
+    """A gloo group over the ranks of ``tp`` (None with one rank), for collectives run beside the
+    steps' own, from a thread of their own; every rank creates it together."""
+    if not tp.enabled:
+        return None
+    return dist.new_group(dist.get_process_group_ranks(tp.group), backend="gloo",
+                          timeout=datetime.timedelta(seconds=timeout_s))

@@ -48,8 +48,7 @@ class CpuIndex:
     def insert(self, block_hash: BlockHash) -> tuple[int, tuple[BlockHash, int] | None]:
         """A slot for a new hash, and the (hash, slot) evicted to make room, if any."""
         slot, evicted = self.reserve()
-        self.reserved.discard(slot)
-        self.slots[block_hash] = slot
+        self.fill(block_hash, slot)
         return slot, evicted
 
     def next_evicted_n(self, n: int) -> list[BlockHash]:

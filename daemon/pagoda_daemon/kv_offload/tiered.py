@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.distributed.parallel_state import any_over_group
 from pagoda_daemon.engine.block_hash import BlockHash
 from pagoda_daemon.engine.block_pool import CPU as CPU_MEDIUM
 from pagoda_daemon.engine.block_pool import DISK as DISK_MEDIUM
@@ -593,11 +594,7 @@ class TieredWorker(OffloadWorker):
 
         failed = list(self._stage_io.map(read, transfers))
         if self._stage_group is not None:  # done everywhere once every rank is here; failed if on any
-            import torch.distributed as dist
-
-            flags = torch.tensor([int(f) for f in failed], dtype=torch.int64)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._stage_group)
-            failed = [bool(f) for f in flags.tolist()]
+            failed = any_over_group(failed, self._stage_group)
         self._staged.extend((t.block_hash, not bad) for t, bad in zip(transfers, failed, strict=True))
 
     def take_staged(self) -> list[tuple[bytes, bool]]:

@@ -11,7 +11,6 @@ vLLM's ``v1/worker/gpu_worker.py`` is the model.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ from pagoda_daemon.distributed.layout import num_experts_of
 from pagoda_daemon.distributed.parallel_state import (
     TensorParallel,
     any_over_ranks,
+    gloo_group_like,
     min_over_ranks,
     tensor_parallel_group,
 )
@@ -179,10 +179,7 @@ class Worker:
     def _eplb_transfer_group(self):
         """A gloo group over this replica's ranks for EPLB's background moves (through host memory,
         beside the steps' NCCL collectives; distributed/eplb.py); every rank creates it together."""
-        if not self.tp.enabled:
-            return None
-        return dist.new_group(dist.get_process_group_ranks(self.tp.group), backend="gloo",
-                              timeout=datetime.timedelta(seconds=EPLB_TRANSFER_TIMEOUT_S))
+        return gloo_group_like(self.tp, EPLB_TRANSFER_TIMEOUT_S)
 
     def info(self) -> WorkerInfo:
         pin = self.cpu_pin
@@ -260,9 +257,7 @@ class Worker:
         engine = self.tp.engine
         # the background reads into host memory agree over a gloo group of the engine's ranks,
         # which every rank creates together
-        group = (dist.new_group(dist.get_process_group_ranks(engine.group), backend="gloo",
-                                timeout=datetime.timedelta(seconds=KV_STAGE_TIMEOUT_S))
-                 if engine.enabled and stages_in_background(self.config) else None)
+        group = gloo_group_like(engine, KV_STAGE_TIMEOUT_S) if stages_in_background(self.config) else None
         self.offload = build_worker(self.config, engine.rank, self.runner.kv_cache, self.kv_block_bytes(),
                                     transfer_cpu=None if self.cpu_pin is None else self.cpu_pin.kv_transfer_cpu,
                                     group=group)
