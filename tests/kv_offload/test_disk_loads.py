@@ -15,6 +15,7 @@ from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.scheduler_output import KVTransfer
 from pagoda_daemon.kv_offload import disk as disk_tier
 from pagoda_daemon.kv_offload import tiered
+from tests.kv_offload.test_offload import corrupt
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 32, 4, 2, 8
 
@@ -100,9 +101,7 @@ def test_stages_land_in_their_host_slots_and_a_failed_thread_fails_the_engine(tm
     for h, block in blocks.items():
         w.disk.write(h, block)
     bad = list(blocks)[2]
-    path = w.disk.dir / disk_tier.file_name(bad)
-    data = path.read_bytes()
-    path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    corrupt(w.disk.dir / disk_tier.file_name(bad))
     slots = random.Random(4).sample(range(16), len(blocks))
     w.stage([KVTransfer("stage_disk", h, -1, s) for h, s in zip(blocks, slots, strict=True)], kv)
     done: list[tuple[bytes, bool]] = []

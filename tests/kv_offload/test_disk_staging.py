@@ -11,7 +11,7 @@ from pagoda_daemon import LLM, SamplingParams
 from pagoda_daemon.engine.scheduler_output import SchedulerOutput
 from pagoda_daemon.kv_offload import disk as disk_tier
 from pagoda_daemon.kv_offload.cpu import CpuIndex
-from tests.kv_offload.test_offload import ENGINE, assert_idle_and_consistent, gib, workload
+from tests.kv_offload.test_offload import ENGINE, assert_idle_and_consistent, corrupt, gib, workload
 
 LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -96,10 +96,7 @@ def test_a_file_that_fails_its_background_read_frees_its_slot_and_is_computed(mo
     on_disk_only = [h for h in connector.disk.files if h not in connector.cpu]
     assert len(on_disk_only) >= 6
     for h in on_disk_only:  # after their lookups' header checks: the CRC fails on the read
-        path = llm.engine.core.executor.worker.offload.disk.dir / disk_tier.file_name(h)
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF
-        path.write_bytes(bytes(data))
+        corrupt(llm.engine.core.executor.worker.offload.disk.dir / disk_tier.file_name(h))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], SHORT)] == want
     stats = llm.get_stats().kv_offload
     assert stats.failed_loads >= 1
