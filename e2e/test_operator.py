@@ -244,12 +244,15 @@ class StatusRecorder:
         self.stop_flag = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
+    def _record(self) -> None:
+        obj = self.kube.get("InferenceService", self.ns, self.name) or {}
+        st = {"generation": obj.get("metadata", {}).get("generation"), **(obj.get("status") or {})}
+        if not self.seen or self.seen[-1] != st:
+            self.seen.append(st)
+
     def _run(self) -> None:
         while not self.stop_flag.is_set():
-            obj = self.kube.get("InferenceService", self.ns, self.name) or {}
-            st = {"generation": obj.get("metadata", {}).get("generation"), **(obj.get("status") or {})}
-            if not self.seen or self.seen[-1] != st:
-                self.seen.append(st)
+            self._record()
             time.sleep(0.02)
 
     def __enter__(self) -> StatusRecorder:
@@ -259,6 +262,9 @@ class StatusRecorder:
     def __exit__(self, *exc: Any) -> None:
         self.stop_flag.set()
         self.thread.join(5)
+        # One last read after the thread: the caller's own wait may have seen a status newer
+        # than the thread's last poll, and the record must end where the caller's wait did.
+        self._record()
 
 
 # ---- CRDs and the schema ------------------------------------------------------------------
