@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -93,8 +95,6 @@ def test_stages_land_in_their_host_slots_and_a_failed_thread_fails_the_engine(tm
     """Disk blocks read into host slots in the background (``stage``): each good block lands in
     the slot the plan names, a corrupt file is reported failed alone; an error of the staging
     thread itself is raised by ``take_staged``, not left as blocks that never arrive."""
-    import time
-
     w, kv = worker(tmp_path, cpu_gib=16 * LAYERS * 2 * BS * HEADS * DIM * 4 / 2**30)  # 16 float32 blocks
     assert w.disk is not None and w.cpu is not None
     blocks = {bytes([i]) * 32: torch.randn(LAYERS, 2, BS, HEADS, DIM) for i in range(6)}
@@ -124,3 +124,68 @@ def test_stages_land_in_their_host_slots_and_a_failed_thread_fails_the_engine(tm
         while time.monotonic() < deadline:
             w.take_staged()
             time.sleep(0.01)
+
+
+def test_demotes_are_written_beside_the_steps_and_what_reads_their_files_waits_for_them(tmp_path, monkeypatch):
+    """Host memory's evicted blocks (``demote``) are written to disk beside the steps: the step's
+    copies return while the writes are held, from a copy of the slot (a later save may reuse
+    it). A disk load, a background stage or a drop of a block whose write is under way waits for
+    it; past MAX_DEMOTE_BYTES of copies waiting, the step waits for the oldest; ``close`` waits
+    for all."""
+    w, kv = worker(tmp_path, cpu_gib=8 * LAYERS * 2 * BS * HEADS * DIM * 4 / 2**30)  # 8 float32 blocks
+    assert w.disk is not None and w.cpu is not None
+    release = threading.Event()
+    write = w.disk.write
+
+    def held_write(block_hash, block):
+        assert release.wait(60), "the demote writes were never released"
+        write(block_hash, block)
+
+    monkeypatch.setattr(w.disk, "write", held_write)
+    kv.normal_()
+    first = [kv[:, :, g].clone() for g in range(3)]
+    hashes = [bytes([50 + i]) * 32 for i in range(3)]
+    assert w.run([KVTransfer("save_cpu", h, g, g) for g, h in enumerate(hashes)], kv) == [False] * 3
+
+    def in_thread(fn, *args) -> threading.Thread:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        t.start()
+        return t
+
+    step = in_thread(w.run, [KVTransfer("demote", h, -1, g) for g, h in enumerate(hashes)], kv)
+    step.join(10)
+    assert not step.is_alive(), "the step waited for its demotes' files"
+    kv[:, :, 0].normal_()  # slot 0 taken by another block while its demote still waits to be written
+    assert w.run([KVTransfer("save_cpu", b"n" * 32, 0, 0)], kv) == [False]
+
+    load = in_thread(w.run, [KVTransfer("load_disk", hashes[0], 20)], kv)
+    w.stage([KVTransfer("stage_disk", hashes[1], -1, 5)], kv)  # returns at once: its thread waits
+    drop = in_thread(w.run, [KVTransfer("drop", hashes[2])], kv)
+    time.sleep(0.5)
+    assert load.is_alive() and drop.is_alive(), "a read or drop of a file being written did not wait for it"
+    assert w.take_staged() == []
+    release.set()
+    for t in (load, drop):
+        t.join(30)
+        assert not t.is_alive()
+    assert torch.equal(kv[:, :, 20], first[0])  # the slot's block as it was when demoted
+    assert not (w.disk.dir / disk_tier.file_name(hashes[2])).exists()
+    deadline = time.monotonic() + 30
+    while not (staged := w.take_staged()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert staged == [(hashes[1], True)] and torch.equal(w.cpu.block(5), first[1])
+
+    release.clear()  # past the bound the step waits for the oldest write; close waits for all
+    monkeypatch.setattr(w, "_max_demotes", 1)
+    step = in_thread(w.run, [KVTransfer("demote", b"a" * 32, -1, 5), KVTransfer("demote", b"b" * 32, -1, 1)], kv)
+    time.sleep(0.5)
+    assert step.is_alive(), "two demotes waiting with room for one, and the step did not wait"
+    closing = in_thread(w.close)
+    time.sleep(0.2)
+    assert closing.is_alive()
+    release.set()
+    for t in (step, closing):
+        t.join(30)
+        assert not t.is_alive()
+    assert all((w.disk.dir / disk_tier.file_name(h)).exists() for h in (b"a" * 32, b"b" * 32))

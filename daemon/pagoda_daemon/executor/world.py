@@ -168,6 +168,8 @@ def leave_world(worker: Worker) -> None:
     (2 × H100, 2026-11-25; 2 × H200, 2026-11-26, torch 2.11, NCCL 2.28), and an abort instead
     timed out after 120 s. Should the teardown still hang, a worker exits without it (the driver
     frees what the process held) and rank 0 goes on with a warning."""
+    if worker.offload is not None:  # its disk writes still under way: a restart reads the files
+        worker.offload.close()
     worker.release_cuda_graphs()
     if not dist.is_initialized():
         return

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,6 +74,11 @@ MAX_ANSWERED = 4096  # requests whose fetch (or disk staging) is done, remembere
 # meanwhile), a disk hit is read before the forward pass of the step that needs it.
 MAX_STAGING_SHARE = 0.5
 MAX_SOURCES = 64  # prefill instances whose sockets' settings are kept (a request may name any)
+# Demotes (blocks host memory evicts, written to disk) are written beside the steps, each from a
+# copy of its slot: at most this many bytes of copies wait for the I/O threads, beyond which the
+# engine's thread waits for the oldest write (a disk slower than the evictions holds the steps
+# back rather than the host's memory growing without bound).
+MAX_DEMOTE_BYTES = 256 * 2**20
 
 
 def enabled(config: EngineConfig) -> bool:
@@ -505,6 +511,11 @@ class TieredWorker(OffloadWorker):
         self._stage_io = (ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-stage-read",
                                              initializer=pin_thread, initargs=(transfer_cpu,)) if both else None)
         self._stage_group = group
+        # Demote writes under way, oldest first (the staging thread reads it: a lock): a read,
+        # rewrite or drop of one of these files waits for its write (_await_demote).
+        self._demotes: OrderedDict[BlockHash, Future[None]] = OrderedDict()
+        self._demotes_lock = threading.Lock()
+        self._max_demotes = max(1, MAX_DEMOTE_BYTES // block_bytes)
         self._staged: deque[tuple[bytes, bool]] = deque()
         self._stage_error: BaseException | None = None  # the staging thread's (take_staged raises it)
         self._staging: CpuStore | None = None  # made at the first disk load: engines that never load pay nothing
@@ -538,6 +549,8 @@ class TieredWorker(OffloadWorker):
             if self._staging_read is not None:
                 self._staging_read.synchronize()
                 self._staging_read = None
+            for _, t in chunk:
+                self._await_demote(t.block_hash)
             reads = [io.submit(disk.read, t.block_hash, staging.slot(k)) for k, (_, t) in enumerate(chunk)]
             slots, blocks = [], []
             for k, ((i, t), read) in enumerate(zip(chunk, reads, strict=True)):
@@ -582,6 +595,7 @@ class TieredWorker(OffloadWorker):
         cpu, disk = self.cpu, self.disk
 
         def read(t: KVTransfer) -> bool:
+            self._await_demote(t.block_hash)
             try:
                 if len(cpu.data) == 1:
                     disk.read(t.block_hash, cpu.slot(t.slot))
@@ -607,6 +621,44 @@ class TieredWorker(OffloadWorker):
         while self._staged:
             done.append(self._staged.popleft())
         return done
+
+    def _demote(self, block_hash: BlockHash, slot: int) -> None:
+        """Write a host slot's block to disk beside the steps. The slot is copied first (a later
+        save may reuse it while the write runs); the step waits only when more than
+        ``MAX_DEMOTE_BYTES`` of copies are waiting to be written."""
+        assert self.cpu is not None and self.disk is not None and self._io is not None
+        self._await_demote(block_hash)  # the same file being written still (its temp file is one)
+        future = self._io.submit(self.disk.write, block_hash, self.cpu.block(slot))
+        with self._demotes_lock:
+            self._demotes[block_hash] = future
+        future.add_done_callback(lambda done: self._demoted(block_hash, done))
+        while True:  # the oldest stays listed while waited for: a read of it still waits too
+            with self._demotes_lock:
+                if len(self._demotes) <= self._max_demotes:
+                    return
+                oldest_hash, oldest = next(iter(self._demotes.items()))
+            oldest.result()
+            self._demoted(oldest_hash, oldest)
+
+    def _demoted(self, block_hash: BlockHash, done: Future[None]) -> None:
+        with self._demotes_lock:
+            if self._demotes.get(block_hash) is done:
+                del self._demotes[block_hash]
+
+    def _await_demote(self, block_hash: BlockHash) -> None:
+        """Wait until the block's demote, if one is under way, has written (or failed to write)
+        its file."""
+        with self._demotes_lock:
+            pending = self._demotes.get(block_hash)
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Every demote written: the next engine on this directory (a restart) finds the files."""
+        with self._demotes_lock:
+            pending = list(self._demotes.values())
+        for write in pending:
+            write.result()
 
     def prefetch(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> None:
         """The copies start after everything the step's stream holds so far (earlier steps, which
@@ -658,7 +710,8 @@ class TieredWorker(OffloadWorker):
         step: CpuStore); disk reads (into pinned slots, then batched to the GPU after
         the host-memory copies: loads fill distinct fresh blocks) and writes in the I/O threads,
         every one finished before this returns, so a step's files are whole when its outputs go
-        out (a prefill instance's answer promises them).
+        out (a prefill instance's answer promises them), except demotes: host memory's evicted
+        blocks are written beside the following steps (_demote).
         The disk blocks a step saves come off the GPU in a few copies (not one per block), once
         the step has run."""
         started = time.perf_counter()
@@ -700,16 +753,16 @@ class TieredWorker(OffloadWorker):
                 disk_loads.append((i, t))  # after the loop: loads fill distinct fresh blocks, in any order
             elif t.kind == "save_disk":
                 assert disk is not None and io is not None
+                self._await_demote(t.block_hash)
                 writes[t.block_hash] = io.submit(disk.write, t.block_hash, from_gpu[t.block_hash])
             elif t.kind == "demote":
-                assert self.cpu is not None and disk is not None and io is not None
-                # block() copies: a later save of this list may reuse the slot while the write runs
-                writes[t.block_hash] = io.submit(disk.write, t.block_hash, self.cpu.block(t.slot))
+                self._demote(t.block_hash, t.slot)
             elif t.kind == "drop":
                 assert disk is not None
                 pending = writes.pop(t.block_hash, None)
                 if pending is not None:  # written and evicted by the same step: the write first
                     pending.result()
+                self._await_demote(t.block_hash)
                 disk.drop(t.block_hash)
             else:
                 raise ValueError(f"unknown KV transfer {t.kind!r}")
