@@ -189,3 +189,25 @@ def test_demotes_are_written_beside_the_steps_and_what_reads_their_files_waits_f
         t.join(30)
         assert not t.is_alive()
     assert all((w.disk.dir / disk_tier.file_name(h)).exists() for h in (b"a" * 32, b"b" * 32))
+
+
+def test_a_demote_that_fails_is_logged_and_its_block_is_a_failed_load(tmp_path, monkeypatch, caplog):
+    """A write that fails beside the steps fails no step: it is logged, leaves no file, and a
+    load of the block is a failed load (the request computes it), not a wrong one."""
+    w, kv = worker(tmp_path, cpu_gib=4 * LAYERS * 2 * BS * HEADS * DIM * 4 / 2**30)
+    assert w.disk is not None and w.cpu is not None
+
+    def broken(block_hash, block):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(w.disk, "write", broken)
+    kv.normal_()
+    h = b"f" * 32
+    assert w.run([KVTransfer("save_cpu", h, 0, 0)], kv) == [False]
+    with caplog.at_level("ERROR", logger=tiered.__name__):
+        assert w.run([KVTransfer("demote", h, -1, 0)], kv) == [False]
+        w.close()
+    assert any("device lost" in r.getMessage() for r in caplog.records)
+    assert not (w.disk.dir / disk_tier.file_name(h)).exists()
+    assert w.run([KVTransfer("load_disk", h, 7)], kv) == [True]
+    assert torch.equal(kv[:, :, 7], torch.zeros_like(kv[:, :, 7]))

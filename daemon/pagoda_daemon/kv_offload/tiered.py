@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -637,13 +637,18 @@ class TieredWorker(OffloadWorker):
                 if len(self._demotes) <= self._max_demotes:
                     return
                 oldest_hash, oldest = next(iter(self._demotes.items()))
-            oldest.result()
+            wait([oldest])
             self._demoted(oldest_hash, oldest)
 
     def _demoted(self, block_hash: BlockHash, done: Future[None]) -> None:
         with self._demotes_lock:
-            if self._demotes.get(block_hash) is done:
-                del self._demotes[block_hash]
+            if self._demotes.get(block_hash) is not done:
+                return  # (removed by the thread that waited for it)
+            del self._demotes[block_hash]
+        error = None if done.cancelled() else done.exception()
+        if error is not None:  # DiskStore.write warns of I/O errors itself: this is anything else
+            log.error("KV offload: writing block %s to disk failed (%r): it will be recomputed", block_hash.hex(),
+                      error)
 
     def _await_demote(self, block_hash: BlockHash) -> None:
         """Wait until the block's demote, if one is under way, has written (or failed to write)
@@ -651,14 +656,13 @@ class TieredWorker(OffloadWorker):
         with self._demotes_lock:
             pending = self._demotes.get(block_hash)
         if pending is not None:
-            pending.result()
+            wait([pending])  # one that failed left no file: the read finds none (_demoted says why)
 
     def close(self) -> None:
         """Every demote written: the next engine on this directory (a restart) finds the files."""
         with self._demotes_lock:
             pending = list(self._demotes.values())
-        for write in pending:
-            write.result()
+        wait(pending)
 
     def prefetch(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> None:
         """The copies start after everything the step's stream holds so far (earlier steps, which
