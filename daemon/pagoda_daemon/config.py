@@ -15,6 +15,11 @@ ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# With the disk KV tier alone, its hits are read into this much host memory (over the engine's
+# ranks; pinned on GPUs) beside the steps, as a host tier in front of it would hold them
+# (docs/kv-offload.md, "Disk reads beside the steps"); it caches nothing else. The operator adds
+# it to a pod's memory as it adds kvOffload.cpuGiB.
+DISK_READ_AHEAD_GIB = 1.0
 
 
 @dataclass
@@ -144,6 +149,14 @@ class EngineConfig:
     kv_transfer_host: str | None = option(
         None, "with kv_transfer_port: the address decode instances reach this instance at, which its answers name "
         "in their signed x-pagoda-kv-source header (default: this host's address)")
+
+    @property
+    def kv_offload_host_gib(self) -> float:
+        """The host memory KV offload holds: the host tier, or with the disk tier alone the
+        memory its reads land in (DISK_READ_AHEAD_GIB)."""
+        if self.kv_offload_cpu_gib > 0:
+            return self.kv_offload_cpu_gib
+        return DISK_READ_AHEAD_GIB if self.kv_offload_disk_path is not None else 0.0
 
     @property
     def elastic_ep(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from pagoda_daemon.config import DISK_READ_AHEAD_GIB
 from pagoda_operator import GROUP, KIND, VERSION
 from pagoda_operator.elastic import admin_key_env
 from pagoda_operator.placement import affinity
@@ -290,10 +291,13 @@ def _resources(spec: ServiceSpec) -> dict[str, Any]:
     if spec.gpus > 0:  # each engine container its own share (two per pod with spec.disaggregation)
         for k in ("requests", "limits"):
             out.setdefault(k, {})[spec.gpu_resource] = spec.gpus_per_engine // spec.pods_per_replica
-    # The host-memory KV tier is allocated up front (pinned on GPUs, never swapped): a memory
-    # request or limit the user gave is for the engine without it, so the pool is added on top
-    # (each data-parallel engine has one).
-    pool = int((spec.kv_offload.cpu_gib or 0) * 2**30) * spec.parallelism.data
+    # KV offload's host memory is allocated up front (pinned on GPUs, never swapped): the host
+    # tier, or with a disk tier alone (spec.disaggregation renders one for each engine) the slots
+    # its reads land in. A memory request or limit the user gave is for the engine without it,
+    # so the pool is added on top (each data-parallel engine has one).
+    disk_alone = spec.kv_offload.disk_path is not None or spec.disaggregation is not None
+    host_gib = spec.kv_offload.cpu_gib or (DISK_READ_AHEAD_GIB if disk_alone else 0)
+    pool = int(host_gib * 2**30) * spec.parallelism.data
     for k in ("requests", "limits"):
         given = quantity_bytes(out.get(k, {}).get("memory")) if "memory" in out.get(k, {}) else None
         if pool and given is not None:

@@ -130,7 +130,7 @@ def test_demotes_are_written_beside_the_steps_and_what_reads_their_files_waits_f
     """Host memory's evicted blocks (``demote``) are written to disk beside the steps: the step's
     copies return while the writes are held, from a copy of the slot (a later save may reuse
     it). A disk load, a background stage or a drop of a block whose write is under way waits for
-    it; past MAX_DEMOTE_BYTES of copies waiting, the step waits for the oldest; ``close`` waits
+    it; past MAX_DEMOTE_BYTES of copies waiting, the step waits for the oldest; ``flush`` waits
     for all."""
     w, kv = worker(tmp_path, cpu_gib=8 * LAYERS * 2 * BS * HEADS * DIM * 4 / 2**30)  # 8 float32 blocks
     assert w.disk is not None and w.cpu is not None
@@ -176,12 +176,12 @@ def test_demotes_are_written_beside_the_steps_and_what_reads_their_files_waits_f
         time.sleep(0.01)
     assert staged == [(hashes[1], True)] and torch.equal(w.cpu.block(5), first[1])
 
-    release.clear()  # past the bound the step waits for the oldest write; close waits for all
+    release.clear()  # past the bound the step waits for the oldest write; flush waits for all
     monkeypatch.setattr(w, "_max_demotes", 1)
     step = in_thread(w.run, [KVTransfer("demote", b"a" * 32, -1, 5), KVTransfer("demote", b"b" * 32, -1, 1)], kv)
     time.sleep(0.5)
     assert step.is_alive(), "two demotes waiting with room for one, and the step did not wait"
-    closing = in_thread(w.close)
+    closing = in_thread(w.flush)
     time.sleep(0.2)
     assert closing.is_alive()
     release.set()
@@ -206,7 +206,7 @@ def test_a_demote_that_fails_is_logged_and_its_block_is_a_failed_load(tmp_path, 
     assert w.run([KVTransfer("save_cpu", h, 0, 0)], kv) == [False]
     with caplog.at_level("ERROR", logger=tiered.__name__):
         assert w.run([KVTransfer("demote", h, -1, 0)], kv) == [False]
-        w.close()
+        w.flush()
     assert any("device lost" in r.getMessage() for r in caplog.records)
     assert not (w.disk.dir / disk_tier.file_name(h)).exists()
     assert w.run([KVTransfer("load_disk", h, 7)], kv) == [True]

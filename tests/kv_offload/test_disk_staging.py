@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from pagoda_daemon import LLM, SamplingParams
 from pagoda_daemon.engine.scheduler_output import SchedulerOutput
 from pagoda_daemon.kv_offload import disk as disk_tier
@@ -17,22 +19,27 @@ LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def test_a_request_waits_for_its_disk_blocks_while_the_batch_runs_on(model, block_bytes, tmp_path, monkeypatch):
+@pytest.mark.parametrize("host_tier", [True, False], ids=["host-then-disk", "disk-alone"])
+def test_a_request_waits_for_its_disk_blocks_while_the_batch_runs_on(model, block_bytes, tmp_path, monkeypatch,
+                                                                     host_tier):
     """The disk reads are held until a request that was running alongside has finished all its
     tokens: had a step waited for a file, it could not have finished. Then the waiting request
     takes its blocks from host memory (no step loads from disk) and answers as the engine
-    without offload does; every slot and block comes back."""
+    without offload does; every slot and block comes back. With the disk tier alone the reads
+    land in host slots of their own (DISK_READ_AHEAD_GIB), which no save fills."""
     prompts = workload(seed=11, num_prefixes=6, repeats=1)
     fresh = workload(seed=13, num_prefixes=1, repeats=1, prefix_len=40)[0]  # in no tier
     reference = LLM(model, **ENGINE)
     want = [o.outputs[0].token_ids for o in reference.generate(prompts, SHORT)]
     other_want = reference.generate([fresh], LONG)[0].outputs[0].token_ids
-    llm = LLM(model, **ENGINE, kv_offload_cpu_gib=gib(12, block_bytes),
-              kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
+    host = {"kv_offload_cpu_gib": gib(12, block_bytes)} if host_tier else {}
+    llm = LLM(model, **ENGINE, **host, kv_offload_disk_path=str(tmp_path / "kv"),
+              kv_offload_disk_gib=gib(64, block_bytes))
     for p in prompts:  # six prefixes of six blocks: the first ones leave host memory for disk
         llm.generate([p], SHORT)
     connector = llm.engine.core.connector
     assert [h for h in connector.disk.files if h not in connector.cpu]
+    assert connector.cpu is not None and (len(connector.cpu) > 0) == host_tier  # disk alone: no save went there
 
     release = threading.Event()
     reads_started = threading.Event()

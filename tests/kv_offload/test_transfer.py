@@ -515,6 +515,8 @@ def test_a_prompt_asked_again_after_the_tier_lost_it_is_fetched_again(model, blo
         core = decode.engine.core
         for block_hash in list(core.connector.disk.files):
             core.connector.disk.forget(block_hash)
+        for block_hash in list(core.connector.cpu.slots):  # and the host slots its reads landed in
+            core.connector.cpu.remove(block_hash)
         core.kv_cache.reset_prefix_cache()
         assert run(decode, prompts) == reference
         assert decode.get_stats().kv_offload.fetched_bytes == 2 * 6 * block_bytes

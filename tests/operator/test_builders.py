@@ -7,6 +7,7 @@ import copy
 import pytest
 import yaml
 
+from pagoda_daemon.config import DISK_READ_AHEAD_GIB
 from pagoda_operator import builders
 from pagoda_operator.builders import HASH_ANNOTATION, Settings, children, merge_for_replace, needs_update
 from pagoda_operator.spec import parse
@@ -113,6 +114,15 @@ def test_pod_resource_overrides_merge_with_gpus():
 def test_the_host_memory_kv_pool_is_added_to_the_memory_the_user_gave(given, expected):
     _, kids = build(resources={"gpusPerReplica": 0}, pod={"resources": given}, kvOffload={"cpuGiB": 8})
     assert container(kids)["resources"] == expected
+
+
+def test_a_disk_tier_alone_adds_the_host_memory_its_reads_land_in():
+    """The daemon reads the disk tier's hits into DISK_READ_AHEAD_GIB of host memory beside
+    the steps (docs/kv-offload.md): that memory is the pod's too."""
+    assert DISK_READ_AHEAD_GIB == 1.0
+    _, kids = build(resources={"gpusPerReplica": 0}, pod={"resources": {"limits": {"memory": "4Gi"}}},
+                    kvOffload={"disk": {"path": "/kv", "sizeGiB": 10}})
+    assert container(kids)["resources"] == {"limits": {"memory": "5120Mi"}}
 
 
 def test_data_parallel_engines_get_their_gpus_and_a_kv_tier_each():

@@ -213,11 +213,13 @@ def test_each_engine_holds_half_the_replicas_gpus(gpus, tensor, each):
 
 
 def test_cpu_engines_request_no_gpu_and_get_the_pods_memory_each():
+    """Each engine gets the memory the pod's resources give, and the host memory its disk
+    tier's reads land in (1 GiB, DISK_READ_AHEAD_GIB) on top."""
     _, kids = build(disaggregation=PD, resources={"gpusPerReplica": 0},
                     pod={"resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}})
     c = containers(kids)
     for role in ("prefill", "decode"):
-        assert c[role]["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+        assert c[role]["resources"] == {"requests": {"cpu": "1", "memory": "3072Mi"}, "limits": {"memory": "5120Mi"}}
         assert "--device" in c[role]["args"] and c[role]["args"][c[role]["args"].index("--device") + 1] == "cpu"
 
 

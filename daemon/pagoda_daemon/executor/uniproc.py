@@ -35,7 +35,7 @@ class UniProcExecutor(Executor):
         """With data-parallel attention the engines leave their world together (they stop after
         the same agreement): a process group left behind aborted the process at exit."""
         if self.worker.offload is not None:  # its disk writes still under way: a restart reads the files
-            self.worker.offload.close()
+            self.worker.offload.flush()
         if self.worker.lockstep is not None:
             from pagoda_daemon.executor.world import leave_world
 

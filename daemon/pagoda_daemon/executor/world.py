@@ -169,7 +169,7 @@ def leave_world(worker: Worker) -> None:
     timed out after 120 s. Should the teardown still hang, a worker exits without it (the driver
     frees what the process held) and rank 0 goes on with a warning."""
     if worker.offload is not None:  # its disk writes still under way: a restart reads the files
-        worker.offload.close()
+        worker.offload.flush()
     worker.release_cuda_graphs()
     if not dist.is_initialized():
         return

@@ -190,5 +190,6 @@ class OffloadWorker(ABC):
         seconds, self.transfer_seconds = self.transfer_seconds, 0.0
         return seconds
 
-    def close(self) -> None:  # noqa: B027 (a worker whose copies are all waited for holds nothing)
-        """Finish the writes still under way beside the steps (at shutdown)."""
+    def flush(self) -> None:  # noqa: B027 (a worker whose copies are all waited for holds nothing)
+        """Wait for the writes still under way beside the steps (at shutdown, or before the
+        files are read from outside the engine)."""

@@ -91,7 +91,7 @@ def device_staging_bytes(config: EngineConfig, block_bytes: int) -> int:
     without it)."""
     if not enabled(config):
         return 0
-    host = config.kv_offload_cpu_gib > 0  # then also the saves in flight and the prefetches' buffer
+    host = config.kv_offload_host_gib > 0  # then also the saves in flight and the prefetches' buffer
     return (SAVE_STAGING_BYTES if host else 0) + ((2 if host else 1) * STAGE_BLOCKS + SAVE_COPY_BLOCKS) * block_bytes
 
 
@@ -154,7 +154,8 @@ def _identities(config: EngineConfig, dtype: str, block_bytes: int) -> list[str]
 
 
 def _capacities(config: EngineConfig, block_bytes: int) -> tuple[int, int]:
-    cpu = capacity_blocks(config.kv_offload_cpu_gib, block_bytes, config.world_size)
+    """Host slots (the host tier's, or with the disk alone those its reads land in) and disk files."""
+    cpu = capacity_blocks(config.kv_offload_host_gib, block_bytes, config.world_size)
     disk = (capacity_blocks(config.kv_offload_disk_gib, block_bytes, config.world_size)
             if config.kv_offload_disk_path is not None else 0)
     for name, gib, blocks in (("kv_offload_cpu_gib", config.kv_offload_cpu_gib, cpu),
@@ -173,7 +174,10 @@ class TieredConnector(OffloadConnector):
         super().__init__(record_events=config.enable_kv_events)
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         self.bytes_per_block = block_bytes * config.world_size  # over every rank
+        # Host slots: the host tier, or with the disk tier alone slots that only its reads fill
+        # (staging): those are found by lookups as the host tier's are, but no save goes there.
         self.cpu = CpuIndex(cpu_blocks) if cpu_blocks else None
+        self.host_tier = config.kv_offload_cpu_gib > 0
         source = config.kv_offload_disk_source
         self.disk = (DiskIndex(config.kv_offload_disk_path, disk_blocks, _identities(config, dtype, block_bytes),
                                source=None if is_remote(source) else source)
@@ -216,7 +220,7 @@ class TieredConnector(OffloadConnector):
         self._staged_for: OrderedDict[str, None] = OrderedDict()  # requests that waited for staging once
         # Write-back applies to host memory: a disk tier alone is written as blocks are computed
         # (its files are what other instances and a restarted engine read).
-        self.write_back = config.kv_offload_write_policy == "write-back" and self.cpu is not None
+        self.write_back = config.kv_offload_write_policy == "write-back" and self.host_tier
         self._step_reads: set[BlockHash] = set()  # what this step's loads read (write-back spares it)
         self.step_load_blocks = STEP_LOAD_BYTES // block_bytes if self.cpu is not None else 0
         if self.disk is not None:
@@ -224,7 +228,8 @@ class TieredConnector(OffloadConnector):
                 self.stored(block_hash, DISK_MEDIUM)
         log.info("KV offload: %s", ", ".join(
             f"{name} {n} blocks ({n * self.bytes_per_block / 2**30:.2f} GiB)"
-            for name, n in ((CPU, cpu_blocks), (DISK, disk_blocks)) if n))
+            for name, n in ((CPU if self.host_tier else "disk reads in host memory", cpu_blocks), (DISK, disk_blocks))
+            if n))
 
     def _where(self, block_hash: BlockHash) -> str | None:
         if self.cpu is not None and block_hash in self.cpu:
@@ -405,7 +410,7 @@ class TieredConnector(OffloadConnector):
 
     def _save(self, block_hash: BlockHash, gpu_block_id: int, spare: set[BlockHash] | frozenset[BlockHash]) -> None:
         """Plan the copies that keep a GPU block, evicting no tier entry in ``spare``."""
-        if self.cpu is not None:
+        if self.cpu is not None and self.host_tier:
             if block_hash in self.cpu or self.cpu.next_evicted() in spare:
                 return
             slot, evicted = self.cpu.insert(block_hash)
@@ -658,7 +663,7 @@ class TieredWorker(OffloadWorker):
         if pending is not None:
             wait([pending])  # one that failed left no file: the read finds none (_demoted says why)
 
-    def close(self) -> None:
+    def flush(self) -> None:
         """Every demote written: the next engine on this directory (a restart) finds the files."""
         with self._demotes_lock:
             pending = list(self._demotes.values())
@@ -792,5 +797,6 @@ def build_worker(config: EngineConfig, rank: int, kv_cache: torch.Tensor, block_
 
 
 def stages_in_background(config: EngineConfig) -> bool:
-    """Whether disk hits come back through host memory in the background (both tiers)."""
-    return config.kv_offload_cpu_gib > 0 and config.kv_offload_disk_path is not None
+    """Whether disk hits come back through host memory in the background: with a disk tier,
+    into the host tier's slots or, alone, into its own (EngineConfig.kv_offload_host_gib)."""
+    return config.kv_offload_disk_path is not None and config.kv_offload_host_gib > 0
