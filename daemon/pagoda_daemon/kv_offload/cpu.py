@@ -158,17 +158,20 @@ class CpuStore:
     reading a slot, to demote it to disk) waits for it on the host."""
 
     def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device | None = None, groups: int = 1) -> None:
+                 device: torch.device | None = None, groups: int = 1, touch: bool = True) -> None:
         """``block_shape``: one block's ``(layers, 2, block_size, heads, head_dim)``; its layers
-        are kept in ``groups`` host tensors."""
+        are kept in ``groups`` host tensors. ``touch``: without a GPU, write every page at start
+        (the memory is the process's from then on, as pinned memory is), else as slots are used
+        (the disk tier's read-ahead slots, most of which an engine on the CPU never fills)."""
         self.on_gpu = device is not None and device.type == "cuda"
         self.num_slots = num_slots
         self.groups = layer_groups(block_shape[0], groups)
         # pinned on a GPU (copies from and to pageable memory are synchronous), allocated so at
         # once: pinning a pageable tensor would hold the tier twice over while it copies. A slot is
-        # only read once a save has written it.
+        # only read once a save or a read has written it.
+        allocate = torch.zeros if touch else torch.empty
         self.data = [torch.empty((num_slots, end - first, *block_shape[1:]), dtype=dtype, pin_memory=True)
-                     if self.on_gpu else torch.zeros((num_slots, end - first, *block_shape[1:]), dtype=dtype)
+                     if self.on_gpu else allocate((num_slots, end - first, *block_shape[1:]), dtype=dtype)
                      for first, end in self.groups]
         self.slot_bytes = sum(d[0].nbytes for d in self.data)
         self.saves = torch.cuda.Stream(device) if self.on_gpu else None

@@ -496,7 +496,8 @@ class TieredWorker(OffloadWorker):
         shape = (layers, two, block_size, heads, head_dim)
         cpu_blocks, disk_blocks = _capacities(config, block_bytes)
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        self.cpu = (CpuStore(cpu_blocks, shape, kv_cache.dtype, kv_cache.device, groups=LOAD_LAYER_GROUPS)
+        self.cpu = (CpuStore(cpu_blocks, shape, kv_cache.dtype, kv_cache.device, groups=LOAD_LAYER_GROUPS,
+                             touch=config.kv_offload_cpu_gib > 0)
                     if cpu_blocks else None)
         self.disk = (DiskStore(config.kv_offload_disk_path, rank, _identities(config, dtype, block_bytes)[rank], shape,
                                kv_cache.dtype)
