@@ -129,3 +129,38 @@ def test_the_host_index_reserves_fills_and_releases_slots():
     index.insert(d)
     assert len(index) == 3
     index.check()
+
+
+def test_a_block_still_being_demoted_is_a_hit_whose_read_waits_for_its_write(model, block_bytes, tmp_path,
+                                                                              monkeypatch, caplog):
+    """Host memory's evictions are written to disk beside the steps: a lookup that comes before
+    the file is written finds the block all the same (its read into host memory waits for the
+    write), instead of taking the missing file for a failed write, forgetting the block and
+    leaving the file, once written, outside the index."""
+    prompts = workload(seed=14, num_prefixes=6, repeats=1)
+    want = [o.outputs[0].token_ids for o in LLM(model, **ENGINE).generate(prompts[:1], SHORT)]
+    llm = LLM(model, **ENGINE, kv_offload_cpu_gib=gib(12, block_bytes),
+              kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gib=gib(64, block_bytes))
+    worker = llm.engine.core.executor.worker.offload
+    release = threading.Event()
+    write = worker.disk.write
+    held: list[bytes] = []
+
+    def held_write(block_hash, block):
+        held.append(block_hash)
+        assert release.wait(60), "the demote writes were never released"
+        write(block_hash, block)
+
+    monkeypatch.setattr(worker.disk, "write", held_write)
+    for p in prompts:  # the first prefixes leave host memory; none of their files is written yet
+        llm.generate([p], SHORT)
+    connector = llm.engine.core.connector
+    assert held and not list(worker.disk.dir.glob(f"*{disk_tier.SUFFIX}"))
+    threading.Timer(1.0, release.set).start()
+    with caplog.at_level("WARNING", logger=disk_tier.__name__):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], SHORT)] == want
+    assert not [r for r in caplog.records if "missing" in r.getMessage()]
+    stats = llm.get_stats().kv_offload
+    assert stats.loaded_bytes.get("disk", 0) >= 6 * block_bytes and stats.failed_loads == 0
+    assert_idle_and_consistent(llm)  # every file written is indexed
+    assert not connector.disk.pending - set(connector.disk.files)

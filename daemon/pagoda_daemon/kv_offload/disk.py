@@ -157,6 +157,10 @@ class DiskIndex:
         self.identities = identities  # one per rank
         self.files: OrderedDict[BlockHash, None] = OrderedDict()
         self.checked: set[BlockHash] = set()  # written by this run, read back whole once, or adopted
+        # written beside the steps (host memory's demotes) and not yet seen on disk: a lookup that
+        # finds no file counts them as there, since the worker's reads wait for the write (one that
+        # failed then fails its load, which is recomputed)
+        self.pending: set[BlockHash] = set()
         # adopted blocks: the source file's (inode, mtime); and those forgotten (a load failed), so
         # that the same source file is not adopted again, and failed again, without end
         self._adopted: dict[BlockHash, tuple[int, int]] = {}
@@ -206,6 +210,7 @@ class DiskIndex:
             return False
         del self.files[block_hash]
         self.checked.discard(block_hash)
+        self.pending.discard(block_hash)
         self._delete(block_hash)
         source_file = self._adopted.pop(block_hash, None)
         if source_file is not None:
@@ -226,6 +231,9 @@ class DiskIndex:
         if block_hash in self.checked:
             name = file_name(block_hash)
             if all((rank_dir(self.root, r) / name).is_file() for r in range(len(self.identities))):
+                self.pending.discard(block_hash)
+                return True
+            if block_hash in self.pending:  # its write is still under way
                 return True
             log.warning("KV offload: block file %s is missing on some rank (its write failed?): a miss",
                         block_hash.hex())
@@ -285,6 +293,7 @@ class DiskIndex:
         while len(self.files) > count:
             old, _ = self.files.popitem(last=False)
             self.checked.discard(old)
+            self.pending.discard(old)
             self._adopted.pop(old, None)
             evicted.append(old)
         return evicted
@@ -301,8 +310,11 @@ class DiskIndex:
         """The first hash the next insert of a new block evicts, if it evicts any."""
         return next(iter(self.files)) if self.files and len(self.files) >= self.num_files else None
 
-    def insert(self, block_hash: BlockHash) -> list[BlockHash]:
-        """Record a new file; returns the hashes evicted to make room (their files to drop)."""
+    def insert(self, block_hash: BlockHash, pending: bool = False) -> list[BlockHash]:
+        """Record a new file (``pending``: written beside the steps, maybe after the next
+        lookup); returns the hashes evicted to make room (their files to drop)."""
+        if pending:
+            self.pending.add(block_hash)
         if block_hash in self.files:  # rewritten over an unchecked file from an earlier run
             self.files.move_to_end(block_hash)
             self.checked.add(block_hash)
@@ -315,6 +327,7 @@ class DiskIndex:
     def check(self) -> None:
         assert len(self.files) <= self.num_files, "disk tier over capacity"
         assert self.checked <= set(self.files), "a checked block is not indexed"
+        assert self.pending <= self.checked, "a block written beside the steps is not indexed"
         assert set(self._adopted) <= set(self.files), "an adopted block is not indexed"
 
 

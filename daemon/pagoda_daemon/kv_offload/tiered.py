@@ -428,13 +428,13 @@ class TieredConnector(OffloadConnector):
         again) unless the disk has it, or writing it would evict a block in ``spare``."""
         self.removed(evicted[0], CPU_MEDIUM)
         if self.disk is not None and not self.disk.contains(evicted[0]) and self.disk.next_evicted() not in spare:
-            self._disk_insert(evicted[0])
+            self._disk_insert(evicted[0], pending=True)  # (the worker writes it beside the steps)
             self._saves.append(KVTransfer("demote", evicted[0], -1, evicted[1]))
 
-    def _disk_insert(self, block_hash: BlockHash) -> None:
+    def _disk_insert(self, block_hash: BlockHash, pending: bool = False) -> None:
         assert self.disk is not None
         rewritten = block_hash in self.disk.files  # over an unchecked file of an earlier run: announced
-        for old in self.disk.insert(block_hash):
+        for old in self.disk.insert(block_hash, pending):
             self._saves.append(KVTransfer("drop", old))
             self.removed(old, DISK_MEDIUM)
         if not rewritten:
