@@ -22,6 +22,14 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DISK_READ_AHEAD_GIB = 1.0
 
 
+def offload_host_gib(cpu_gib: float, disk_tier: bool) -> float:
+    """The host memory an engine's KV offload holds: its host tier, or with a disk tier alone
+    the memory its reads land in (the engine's and the operator's one rule)."""
+    if cpu_gib > 0:
+        return cpu_gib
+    return DISK_READ_AHEAD_GIB if disk_tier else 0.0
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start."""
@@ -152,11 +160,8 @@ class EngineConfig:
 
     @property
     def kv_offload_host_gib(self) -> float:
-        """The host memory KV offload holds: the host tier, or with the disk tier alone the
-        memory its reads land in (DISK_READ_AHEAD_GIB)."""
-        if self.kv_offload_cpu_gib > 0:
-            return self.kv_offload_cpu_gib
-        return DISK_READ_AHEAD_GIB if self.kv_offload_disk_path is not None else 0.0
+        """The host memory KV offload holds (offload_host_gib)."""
+        return offload_host_gib(self.kv_offload_cpu_gib, self.kv_offload_disk_path is not None)
 
     @property
     def elastic_ep(self) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from pagoda_daemon.config import DISK_READ_AHEAD_GIB
+from pagoda_daemon.config import offload_host_gib
 from pagoda_operator import GROUP, KIND, VERSION
 from pagoda_operator.elastic import admin_key_env
 from pagoda_operator.placement import affinity
@@ -295,9 +295,8 @@ def _resources(spec: ServiceSpec) -> dict[str, Any]:
     # tier, or with a disk tier alone (spec.disaggregation renders one for each engine) the slots
     # its reads land in. A memory request or limit the user gave is for the engine without it,
     # so the pool is added on top (each data-parallel engine has one).
-    disk_alone = spec.kv_offload.disk_path is not None or spec.disaggregation is not None
-    host_gib = spec.kv_offload.cpu_gib or (DISK_READ_AHEAD_GIB if disk_alone else 0)
-    pool = int(host_gib * 2**30) * spec.parallelism.data
+    disk_tier = spec.kv_offload.disk_path is not None or spec.disaggregation is not None
+    pool = int(offload_host_gib(spec.kv_offload.cpu_gib or 0.0, disk_tier) * 2**30) * spec.parallelism.data
     for k in ("requests", "limits"):
         given = quantity_bytes(out.get(k, {}).get("memory")) if "memory" in out.get(k, {}) else None
         if pool and given is not None:
