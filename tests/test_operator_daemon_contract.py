@@ -14,8 +14,9 @@ from pagoda_daemon.capabilities import CAPABILITIES
 from pagoda_daemon.cli import _explicit_options, build_parser
 from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.options import declared
+from pagoda_daemon.server import serve
 from pagoda_daemon.server.serve import resolve_options
-from pagoda_operator import builders, spec
+from pagoda_operator import builders, leader_worker_set, pod_groups, spec
 from tests.operator.operator_fakes import every_capability
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,3 +292,32 @@ def test_every_number_the_crd_admits_the_daemon_takes():
     assert not wider, wider
     assert {"spec.parallelism.data", "spec.parallelism.eplb.asyncSteps", "spec.parallelism.eplb.stepInterval",
             "spec.engine.maxNumSeqs"} <= set(checked), checked
+
+
+@pytest.mark.parametrize("layout", ["StatefulSets", "LeaderWorkerSet"])
+def test_a_groups_worker_takes_its_node_rank_and_leader_as_rendered(tmp_path, monkeypatch, layout):
+    """A worker of a group of 2 pods is node 1 and meets its leader, in either layout: from its
+    StatefulSet hostname (``<name>-<g>-0``) and the leader's IP, or from the variables the
+    LeaderWorkerSet controller's webhook sets (worker index 1; the kubelet expands ``$(VAR)``)."""
+    body = {"model": {"name": "m", "pvc": {"claimName": "w"}},
+            "resources": {"gpusPerReplica": 2, "podsPerReplica": 2}, "parallelism": {"tensor": 2}}
+    svc = spec.parse("llama", "default", body, supports=every_capability)
+    owner = {"metadata": {"name": "llama", "uid": "u"}}
+    settings = builders.Settings()
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text(yaml.safe_dump(builders.daemon_config(svc)))
+    if layout == "StatefulSets":
+        (workers,) = pod_groups.children(svc, owner, 1, settings, {0: "10.0.0.7"}).workers
+        argv = workers["spec"]["template"]["spec"]["containers"][0]["args"]
+        monkeypatch.setattr(serve.socket, "gethostname", lambda: "llama-0-0")
+        leader = "10.0.0.7"
+    else:
+        lws = leader_worker_set.children(svc, owner, 1, settings).workload
+        argv = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["args"]
+        leader = "llama-group-0.llama-group.default"
+        env = {leader_worker_set.WORKER_INDEX_ENV: "1", leader_worker_set.LEADER_ADDRESS_ENV: leader}
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in argv]
+    argv = list(argv)
+    argv[argv.index("--config") + 1] = str(config_file)
+    options = resolve_options(build_parser().parse_args(argv), _explicit_options(argv))
+    assert (options["node_rank"], options["master_addr"], options["nnodes"]) == (1, leader, 2)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pagoda_operator import builders, elastic, model_config, telemetry
+from pagoda_operator import builders, elastic, leader_worker_set, model_config, telemetry
 from pagoda_operator.admission import Policy, image_repository, path_within, system_path
 
 if TYPE_CHECKING:
@@ -91,6 +91,13 @@ def parser() -> argparse.ArgumentParser:
         help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz",
     )
     p.add_argument("--workers", type=bounded(int, 1, 256), default=8, help="threads running reconcile passes")
+    p.add_argument(
+        "--lws-discovery-interval",
+        type=bounded(float, 0.1, 86400),
+        default=leader_worker_set.RECHECK_S,
+        help="seconds between API discovery checks of whether LeaderWorkerSets are served (where they are, "
+        "podsPerReplica > 1 renders one per InferenceService instead of StatefulSets)",
+    )
     netpol = p.add_argument_group("network policy")
     netpol.add_argument(
         "--network-policy",
@@ -284,12 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     memory.limit_arenas()  # before any thread of ours or kopf's starts
 
-    from pagoda_operator.handlers import build_registry, operator_settings
+    from pagoda_operator.handlers import QuietAboutLeaderWorkerSets, build_registry, operator_settings
     from pagoda_operator.kube import Kube, load_configuration
     from pagoda_operator.leader import LeaderElector, default_identity
     from pagoda_operator.reconcile import Context
     from pagoda_operator.watch_cache import CachedKube
 
+    logging.getLogger("kopf._core.reactor.observation").addFilter(QuietAboutLeaderWorkerSets())
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
     # one connection per thread that calls the API server: kopf's handler threads, the ticker's,
@@ -345,9 +353,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "%s is not set: elastic InferenceServices serve at their start size, unresized",
             elastic.OPERATOR_SECRET_ENV)
     endpoints = tuple(e for e in (args.model_config_endpoint or [model_config.DEFAULT_ENDPOINT]) if e != "none")
+    lws_served = leader_worker_set.Discovery(
+        lambda: kube.served(leader_worker_set.API_VERSION, leader_worker_set.PLURAL), args.lws_discovery_interval)
+    lws_served()  # asked once before any pass: a pass at start renders the layout the cluster serves
     ctx = Context(kube=CachedKube(kube), settings=settings, scrape_timeout=args.scrape_timeout,
                   operator_secret=operator_secret, tracer=tracer,
-                  model_configs=model_config.ModelConfigs(endpoints, args.scrape_timeout) if endpoints else None)
+                  model_configs=model_config.ModelConfigs(endpoints, args.scrape_timeout) if endpoints else None,
+                  leader_worker_sets=lws_served)
     registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)
     logging.getLogger("pagoda_operator").info(
         "operator running: %s, interval %.1fs, daemon image %s",

@@ -10,6 +10,15 @@ build their own registry.
   not a ``kopf.timer`` on purpose: kopf puts a finalizer on every object a timer serves, and then
   deleting an InferenceService would hang whenever the operator is not running;
 - events of managed Deployments and pods: reconcile the owner, so status follows the rollout;
+- events of managed LeaderWorkerSets: the same, once their CRD is installed (kopf watches the
+  CRDs and starts, or stops, watching a resource as its CRD comes or goes; its warning that
+  leaderworkersets cannot be served, repeated on every CRD change, is dropped: not installed is
+  the default, and the operator logs which layout it renders, leader_worker_set.Discovery).
+  Nothing depends on this watch but how soon a pass follows the controller's status: passes
+  read the LeaderWorkerSet from the API server, not from the watch-fed cache, because kopf
+  finds a new CRD's resource by API discovery when the CRD changes, and an API server that
+  publishes it later than the CRD's last change leaves kopf without the watch until the next
+  CRD change or restart;
 - events of NodeTopology: keep the NVLink label of the node in step.
 
 No handler needs a finalizer, so the operator never blocks deletion: owner references let the
@@ -33,6 +42,7 @@ from typing import Any
 import kopf
 
 from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION, memory
+from pagoda_operator import leader_worker_set as lws
 from pagoda_operator.builders import INSTANCE_LABEL, MANAGED_BY
 from pagoda_operator.kube import ApiError, Kube, in_cluster_server
 from pagoda_operator.placement import MODEL_LABEL_PREFIX, NVLINK_LABEL, node_labels
@@ -49,6 +59,15 @@ MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRES
 LOOP_BEAT = "kopf event loop"
 LOOP_BEAT_S, LOOP_STUCK_AFTER_S = 5.0, 60.0
 PASS_BEAT = "periodic pass"
+
+
+class QuietAboutLeaderWorkerSets(logging.Filter):
+    """Drops kopf's "Unresolved resources cannot be served" when LeaderWorkerSets are all it names."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Unresolved resources cannot be served")
+                    and message.count("Selector(") == 1 and f"group='{lws.GROUP}'" in message)
 
 
 def operator_settings(
@@ -270,6 +289,10 @@ def build_registry(
     def on_stateful_set(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
         _observe(ctx, "StatefulSet", event)
         _child_event(ctx, namespace, labels[INSTANCE_LABEL], "statefulset")
+
+    @kopf.on.event(lws.GROUP, lws.VERSION, lws.PLURAL, labels=MANAGED, registry=registry, id="leaderworkerset")
+    def on_leader_worker_set(labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+        _child_event(ctx, namespace, labels[INSTANCE_LABEL], "leaderworkerset")
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="pod")
     def on_pod(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:

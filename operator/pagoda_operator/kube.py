@@ -30,6 +30,8 @@ RESOURCES = {
     "Deployment": ("/apis/apps/v1", "deployments", True),
     "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
+    # only where its CRD is installed (leader_worker_set.py)
+    "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets", True),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases", True),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL, True),
     "NodeTopology": (f"/apis/{GROUP}/{VERSION}", TOPOLOGY_PLURAL, False),
@@ -234,9 +236,25 @@ class Kube:
 
     def topologies(self) -> list[dict[str, Any]]:
         """Every NodeTopology; empty when the CRD is not installed."""
+        return self.list_if_served("NodeTopology")
+
+    def list_if_served(self, kind: str, namespace: str | None = None, selector: str | None = None
+                       ) -> list[dict[str, Any]]:
+        """``list``, empty where the kind's CRD is not installed (the API server answers 404)."""
         try:
-            return self.list("NodeTopology")
+            return self.list(kind, namespace, selector)
         except ApiError as e:
             if e.status == 404:
                 return []
             raise
+
+    def served(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``api_version`` (``group/version``), by API
+        discovery (readable by every authenticated client)."""
+        try:
+            found = self.request("GET", f"/apis/{api_version}")
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in (found or {}).get("resources") or [])

@@ -1,7 +1,9 @@
 """Replicas that span pods (``resources.podsPerReplica`` > 1): pure functions that render and
 read a group of one leader pod and its workers.
 
-LeaderWorkerSet's layout, with plain StatefulSets so that no other CRD or controller is needed:
+LeaderWorkerSet's layout, with plain StatefulSets so that no other CRD or controller is needed
+(where the cluster serves LeaderWorkerSets, ``leader_worker_set.py`` renders the groups as one
+such object instead, from the same pod templates, ``leader_pod`` and ``worker_pod``):
 
 - ``<name>``: the leaders' StatefulSet, one pod per replica (``<name>-<g>`` leads group g). Each
   runs ``pagoda serve`` with the API and node 0's ranks; the InferenceService's Service selects
@@ -110,19 +112,18 @@ def _stateful_set(spec: ServiceSpec, owner: Mapping[str, Any], name: str, replic
     })
 
 
-def leaders(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, settings: builders.Settings,
-            config_hash: str) -> dict[str, Any]:
+def leader_pod(spec: ServiceSpec, settings: builders.Settings, config_hash: str) -> dict[str, Any]:
+    """A group's leader: the daemon with the API and node 0's ranks, and the rendezvous port."""
     daemon = builders.container(spec, settings)
     daemon["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
-    selector = leader_selector(spec.name)
-    template = builders.pod_template(spec, settings, config_hash, [daemon], selector)
-    return _stateful_set(spec, owner, spec.name, replicas, selector, template)
+    return builders.pod_template(spec, settings, config_hash, [daemon], leader_selector(spec.name))
 
 
-def workers(spec: ServiceSpec, owner: Mapping[str, Any], group: int, leader_ip: str,
-            settings: builders.Settings, config_hash: str) -> dict[str, Any]:
-    """Group ``group``'s workers: the daemon container without API, probes or drain; it meets the
-    leader at ``leader_ip`` (a member that cannot reach it exits, and restarts)."""
+def worker_pod(spec: ServiceSpec, settings: builders.Settings, config_hash: str, rendezvous: Sequence[str],
+               labels: Mapping[str, str]) -> dict[str, Any]:
+    """A group's worker: the daemon container without API, probes or drain. ``rendezvous``: the
+    flags that give its node rank and its leader's address (a member that cannot reach the
+    leader exits, and restarts)."""
     daemon = builders.container(spec, settings)
     for key in ("startupProbe", "livenessProbe", "lifecycle"):
         daemon.pop(key)
@@ -132,12 +133,26 @@ def workers(spec: ServiceSpec, owner: Mapping[str, Any], group: int, leader_ip: 
     daemon["readinessProbe"] = {"tcpSocket": {"port": "ready"}, "periodSeconds": 5, "failureThreshold": 1}
     daemon["args"] = ["serve", builders.model_argument(spec), "--device", spec.device,
                       "--config", posixpath.join(builders.CONFIG_DIR, builders.CONFIG_FILE),
-                      "--node-rank-from-hostname", "--master-addr", leader_ip,
-                      "--node-ready-port", str(RENDEZVOUS_PORT)]
-    selector = worker_selector(spec.name, group)
-    template = builders.pod_template(spec, settings, config_hash, [daemon], selector)
+                      *rendezvous, "--node-ready-port", str(RENDEZVOUS_PORT)]
+    template = builders.pod_template(spec, settings, config_hash, [daemon], labels)
     template["metadata"]["annotations"] = {k: v for k, v in template["metadata"]["annotations"].items()
                                            if not k.startswith("prometheus.io/")}  # no /metrics here
+    return template
+
+
+def leaders(spec: ServiceSpec, owner: Mapping[str, Any], replicas: int, settings: builders.Settings,
+            config_hash: str) -> dict[str, Any]:
+    return _stateful_set(spec, owner, spec.name, replicas, leader_selector(spec.name),
+                         leader_pod(spec, settings, config_hash))
+
+
+def workers(spec: ServiceSpec, owner: Mapping[str, Any], group: int, leader_ip: str,
+            settings: builders.Settings, config_hash: str) -> dict[str, Any]:
+    """Group ``group``'s workers' StatefulSet: pod ``<name>-<g>-<i>`` is node i + 1
+    (``--node-rank-from-hostname``) and meets the leader at ``leader_ip``."""
+    selector = worker_selector(spec.name, group)
+    template = worker_pod(spec, settings, config_hash, ["--node-rank-from-hostname", "--master-addr", leader_ip],
+                          selector)
     return _stateful_set(spec, owner, workers_name(spec.name, group), spec.pods_per_replica - 1, selector,
                          template)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagoda_daemon.capabilities import supported
-from pagoda_operator import autoscaler, builders, disaggregation, placement, pod_groups
+from pagoda_operator import autoscaler, builders, disaggregation, leader_worker_set, placement, pod_groups
 from pagoda_operator import elastic as elastic_mod
 from pagoda_operator import metrics_scrape as scrape_mod
 from pagoda_operator import model_config as model_config_mod
@@ -169,6 +169,9 @@ class Context:
     # the models' config.json, for refusing at apply time a layout the model cannot take
     # (model_config.py); None: left to the daemon's start
     model_configs: ModelConfigs | None = None
+    # whether the cluster serves LeaderWorkerSets (leader_worker_set.Discovery): groups of pods
+    # render as one of them, else as StatefulSets
+    leader_worker_sets: Callable[[], bool] = field(default=lambda: False)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self.locks_guard:
@@ -250,6 +253,9 @@ class Observed:
     prefill_instances: dict[str, Any] | None = None
     # with prefill.autoscaling: per ready prefill pod, scraped from /metrics; None: not this pass
     prefill_signals: dict[str, dict[str, Any]] | None = None
+    # whether the cluster serves LeaderWorkerSets, and this InferenceService's (leader_worker_set.py)
+    lws_served: bool = False
+    leader_worker_set: dict[str, Any] | None = None
 
     @property
     def leaders(self) -> dict[str, Any] | None:
@@ -264,6 +270,8 @@ class Observed:
             return self.prefill_instances
         if kind == "StatefulSet":
             return next((s for s in self.stateful_sets if s["metadata"]["name"] == obj_name), None)
+        if kind == "LeaderWorkerSet":
+            return self.leader_worker_set
         if kind == "Service" and obj_name != self.body["metadata"]["name"]:
             return self.group_service
         return self.children.get(kind)
@@ -316,6 +324,10 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
     # Read in either layout, so that a change of podsPerReplica removes the other one's objects.
     stateful_sets = list(kube.list("StatefulSet", namespace, builders.selector_string(name)))
     group_service = kube.get("Service", namespace, pod_groups.group_service_name(name))
+    # Where the CRD is not served there is none to read (removing the CRD removed them all). Read
+    # from the API server, not a watch-fed cache: kopf's watch of them may start late (handlers.py).
+    lws_served = ctx.leader_worker_sets()
+    lws = kube.get("LeaderWorkerSet", namespace, leader_worker_set.name(name)) if lws_served else None
     pods = list(kube.list("Pod", namespace, builders.selector_string(name)))
     children: dict[str, dict[str, Any] | None] = {}
     signals = None
@@ -356,7 +368,7 @@ def observe(ctx: Context, namespace: str, name: str, autoscale: bool) -> Observe
     prefill_instances = kube.get("ConfigMap", namespace, disaggregation.instances_config_map_name(name))
     return Observed(body, spec, spec_error, list(topologies), deployment, pods, children, signals, pod_events,
                     stateful_sets, group_service, starting, elastic_states, admin_key, model_config, prefill_pods,
-                    prefill_deployment, prefill_instances, prefill_signals)
+                    prefill_deployment, prefill_instances, prefill_signals, lws_served, lws)
 
 
 def decide(observed: Observed, settings: builders.Settings, now: float) -> Decision:
@@ -414,7 +426,9 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
 
     if spec is not None and blocker is None:
         replicas = desired_replicas(spec, autoscaled)
-        if spec.pods_per_replica > 1:
+        if spec.pods_per_replica > 1 and observed.lws_served:
+            kids = leader_worker_set.children(spec, body, replicas, settings)
+        elif spec.pods_per_replica > 1:
             ips = pod_groups.leader_ips(observed.pods, spec.name)
             kids = pod_groups.children(spec, body, replicas, settings, ips)
         else:
@@ -423,7 +437,7 @@ def decide(observed: Observed, settings: builders.Settings, now: float) -> Decis
             kids = dataclasses.replace(kids, prefill=disaggregation.prefill_children(
                 spec, body, settings, builders.digest(kids.config_map["data"]), observed.prefill_pods, prefill_count))
     else:
-        live = observed.deployment or observed.leaders
+        live = observed.deployment or observed.leaders or observed.leader_worker_set
         replicas = int(((live or {}).get("spec") or {}).get("replicas") or 0)
         kids = None
     if spec is not None and spec.autoscaling and autoscaled is None:
@@ -525,8 +539,10 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         if problem:
             events.append(("Warning", "KVTransferKeySecret", problem))
 
+    lws_name = leader_worker_set.name(name)
     lives = {(kind, n): observed.live(kind, n) for kind, n in
-             [("Deployment", name), *(("StatefulSet", st["metadata"]["name"]) for st in observed.stateful_sets)]}
+             [("Deployment", name), ("LeaderWorkerSet", lws_name),
+              *(("StatefulSet", st["metadata"]["name"]) for st in observed.stateful_sets)]}
     desired_hashes: dict[str, str] | None = None
     if decision.children is not None:
         for child in decision.children.all():
@@ -555,14 +571,24 @@ def apply(ctx: Context, observed: Observed, decision: Decision, now: float) -> R
         else:
             wrote += _remove_stale(kube, observed, decision.children, decision.replicas)
         desired_hashes = {c["metadata"]["name"]: c["metadata"]["annotations"][builders.HASH_ANNOTATION]
-                          for c in decision.children.all() if c["kind"] in ("Deployment", "StatefulSet")}
+                          for c in decision.children.all()
+                          if c["kind"] in ("Deployment", "StatefulSet", "LeaderWorkerSet")}
         REPLICAS.desired.labels(namespace, name).set(decision.replicas)
         if decision.prefill_replicas is not None:
             PREFILL.desired.labels(namespace, name).set(decision.prefill_replicas)
         else:  # no prefill pods apart (any more): no series of theirs
             forget(namespace, name, (PREFILL,))
-    grouped = spec.pods_per_replica > 1 if spec is not None else observed.leaders is not None
-    if grouped:
+    as_lws = (decision.children.workload["kind"] == leader_worker_set.KIND if decision.children is not None
+              else observed.leader_worker_set is not None)
+    grouped = spec.pods_per_replica > 1 if spec is not None else as_lws or observed.leaders is not None
+    if grouped and as_lws:
+        workload = status_mod.Workload.of_leader_worker_set(
+            lives.get(("LeaderWorkerSet", lws_name)), observed.pods, decision.replicas,
+            (desired_hashes or {}).get(lws_name),
+            spec.pods_per_replica if spec is not None else int(
+                ((observed.leader_worker_set or {}).get("spec") or {}).get("leaderWorkerTemplate", {}).get("size")
+                or 1))
+    elif grouped:
         workers = {g: st for (kind, n), st in lives.items() if kind == "StatefulSet" and st is not None
                    and pod_groups.role(st) == builders.WORKER and (g := pod_groups.group_of(st, name)) is not None}
         workload = status_mod.Workload.of_groups(
@@ -713,13 +739,14 @@ class _Conflict(Exception):
 
 def _remove_stale(kube: Kube, observed: Observed, children: builders.Children, replicas: int) -> list[str]:
     """Delete what this InferenceService controls and no longer wants: the other layout's objects
-    after podsPerReplica or spec.disaggregation.prefill.replicas changed, the workers of groups
-    scaled away. A group whose leader has no IP
+    after podsPerReplica, spec.disaggregation.prefill.replicas or the LeaderWorkerSet CRD's presence
+    changed, the workers of groups scaled away. A group whose leader has no IP
     this pass keeps its workers (its leader pod is being replaced). Returns ``-Kind`` per deletion."""
     wanted = {(c["kind"], c["metadata"]["name"]) for c in children.all()}
     name, uid = observed.body["metadata"]["name"], observed.body["metadata"]["uid"]
-    grouped = children.group_service is not None
+    grouped = children.group_service is not None and children.workload["kind"] == "StatefulSet"
     candidates = [("Deployment", observed.deployment), ("Service", observed.group_service),
+                  ("LeaderWorkerSet", observed.leader_worker_set),
                   *(("StatefulSet", st) for st in observed.stateful_sets),
                   ("Deployment", observed.prefill_deployment), ("ConfigMap", observed.prefill_instances)]
     gone = []

@@ -1,23 +1,24 @@
 """Pure: observed workload and pods -> the conditions and counts of an InferenceService status.
 
 The workload is the replicas' controller (a Deployment, or with podsPerReplica > 1 the
-StatefulSets of groups of pods) reduced to one :class:`Workload`. Ready is True only when it
-carries the pod template of the current generation and its ready, updated and total replicas
-all equal the desired count; a group is one replica, ready when every member is. Progressing is True while a
-rollout or a scale is under way. Degraded says, with a reason, why things are not converging:
-an invalid spec, no eligible node, pods that cannot be scheduled, pods whose volumes cannot be
-mounted, a configuration the daemon refused (with the spec fields it named), crash loops (with
-the last lines the container wrote before it died), image pulls, replica failures or an exceeded
-progress deadline.
+StatefulSets of groups of pods or their LeaderWorkerSet) reduced to one :class:`Workload`.
+Ready is True only when it carries the pod template of the current generation and its ready,
+updated and total replicas all equal the desired count; a group is one replica, ready when every
+member is. Progressing is True while a rollout or a scale is under way. Degraded says, with a
+reason, why things are not converging: an invalid spec, no eligible node, pods that cannot be
+scheduled, pods whose volumes cannot be mounted, a configuration the daemon refused (with the
+spec fields it named), crash loops (with the last lines the container wrote before it died),
+image pulls, replica failures or an exceeded progress deadline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pagoda_daemon.options import EXIT_REFUSED
+from pagoda_operator import leader_worker_set
 from pagoda_operator.builders import GROUP_LABEL, HASH_ANNOTATION, LEADER, ROLE_LABEL, WORKER
 from pagoda_operator.placement import pod_ready
 from pagoda_operator.spec import in_crd_terms
@@ -100,9 +101,8 @@ class Workload:
         each StatefulSet by name, None when this pass does not know them (a blocked spec)."""
         alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         leader_rev = ((leaders or {}).get("status") or {}).get("updateRevision")
-        ready = updated = 0
-        problems: list[Problem] = []
-        for g in range(desired):
+
+        def group(g: int) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]], bool]:
             leader = next((p for p in alive if p["metadata"]["name"] == f"{name}-{g}"
                            and _labels(p).get(ROLE_LABEL) == LEADER), None)
             sts = workers.get(g)
@@ -113,22 +113,57 @@ class Workload:
                 leader is not None and _labels(leader).get("controller-revision-hash") == leader_rev
                 and sts is not None and rolled_out(sts, pods_per_replica - 1, (desired_hashes or {}).get(
                     (sts.get("metadata") or {}).get("name", "")))
-                and len(members) == pods_per_replica - 1
                 and all(_labels(p).get("controller-revision-hash") == worker_rev for p in members)
             )
+            return leader, members, fresh
+
+        return cls._of_members(leaders, desired, (desired_hashes or {}).get(name), pods_per_replica, group)
+
+    @classmethod
+    def of_leader_worker_set(cls, lws: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]], desired: int,
+                             desired_hash: str | None, pods_per_replica: int) -> Workload:
+        """Groups of pods as one LeaderWorkerSet (leader_worker_set.py): a group's pods by the
+        controller's group-index label, current when they carry the live object's template
+        hash. ``desired_hash``: the object's spec hash, None when this pass does not know it."""
+        alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        want = leader_worker_set.template_hash(lws)
+
+        def group(g: int) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]], bool]:
+            leader, members = leader_worker_set.members(alive, g)
             every = [leader, *members] if leader is not None else members
-            all_ready = leader is not None and len(members) == pods_per_replica - 1 and all(map(pod_ready, every))
-            updated += fresh
-            ready += fresh and all_ready
+            fresh = want is not None and all(
+                ((p.get("metadata") or {}).get("annotations") or {}).get(
+                    leader_worker_set.TEMPLATE_HASH_ANNOTATION) == want for p in every)
+            return leader, members, fresh
+
+        return cls._of_members(lws, desired, desired_hash, pods_per_replica, group)
+
+    @classmethod
+    def _of_members(cls, workload: Mapping[str, Any] | None, desired: int, desired_hash: str | None,
+                    pods_per_replica: int,
+                    group: Callable[[int], tuple[Mapping[str, Any] | None, list[Mapping[str, Any]], bool]]
+                    ) -> Workload:
+        """Groups 0..desired-1, each as ``group(g)`` gives it: (its leader pod or None, its worker
+        pods, whether they are all of the current revision). A group counts as updated when it is
+        whole and current, ready when also every member is Ready; a member that restarted and is
+        not Ready is named in GroupMemberFailed."""
+        ready = updated = 0
+        problems: list[Problem] = []
+        for g in range(desired):
+            leader, members, fresh = group(g)
+            whole = leader is not None and len(members) == pods_per_replica - 1
+            every = [leader, *members] if leader is not None else members
+            updated += fresh and whole
+            ready += fresh and whole and all(map(pod_ready, every))
             failed = [p for p in every if not pod_ready(p) and _restarts(p)]
             if failed:
                 problems.append(Problem("GroupMemberFailed", f"replica {g}: " + "; ".join(
                     _failure(p) for p in failed) + "; its pods restart together"))
-        lst = (leaders or {}).get("status") or {}
+        st = (workload or {}).get("status") or {}
         return cls(
-            exists=leaders is not None,
-            current=rolled_out(leaders, desired, (desired_hashes or {}).get(name) if desired_hashes else None),
-            replicas=int(lst.get("replicas") or 0),
+            exists=workload is not None,
+            current=rolled_out(workload, desired, desired_hash),
+            replicas=int(st.get("replicas") or 0),
             ready=ready,
             updated=updated,
             problems=tuple(problems),

@@ -35,6 +35,7 @@ def test_a_peer_that_is_not_a_network_policy_peer_is_a_usage_error(peer, capsys)
     ("--interval", "-1"), ("--interval", "nan"), ("--interval", "inf"), ("--scrape-timeout", "0"),
     ("--lease-duration", "1"), ("--lease-duration", "99999"), ("--lease-renew", "0"),
     ("--lease-grace", "nan"), ("--lease-grace", "-5"), ("--lease-grace", "1e12"),
+    ("--lws-discovery-interval", "0"), ("--lws-discovery-interval", "nan"),
 ])
 def test_numbers_out_of_bounds_are_usage_errors(flag, value, capsys):
     assert main([f"{flag}={value}"]) == 2
@@ -45,6 +46,7 @@ def test_numbers_at_their_bounds_parse():
     args = parser().parse_args(["--workers=256", "--interval=0.1", "--lease-duration=2", "--lease-grace=86400"])
     assert (args.workers, args.interval, args.lease_duration, args.lease_grace) == (256, 0.1, 2, 86400.0)
     assert parser().parse_args([]).lease_grace == 60.0
+    assert parser().parse_args([]).lws_discovery_interval == 60.0
 
 
 def test_an_otlp_protocol_the_operator_does_not_speak_is_refused_at_start(monkeypatch, capsys):

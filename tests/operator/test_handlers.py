@@ -79,7 +79,8 @@ def test_registry_has_no_finalizer_handlers(fake_kube):
     ids = {h.id for h in registry._changing.get_all_handlers()}
     assert ids == {"reconcile"}
     watching = {h.id for h in registry._watching.get_all_handlers()}
-    assert watching == {"forget", "deployment", "statefulset", "pod", "service", "configmap", "node-labels"}
+    assert watching == {"forget", "deployment", "statefulset", "leaderworkerset", "pod", "service", "configmap",
+                        "node-labels"}
 
 
 def test_operator_settings_keep_kopf_out_of_status():
@@ -142,3 +143,21 @@ def test_nodes_are_labelled_with_the_models_their_cache_holds_and_unlabelled_whe
     t["status"]["modelCache"]["models"] = []  # evicted
     assert sync_node_labels(ctx, "n1", t) is True
     assert not any(k.startswith("models.pagoda.dev/") for k in fake_kube.get("Node", None, "n1")["metadata"]["labels"])
+
+
+def test_kopfs_warning_that_leader_worker_sets_cannot_be_served_is_dropped_alone():
+    """Not installed is the default: kopf's warning, repeated on every CRD change, is dropped when
+    LeaderWorkerSets are all it names, kept when it names another resource too."""
+    import logging
+
+    from pagoda_operator.handlers import QuietAboutLeaderWorkerSets
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("kopf._core.reactor.observation", logging.WARNING, "", 0, message, (), None)
+
+    lws = "Selector(group='leaderworkerset.x-k8s.io', version='v1', any_name='leaderworkersets')"
+    other = "Selector(group='pagoda.dev', version='v1alpha1', any_name='nodetopologies')"
+    quiet = QuietAboutLeaderWorkerSets()
+    assert not quiet.filter(record(f"Unresolved resources cannot be served (try creating their CRDs): {lws}"))
+    assert quiet.filter(record(f"Unresolved resources cannot be served (try creating their CRDs): {lws}, {other}"))
+    assert quiet.filter(record("Ambiguous resources will not be served"))

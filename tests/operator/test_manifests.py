@@ -414,13 +414,18 @@ def test_rbac_is_least_privilege(helm):
         # Children go through garbage collection; the operator deletes only the workloads and
         # Services of a layout it no longer wants (pod_groups.py), never ConfigMaps or anything else.
         if "delete" in rule["verbs"]:
-            assert set(rule["resources"]) <= {"deployments", "statefulsets", "services"}, rule
+            assert set(rule["resources"]) <= {"deployments", "statefulsets", "services", "leaderworkersets"}, rule
     # Secrets: created (an elastic InferenceService's admin key, elastic.py), never read
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
     verbs = {res: set(rule["verbs"]) for rule in role["rules"] for res in rule["resources"]}
     # Nothing patches Events (ours and kopf's are created) or reads the status subresource.
     assert verbs["events"] == {"list", "create"} and verbs["inferenceservices/status"] == {"patch"}
+    # Groups of pods as LeaderWorkerSets where the CRD is installed: written like the StatefulSets
+    lws = [r for r in role["rules"] if "leaderworkersets" in r["resources"]]
+    assert lws == [{"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"],
+                    "verbs": ["get", "list", "watch", "create", "update", "delete"]}]
+    assert verbs["leaderworkersets"] == verbs["statefulsets"]
     lease = next(d for d in docs if d["kind"] == "Role")
     assert lease["metadata"]["namespace"] == "pagoda-system"
     assert lease["rules"] == [

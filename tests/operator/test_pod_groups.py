@@ -136,6 +136,13 @@ def _settle_groups(kube: FakeKube, name="llama", ns="default"):
                                  "conditions": [{"type": "Ready", "status": "True"}]}})
 
 
+def assert_groups_ready(kube: FakeKube, replicas: int) -> None:
+    """The InferenceService is Ready with ``replicas`` groups, its selector naming the leaders."""
+    st = kube.objects[("InferenceService", "default", "llama")]["status"]
+    assert condition(st, "Ready")["status"] == "True", st["conditions"]
+    assert st["readyReplicas"] == replicas and st["selector"].endswith(",pagoda.dev/role=leader")
+
+
 def test_groups_come_up_scale_down_and_switch_back_to_one_pod():
     kube = FakeKube()
     kube.put(grouped(replicas=2))
@@ -148,9 +155,7 @@ def test_groups_come_up_scale_down_and_switch_back_to_one_pod():
     assert {k[2] for k in kube.objects if k[0] == "StatefulSet"} == {"llama", "llama-0", "llama-1"}
     _settle_groups(kube)
     reconcile(ctx, "default", "llama", "pod")
-    st = kube.objects[("InferenceService", "default", "llama")]["status"]
-    assert condition(st, "Ready")["status"] == "True", st["conditions"]
-    assert st["readyReplicas"] == 2 and st["selector"].endswith(",pagoda.dev/role=leader")
+    assert_groups_ready(kube, 2)
 
     body = kube.objects[("InferenceService", "default", "llama")]
     body["spec"]["replicas"] = 1
