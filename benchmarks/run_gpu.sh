@@ -340,8 +340,9 @@ if has multi-gpu || has multi-gpu-tests; then
   step "two GPUs: tensor and expert parallelism (NCCL), float32 parity with transformers, pagoda serve"
   nvidia-smi topo -m | head -5 | tee "$OUT/topo.txt"
   # Written to a file first: a pipe cut by the timeout loses what the tests printed.
+  # MG_TEST_K: a pytest -k expression, to run some of the tests only
   timeout "${MG_TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_multi_gpu.py \
-    >"$OUT/multi-gpu-pytest.txt" 2>&1 || status=1
+    ${MG_TEST_K:+-k "$MG_TEST_K"} >"$OUT/multi-gpu-pytest.txt" 2>&1 || status=1
   tail -40 "$OUT/multi-gpu-pytest.txt"
 fi
 if has all-reduce; then

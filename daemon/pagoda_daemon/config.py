@@ -13,6 +13,9 @@ from pagoda_daemon.options import check_bounds, option
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
 # engine/grammar.py implements each; the first is the default (why: engine/grammar.py)
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
+# How MoE layers move tokens between data-parallel engines (distributed/token_dispatch.py); the
+# first is the default, as in vLLM
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoallv")
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # With the disk KV tier alone, its hits are read into this much host memory (over the engine's
@@ -122,6 +125,11 @@ class EngineConfig:
         "keeps its own requests, attention and dense layers, and every engine runs each MoE layer with the others "
         "every step, an idle one on padding; vLLM's --enable-expert-parallel with --data-parallel-size); each "
         "engine one GPU", needs="data_parallel_experts")
+    all2all_backend: str = option(
+        ALL2ALL_BACKENDS[0], "with data_parallel_experts, how each MoE layer brings the engines' tokens to their "
+        "experts: allgather_reducescatter (every engine's rows, padding included, to every GPU, the outputs summed "
+        "back) or alltoallv (in eager steps, each engine's real rows only to the GPUs holding their experts; "
+        "decode steps in CUDA graphs still gather)", choices=ALL2ALL_BACKENDS)
     data_parallel_rendezvous: str | None = option(
         None, "with data_parallel_experts: the file where the engines' processes meet (the daemon sets it)",
         cli=False)
@@ -208,6 +216,9 @@ class EngineConfig:
         elif self.data_parallel_experts:
             raise ValueError("data_parallel_experts spreads the experts over the data-parallel engines: it needs "
                              "data_parallel_size 2 or more")
+        if self.all2all_backend != ALL2ALL_BACKENDS[0] and not self.data_parallel_experts:
+            raise ValueError(f"all2all_backend {self.all2all_backend} moves tokens between the engines the experts "
+                             "are spread over: it needs data_parallel_experts")
         if self.eplb_async_steps and not self.enable_eplb:
             raise ValueError("eplb_async_steps needs enable_eplb")
         if self.elastic_ep or self.elastic_ep_min_size:

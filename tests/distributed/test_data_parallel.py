@@ -264,7 +264,12 @@ SPREAD_EPLB = {"enable_eplb": True, "num_redundant_experts": 2, "eplb_step_inter
 SPREAD_EPLB_ASYNC = {**SPREAD_EPLB, "eplb_async_steps": 1}
 
 
-@pytest.mark.parametrize("eplb", [None, SPREAD_EPLB, SPREAD_EPLB_ASYNC], ids=["plain", "eplb", "eplb-async"])
+# the tokens sent by all-to-all to the engines holding their experts (token_dispatch.py), not gathered
+SPREAD_EPLB_ALLTOALLV = {**SPREAD_EPLB, "all2all_backend": "alltoallv"}
+
+
+@pytest.mark.parametrize("eplb", [None, SPREAD_EPLB, SPREAD_EPLB_ASYNC, SPREAD_EPLB_ALLTOALLV],
+                         ids=["plain", "eplb", "eplb-async", "eplb-alltoallv"])
 def test_engines_with_the_experts_spread_step_together_with_async_scheduling_and_padded_steps(tiny_models, tmp_path,
                                                                                                eplb):
     """Two engine cores in processes of their own, one with seven prompts (chunked, preempted) and
@@ -272,7 +277,9 @@ def test_engines_with_the_experts_spread_step_together_with_async_scheduling_and
     async scheduling and the padded token grid (a GPU's defaults) both produce the one-process
     engine's greedy tokens, and they stop together. With EPLB every 3 steps (2 redundant slots),
     the experts move between the engines while they serve, at the rebalance or in the background
-    (each layer switching at a step the engines agree on), both engines ending on one placement."""
+    (each layer switching at a step the engines agree on), both engines ending on one placement;
+    the same with each engine's real rows sent by all-to-all only to the engine holding their
+    experts (an idle engine sending none) instead of every row gathered."""
     check_engines_step_together(tiny_models["qwen3_moe"], tmp_path, "cpu", eplb)
 
 

@@ -105,17 +105,19 @@ def test_experts_spread_over_two_gpu_engines_match_one_engine(tiny_models, tmp_p
     check_experts_spread_over_two_engines(tiny_models["qwen3_moe"], tmp_path, "cuda")
 
 
-@pytest.mark.parametrize("eplb", ["sync", "async"])
+@pytest.mark.parametrize("eplb", ["sync", "async", "alltoallv"])
 def test_eplb_moves_experts_between_two_gpu_engines_and_the_tokens_stay(tiny_models, tmp_path, eplb):
     """`--data-parallel-experts` with EPLB on two GPUs: two engine cores (async scheduling, CUDA
     graphs, padded steps) move experts between them while serving, over NCCL at the rebalance or
     over gloo in the background; the CPU test's checks (the one-process engine's tokens, one
-    placement on both engines, experts moved)."""
+    placement on both engines, experts moved). ``alltoallv``: eager steps send each engine's real
+    rows by NCCL all-to-all to the engine holding their experts, graph replays still gather."""
     from tests.distributed.test_data_parallel import (
         SPREAD_EPLB,
+        SPREAD_EPLB_ALLTOALLV,
         SPREAD_EPLB_ASYNC,
         check_engines_step_together,
     )
 
-    check_engines_step_together(tiny_models["qwen3_moe"], tmp_path, "cuda",
-                                SPREAD_EPLB if eplb == "sync" else SPREAD_EPLB_ASYNC)
+    options = {"sync": SPREAD_EPLB, "async": SPREAD_EPLB_ASYNC, "alltoallv": SPREAD_EPLB_ALLTOALLV}[eplb]
+    check_engines_step_together(tiny_models["qwen3_moe"], tmp_path, "cuda", options)

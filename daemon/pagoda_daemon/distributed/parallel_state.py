@@ -44,6 +44,9 @@ class TensorParallel:
     # all of them and hands each rank back the sum for its own (all-gather + reduce-scatter).
     # Implies replicated_dense.
     spread_tokens: bool = False
+    # With spread_tokens, in eager steps: each token sent only to the ranks holding its experts, by
+    # all-to-all (token_dispatch.py, --all2all-backend alltoallv), not gathered everywhere
+    alltoallv: bool = False
     # Small tensors summed from the other GPUs' memory over NVLink instead of by NCCL
     # (peer_all_reduce.py); None: NCCL sums everything.
     peer: PeerAllReduce | None = None
@@ -55,6 +58,8 @@ class TensorParallel:
             raise ValueError(f"expert-parallel size {self.expert_groups} does not divide the {self.size} ranks")
         if self.spread_tokens and not self.replicated_dense:
             raise ValueError("data-parallel attention keeps attention and the dense layers whole on every rank")
+        if self.alltoallv and not self.spread_tokens:
+            raise ValueError("the all-to-all dispatch moves tokens between data-parallel engines (spread_tokens)")
 
     @property
     def expert_group(self) -> int:

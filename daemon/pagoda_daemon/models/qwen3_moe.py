@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagoda_daemon.distributed import token_dispatch
 from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel, Unsummed
 from pagoda_daemon.models.layers import Linear
 from pagoda_daemon.models.llama import MLP, DecoderLayer, Qwen3ForCausalLM
@@ -36,6 +37,9 @@ class SparseMoE(nn.Module):
     # With EPLB: a 0-d tensor shared by every MoE layer, the real token rows of this rank's step
     # (eplb.ExpertBalancer.count_rows); None: every row counts
     counted_rows: torch.Tensor | None = None
+    # With data-parallel attention dispatched by all-to-all: the real rows of the engine's step,
+    # shared by every MoE layer of the model (set by the worker; token_dispatch.py)
+    step_rows: token_dispatch.StepRows | None = None
 
     def __init__(self, config, kernels: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -113,14 +117,16 @@ class SparseMoE(nn.Module):
             return [local] if 0 <= local < count else []
         return [s for s in range(count) if self.placement[self.first_expert + s] == expert]
 
-    def _slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
+    def _slot_ids(self, ids: torch.Tensor, only_real_rows: bool = False) -> torch.Tensor:
         """Experts -> the slots of the replica that compute them (EPLB: an expert's tokens split
-        over its copies by token index; without EPLB a slot is its expert)."""
+        over its copies by token index; without EPLB a slot is its expert). ``only_real_rows``:
+        every row routed is one of this engine's real ones (all-to-all dispatch), all counted."""
         if not self.eplb:
             return ids
         ids = ids.long()
         token = torch.arange(ids.shape[0], device=ids.device)[:, None]
-        self.expert_load.scatter_add_(0, ids.flatten(), self._counted(token).expand_as(ids).flatten())
+        counted = torch.ones_like(token) if only_real_rows else self._counted(token)
+        self.expert_load.scatter_add_(0, ids.flatten(), counted.expand_as(ids).flatten())
         copy = token % self.replica_counts[ids]
         return self.replica_slots[ids, copy]
 
@@ -137,6 +143,8 @@ class SparseMoE(nn.Module):
         """The experts' output, its sum over the ranks left to the norm after it; with
         data-parallel attention, every rank's tokens in, this rank's summed out."""
         if self.tp.spread_tokens:
+            if self.tp.alltoallv and self.step_rows is not None and self.step_rows.rows is not None:
+                return self._experts_dispatched(x, self.step_rows.rows)
             out = self._experts(self.tp.all_gather_rows(x))
             return self.tp.reduce_scatter_rows(out)
         out = self._experts(x)
@@ -146,9 +154,31 @@ class SparseMoE(nn.Module):
         """This rank's experts on the tokens routed to them (zero rows for the others')."""
         weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
         slots = self._slot_ids(ids)  # this rank computes slots first_expert.. (the kernel skips the others)
-        if self._fused is not None:  # written where the all-reduce sums it from (the peers' buffer), if anywhere
-            out = self._fused(x, self.w13, self.w2, weights, slots, first_expert=self.first_expert,
-                              out=self.tp.all_reduce_input(tuple(x.shape), x.dtype))
+        # written where the all-reduce sums it from (the peers' buffer), if anywhere
+        return self._compute(x, weights, slots, self.tp.all_reduce_input(tuple(x.shape), x.dtype))
+
+    def _experts_dispatched(self, x: torch.Tensor, real_rows: int) -> torch.Tensor:
+        """Data-parallel attention by all-to-all (token_dispatch.py): this engine's real rows
+        routed here, each sent to the ranks holding its experts, computed there, summed back."""
+        rows = x.shape[0]
+        real = min(real_rows, rows)
+        mine = x[:real]
+        if real:
+            weights, ids = self._route(self.gate(mine), self.top_k, self.renormalize)
+            slots = self._slot_ids(ids, only_real_rows=True)
+        else:  # an engine lending its experts only: it sends nothing
+            weights = torch.empty((0, self.top_k), dtype=torch.float32, device=x.device)
+            slots = torch.empty((0, self.top_k), dtype=torch.int64, device=x.device)
+        sent = token_dispatch.dispatch(mine, weights, slots, self.w13.shape[0], self.tp.group, self.tp.size)
+        out = self._compute(sent.x, sent.weights, sent.slots) if sent.x.shape[0] else sent.x
+        return token_dispatch.combine(sent, out, rows, self.tp.group)
+
+    def _compute(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's expert slots (``first_expert``..) on ``x``'s rows, each weighted as routed;
+        the slots of other ranks add nothing."""
+        if self._fused is not None:
+            out = self._fused(x, self.w13, self.w2, weights, slots, first_expert=self.first_expert, out=out)
         else:
             local = self.w13.shape[0]
             every_expert_here = local == self.num_experts and not self.eplb
@@ -158,6 +188,14 @@ class SparseMoE(nn.Module):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # the real rows of each step, which the MoE layers read with the all-to-all dispatch
+        self.step_rows = token_dispatch.StepRows()
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.step_rows = self.step_rows
+
     def make_layer(self, config, backend, rotary, index: int) -> DecoderLayer:
         step = getattr(config, "decoder_sparse_step", 1) or 1
         sparse = index not in (getattr(config, "mlp_only_layers", None) or []) and (index + 1) % step == 0

@@ -11,8 +11,8 @@ schedule the next step while this one runs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -441,6 +441,26 @@ class ModelRunner:
         host.numpy()[grammar.rows] = grammar.bitmask
         return host.to(self.device, non_blocking=True) if pin else host
 
+    def _runs_eagerly(self, graph_size: int | None, rows: int) -> bool:
+        """Whether a step of ``rows`` padded rows runs its MoE layers outside any CUDA graph."""
+        return graph_size is None and not (self.piecewise is not None and self.piecewise.replays(rows))
+
+    @contextmanager
+    def _moe_dispatch(self, real_rows: int, eager: bool) -> Iterator[None]:
+        """Around a forward pass: with the experts spread over data-parallel engines by
+        all-to-all (token_dispatch.py), a pass that every engine runs eagerly sends only its first
+        ``real_rows`` rows; a pass that some engine replays in a CUDA graph gathers, as the graph
+        does (the engines' collectives must match one for one)."""
+        step_rows = getattr(self.model, "step_rows", None)
+        if step_rows is None or not eager:
+            yield
+            return
+        step_rows.rows = real_rows
+        try:
+            yield
+        finally:
+            step_rows.rows = None
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
                 wait_for_kv_layer: Callable[[int], None] | None = None) -> LaunchedStep | None:
@@ -451,8 +471,9 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             if sched.lockstep is not None and sched.lockstep.tokens:  # the other engines' tokens, our experts
-                with phase("pagoda.forward"):
-                    self.model.run_experts_only(self.lockstep_shape(sched.lockstep)[1])
+                graph_size, padded_rows = self.lockstep_shape(sched.lockstep)
+                with phase("pagoda.forward"), self._moe_dispatch(0, self._runs_eagerly(graph_size, padded_rows)):
+                    self.model.run_experts_only(padded_rows)
             # nothing to wait for: no staging buffer is read, and waiting for the device here would
             # hold the next agreement, hence the other engines' next steps, until this one has run
             return LaunchedStep.empty()
@@ -472,10 +493,11 @@ class ModelRunner:
                 logits = all_logits[: len(rows)] if every_row else all_logits[inputs.logits_indices]
             else:
                 size = inputs.input_ids.shape[0]
-                if self.piecewise is not None and self.piecewise.covers(size):  # graphs of all but attention
-                    hidden = self.piecewise.run(size, inputs.meta, self.kv_caches)
-                else:
-                    hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                with self._moe_dispatch(sched.num_scheduled_tokens, self._runs_eagerly(None, size)):
+                    if self.piecewise is not None and self.piecewise.covers(size):  # graphs of all but attention
+                        hidden = self.piecewise.run(size, inputs.meta, self.kv_caches)
+                    else:
+                        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 logits = self.model.compute_logits(hidden[inputs.lm_head_indices])[: len(rows)] if rows else None
         prompt_logprobs = self._prompt_logprobs(hidden, self._prompt_rows) if graph_size is None else {}
         if not rows:  # nothing sampled, but its inputs' buffers are free only once it has run

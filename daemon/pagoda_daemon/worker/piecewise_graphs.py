@@ -66,6 +66,10 @@ class PiecewiseGraphRunner:
         """Whether a step padded to ``num_tokens`` rows runs piece by piece (else as one eager pass)."""
         return num_tokens in self.covered
 
+    def replays(self, num_tokens: int) -> bool:
+        """Whether a step padded to ``num_tokens`` rows replays captured pieces (not run eagerly)."""
+        return num_tokens in self.graphs
+
     def run_eagerly(self) -> None:
         """Every size piece by piece without graphs: the same buffers and order a GPU replays,
         where no graph can be captured (the CPU tests)."""

@@ -174,7 +174,8 @@ class Worker:
         self.lockstep = Lockstep(control)
         size = config.data_parallel_size
         return TensorParallel(config.data_parallel_rank, size, dist.group.WORLD, expert_groups=size,
-                              replicated_dense=True, spread_tokens=True)
+                              replicated_dense=True, spread_tokens=True,
+                              alltoallv=config.all2all_backend == "alltoallv")
 
     def _eplb_transfer_group(self):
         """A gloo group over this replica's ranks for EPLB's background moves (through host memory,
