@@ -58,7 +58,8 @@ FULL_SPEC = {
 
 
 # The options FULL_SPEC's layout excludes: the experts spread over data-parallel engines of one GPU each.
-DATA_EXPERTS_SPEC = {"resources": {"gpusPerReplica": 4}, "parallelism": {"data": 4, "dataParallelExperts": True}}
+DATA_EXPERTS_SPEC = {"resources": {"gpusPerReplica": 4},
+                     "parallelism": {"data": 4, "dataParallelExperts": True, "all2allBackend": "alltoallv"}}
 
 
 def test_every_key_the_operator_can_render_is_a_daemon_option():

@@ -125,6 +125,8 @@ class Parallelism:
     eplb_async_steps: int = 0  # > 0: the experts move in the background (the daemon's eplb_async_steps)
     # The MoE experts spread over the `data` engines of a pod, each engine one GPU (data-parallel attention)
     data_parallel_experts: bool = False
+    # How those engines' MoE layers move tokens (the daemon's all2all_backend); None: its default
+    all2all_backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,7 @@ def parse(
         eplb_step_interval=int(_get(eplb, "stepInterval", 3000)),
         eplb_async_steps=int(_get(eplb, "asyncSteps", 0)),
         data_parallel_experts=data_experts,
+        all2all_backend=_get(p, "all2allBackend"),
     )
     e = _get(spec, "engine", {})
     engine = Engine(
@@ -608,6 +611,21 @@ def _data_parallel_experts_rules(data: int, tensor: int, expert: int) -> list[st
     return errors
 
 
+def all2all_backend_field_errors(raw: Any) -> list[str]:
+    """The daemon's rule for all2allBackend in a raw spec.parallelism (the schema's enum refuses
+    other values): refused by the webhook as by :func:`validate`."""
+    if not isinstance(raw, Mapping):
+        return []
+    return _all2all_backend_rules(raw.get("all2allBackend"), raw.get("dataParallelExperts") is True)
+
+
+def _all2all_backend_rules(backend: Any, data_parallel_experts: bool) -> list[str]:
+    if backend in (None, ALL2ALL_BACKENDS[0]) or data_parallel_experts:
+        return []
+    return [f"parallelism.all2allBackend {backend} moves tokens between the engines the experts are spread over: "
+            "it needs parallelism.dataParallelExperts"]
+
+
 def disaggregation_field_errors(raw: Any) -> list[str]:
     """What is malformed in a raw spec.disaggregation: :func:`parse` refuses it, and so does the
     admission webhook at apply time."""
@@ -788,6 +806,8 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         optional["eplb_async_steps"] = p.eplb_async_steps
     if p.data_parallel_experts:  # only when set, likewise
         optional["data_parallel_experts"] = True
+    if p.all2all_backend is not None:
+        optional["all2all_backend"] = p.all2all_backend
     if p.elastic is not None:
         optional.update(elastic_ep_min_size=p.elastic.min_expert, elastic_ep_max_size=p.elastic.max_expert)
     cfg.update({k: v for k, v in optional.items() if v is not None})
@@ -810,6 +830,9 @@ CRD_FIELD_OF_OPTION = {
 # spec.kvOffload.writePolicy's values: the daemon's option's
 WRITE_POLICIES: tuple[str, ...] = next(d.info.choices or () for d in declared(EngineConfig)
                                        if d.name == "kv_offload_write_policy")
+# spec.parallelism.all2allBackend's values, likewise
+ALL2ALL_BACKENDS: tuple[str, ...] = next(d.info.choices or () for d in declared(EngineConfig)
+                                         if d.name == "all2all_backend")
 
 
 # The fields of the options a daemon's refusal of its configuration may name beyond the gated ones
@@ -819,6 +842,7 @@ CRD_FIELD_OF_LAYOUT_OPTION = {
     "num_redundant_experts": "spec.parallelism.eplb.redundantExperts",
     "eplb_async_steps": "spec.parallelism.eplb.asyncSteps",
     "elastic_ep_max_size": "spec.parallelism.elastic.maxExpert",
+    "all2all_backend": "spec.parallelism.all2allBackend",
 }
 
 
@@ -895,6 +919,10 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
     if par.eplb_redundant_experts is not None and par.expert < 2 and not par.data_parallel_experts:
         errors.append("parallelism.eplb needs parallelism.expert of 2 or more, or dataParallelExperts (it balances "
                       "experts between ranks, or engines)")
+    if par.all2all_backend is not None and par.all2all_backend not in ALL2ALL_BACKENDS:
+        errors.append(f"parallelism.all2allBackend {par.all2all_backend!r} must be one of {', '.join(ALL2ALL_BACKENDS)}")
+    else:
+        errors += _all2all_backend_rules(par.all2all_backend, par.data_parallel_experts)
     if par.eplb_async_steps and par.elastic is not None:
         errors.append("parallelism.eplb.asyncSteps does not combine with parallelism.elastic (a resize moves the "
                       "experts itself)")

@@ -24,6 +24,7 @@ import kopf
 from pagoda_operator import GROUP, KIND
 from pagoda_operator.admission import Access, Policy, refusal, review
 from pagoda_operator.spec import (
+    all2all_backend_field_errors,
     data_parallel_experts_field_errors,
     disaggregation_field_errors,
     model_source_errors,
@@ -43,7 +44,7 @@ def decide(request: Any, policy: Policy, user_can: UserCan) -> dict[str, Any]:
     """The AdmissionReview response for an AdmissionReview request.
 
     A malformed ``spec.model.uri`` (or remote-source option) or ``spec.disaggregation``, and a
-    ``spec.parallelism.dataParallelExperts`` the daemon would refuse, are refused as invalid (422)
+    ``spec.parallelism.dataParallelExperts`` or ``all2allBackend`` the daemon would refuse, are refused as invalid (422)
     naming the field. Only a change of ``spec`` is reviewed: metadata-only updates (kopf's
     bookkeeping annotations, labels) change no pod. An error while asking for the requester's
     access refuses the request (fail closed) with the error in the message.
@@ -78,7 +79,8 @@ def decide(request: Any, policy: Policy, user_can: UserCan) -> dict[str, Any]:
     # disaggregation, data-parallel experts the daemon would refuse: refused here rather than by a
     # Degraded status after the apply.
     invalid = (model_source_errors(spec.get("model")) + disaggregation_field_errors(spec.get("disaggregation"))
-               + data_parallel_experts_field_errors(spec.get("parallelism")))
+               + data_parallel_experts_field_errors(spec.get("parallelism"))
+               + all2all_backend_field_errors(spec.get("parallelism")))
     if invalid:
         return answer(False, f"InferenceService {namespace}/{name} is invalid: " + "; ".join(invalid), 422)
     user = _map(req.get("userInfo"))
