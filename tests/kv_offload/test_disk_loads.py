@@ -126,31 +126,79 @@ def test_stages_land_in_their_host_slots_and_a_failed_thread_fails_the_engine(tm
             time.sleep(0.01)
 
 
-def test_demotes_are_written_beside_the_steps_and_what_reads_their_files_waits_for_them(tmp_path, monkeypatch):
-    """Host memory's evicted blocks (``demote``) are written to disk beside the steps: the step's
-    copies return while the writes are held, from a copy of the slot (a later save may reuse
-    it). A disk load, a background stage or a drop of a block whose write is under way waits for
-    it; past MAX_DEMOTE_BYTES of copies waiting, the step waits for the oldest; ``flush`` waits
-    for all."""
-    w, kv = worker(tmp_path, cpu_gib=8 * LAYERS * 2 * BS * HEADS * DIM * 4 / 2**30)  # 8 float32 blocks
-    assert w.disk is not None and w.cpu is not None
+def hold_writes(w: tiered.TieredWorker, monkeypatch) -> threading.Event:
+    """The worker's disk writes wait until the returned event is set."""
+    assert w.disk is not None
     release = threading.Event()
     write = w.disk.write
 
     def held_write(block_hash, block):
-        assert release.wait(60), "the demote writes were never released"
+        assert release.wait(60), "the writes were never released"
         write(block_hash, block)
 
     monkeypatch.setattr(w.disk, "write", held_write)
+    return release
+
+
+def in_thread(fn, *args) -> threading.Thread:
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_disk_tier_alones_saves_are_written_beside_the_steps_and_the_steps_outputs_wait_for_them(
+        tmp_path, monkeypatch):
+    """The disk tier alone (every computed block saved): a step's saves come off the device at
+    once and their files are written beside the following steps, which may overwrite the
+    blocks meanwhile; the step's writes go to its outputs (``take_step_writes``, awaited by
+    ``LaunchedStep.wait``: a prefill instance's answer promises its files); a load of a block
+    still being written waits for it; ``flush`` waits for all."""
+    from concurrent import futures
+
+    from pagoda_daemon.worker.model_runner import LaunchedStep
+
+    w, kv = worker(tmp_path)
+    assert w.disk is not None
+    release = hold_writes(w, monkeypatch)
+    kv.normal_()
+    saved = [kv[:, :, g].clone() for g in range(3)]
+    hashes = [bytes([70 + i]) * 32 for i in range(3)]
+    step = in_thread(w.run, [KVTransfer("save_disk", h, g) for g, h in enumerate(hashes)], kv)
+    step.join(10)
+    assert not step.is_alive(), "the step waited for its saves' files"
+    writes = w.take_step_writes()
+    assert len(writes) == 3 and not any(f.done() for f in writes) and w.take_step_writes() == []
+    launched = LaunchedStep.empty()
+    launched.kv_writes = writes
+    answered = in_thread(launched.wait)
+    kv[:, :, :3].normal_()  # the next steps reuse the blocks while the files are written
+    load = in_thread(w.run, [KVTransfer("load_disk", hashes[0], 20)], kv)
+    time.sleep(0.3)
+    assert answered.is_alive() and load.is_alive(), "the outputs or a read did not wait for the files"
+    release.set()
+    for t in (answered, load):
+        t.join(30)
+        assert not t.is_alive()
+    assert all(f.done() and f.exception() is None for f in futures.wait(writes, timeout=30).done)
+    assert torch.equal(kv[:, :, 20], saved[0])  # the block as it was saved
+    w.flush()
+    for h, block in zip(hashes, saved, strict=True):
+        assert torch.equal(w.disk.read(h), block)
+
+
+def test_demotes_are_written_beside_the_steps_and_what_reads_their_files_waits_for_them(tmp_path, monkeypatch):
+    """Host memory's evicted blocks (``demote``) are written to disk beside the steps: the step's
+    copies return while the writes are held, from a copy of the slot (a later save may reuse
+    it). A disk load, a background stage or a drop of a block whose write is under way waits for
+    it; past MAX_WRITE_BYTES of copies waiting, the step waits for the oldest; ``flush`` waits
+    for all."""
+    w, kv = worker(tmp_path, cpu_gib=8 * LAYERS * 2 * BS * HEADS * DIM * 4 / 2**30)  # 8 float32 blocks
+    assert w.disk is not None and w.cpu is not None
+    release = hold_writes(w, monkeypatch)
     kv.normal_()
     first = [kv[:, :, g].clone() for g in range(3)]
     hashes = [bytes([50 + i]) * 32 for i in range(3)]
     assert w.run([KVTransfer("save_cpu", h, g, g) for g, h in enumerate(hashes)], kv) == [False] * 3
-
-    def in_thread(fn, *args) -> threading.Thread:
-        t = threading.Thread(target=fn, args=args, daemon=True)
-        t.start()
-        return t
 
     step = in_thread(w.run, [KVTransfer("demote", h, -1, g) for g, h in enumerate(hashes)], kv)
     step.join(10)
@@ -177,7 +225,7 @@ def test_demotes_are_written_beside_the_steps_and_what_reads_their_files_waits_f
     assert staged == [(hashes[1], True)] and torch.equal(w.cpu.block(5), first[1])
 
     release.clear()  # past the bound the step waits for the oldest write; flush waits for all
-    monkeypatch.setattr(w, "_max_demotes", 1)
+    monkeypatch.setattr(w, "_max_writes", 1)
     step = in_thread(w.run, [KVTransfer("demote", b"a" * 32, -1, 5), KVTransfer("demote", b"b" * 32, -1, 1)], kv)
     time.sleep(0.5)
     assert step.is_alive(), "two demotes waiting with room for one, and the step did not wait"

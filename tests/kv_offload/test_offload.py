@@ -327,7 +327,10 @@ def test_no_leaks_after_many_requests_with_aborts(model, block_bytes, tmp_path, 
     assert aborted > requests // 10 and stats.hits > 0 and stats.loaded_bytes.get("disk", 0) > 0
     assert_idle_and_consistent(llm)
     connector = engine.core.connector
-    assert len(connector.cpu) == connector.cpu.num_slots == 10
+    # full but for a slot or so: a slot reserved for a background disk read is let go when a save
+    # stored that block meanwhile (TieredConnector.staged), a hole until the next save (seen once
+    # in five runs on 2 cores)
+    assert connector.cpu.num_slots - 2 <= len(connector.cpu) <= connector.cpu.num_slots == 10
     assert len(connector.disk) == connector.disk.num_files == 30
 
 

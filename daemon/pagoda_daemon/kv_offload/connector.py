@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 from pagoda_daemon.engine.block_hash import BlockHash
 from pagoda_daemon.engine.block_pool import RemovedBlock, StoredBlock
@@ -184,6 +185,11 @@ class OffloadWorker(ABC):
     def take_staged(self) -> list[tuple[bytes, bool]]:
         """The reads started by ``stage`` that are done on every rank since the last call: (hash,
         whether it was read whole). Rank 0's answer is the replica's."""
+        return []
+
+    def take_step_writes(self) -> list[Future[None]]:
+        """The writes of the saves run since the last call, still under way beside the steps: the
+        step's outputs wait for them (its files are then whole when its answer goes out)."""
         return []
 
     def take_transfer_seconds(self) -> float:

@@ -74,11 +74,12 @@ MAX_ANSWERED = 4096  # requests whose fetch (or disk staging) is done, remembere
 # meanwhile), a disk hit is read before the forward pass of the step that needs it.
 MAX_STAGING_SHARE = 0.5
 MAX_SOURCES = 64  # prefill instances whose sockets' settings are kept (a request may name any)
-# Demotes (blocks host memory evicts, written to disk) are written beside the steps, each from a
-# copy of its slot: at most this many bytes of copies wait for the I/O threads, beyond which the
-# engine's thread waits for the oldest write (a disk slower than the evictions holds the steps
-# back rather than the host's memory growing without bound).
-MAX_DEMOTE_BYTES = 256 * 2**20
+# Disk writes run beside the steps, each from a host copy of its block: demotes (blocks host
+# memory evicts, from a copy of the slot) and the saves of a disk tier alone (from a copy off the
+# GPU). At most this many bytes of copies wait for the I/O threads, beyond which the engine's
+# thread waits for the oldest write (a disk slower than the evictions holds the steps back rather
+# than the host's memory growing without bound).
+MAX_WRITE_BYTES = 256 * 2**20
 
 
 def enabled(config: EngineConfig) -> bool:
@@ -420,7 +421,7 @@ class TieredConnector(OffloadConnector):
             self.stored(block_hash, CPU_MEDIUM)
             self._count(self.stats.saved_bytes, CPU)
         elif self.disk is not None and not self.disk.contains(block_hash):
-            self._disk_insert(block_hash)
+            self._disk_insert(block_hash, pending=True)  # (the worker writes it beside the steps)
             self._saves.append(KVTransfer("save_disk", block_hash, gpu_block_id))
 
     def _evict_host_block(self, evicted: tuple[BlockHash, int], spare: set[BlockHash] | frozenset[BlockHash]) -> None:
@@ -517,11 +518,16 @@ class TieredWorker(OffloadWorker):
         self._stage_io = (ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="pagoda-kv-stage-read",
                                              initializer=pin_thread, initargs=(transfer_cpu,)) if both else None)
         self._stage_group = group
-        # Demote writes under way, oldest first (the staging thread reads it: a lock): a read,
-        # rewrite or drop of one of these files waits for its write (_await_demote).
-        self._demotes: OrderedDict[BlockHash, Future[None]] = OrderedDict()
-        self._demotes_lock = threading.Lock()
-        self._max_demotes = max(1, MAX_DEMOTE_BYTES // block_bytes)
+        # Writes under way beside the steps (demotes, disk saves), oldest first (the staging thread
+        # reads it: a lock): a read, rewrite or drop of one of these files waits for its write
+        # (_await_write). The step's own saves are also listed for its outputs to wait for
+        # (take_step_writes): a prefill instance's answer promises its files.
+        self._writes: OrderedDict[BlockHash, Future[None]] = OrderedDict()
+        self._writes_lock = threading.Lock()
+        self._max_writes = max(1, MAX_WRITE_BYTES // block_bytes)
+        self._step_writes: list[Future[None]] = []
+        # the copies of disk saves off the GPU, beside the steps (none on a CPU: a gather is a copy)
+        self._off_device = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda and self.disk else None
         self._staged: deque[tuple[bytes, bool]] = deque()
         self._stage_error: BaseException | None = None  # the staging thread's (take_staged raises it)
         self._staging: CpuStore | None = None  # made at the first disk load: engines that never load pay nothing
@@ -556,7 +562,7 @@ class TieredWorker(OffloadWorker):
                 self._staging_read.synchronize()
                 self._staging_read = None
             for _, t in chunk:
-                self._await_demote(t.block_hash)
+                self._await_write(t.block_hash)
             reads = [io.submit(disk.read, t.block_hash, staging.slot(k)) for k, (_, t) in enumerate(chunk)]
             slots, blocks = [], []
             for k, ((i, t), read) in enumerate(zip(chunk, reads, strict=True)):
@@ -601,7 +607,7 @@ class TieredWorker(OffloadWorker):
         cpu, disk = self.cpu, self.disk
 
         def read(t: KVTransfer) -> bool:
-            self._await_demote(t.block_hash)
+            self._await_write(t.block_hash)
             try:
                 if len(cpu.data) == 1:
                     disk.read(t.block_hash, cpu.slot(t.slot))
@@ -629,45 +635,77 @@ class TieredWorker(OffloadWorker):
         return done
 
     def _demote(self, block_hash: BlockHash, slot: int) -> None:
-        """Write a host slot's block to disk beside the steps. The slot is copied first (a later
-        save may reuse it while the write runs); the step waits only when more than
-        ``MAX_DEMOTE_BYTES`` of copies are waiting to be written."""
-        assert self.cpu is not None and self.disk is not None and self._io is not None
-        self._await_demote(block_hash)  # the same file being written still (its temp file is one)
-        future = self._io.submit(self.disk.write, block_hash, self.cpu.block(slot))
-        with self._demotes_lock:
-            self._demotes[block_hash] = future
-        future.add_done_callback(lambda done: self._demoted(block_hash, done))
-        while True:  # the oldest stays listed while waited for: a read of it still waits too
-            with self._demotes_lock:
-                if len(self._demotes) <= self._max_demotes:
-                    return
-                oldest_hash, oldest = next(iter(self._demotes.items()))
-            wait([oldest])
-            self._demoted(oldest_hash, oldest)
+        """Write a host slot's block to disk beside the steps, from a copy of the slot (a later
+        save may reuse it while the write runs)."""
+        assert self.cpu is not None
+        self._write_beside(block_hash, self.cpu.block(slot))
 
-    def _demoted(self, block_hash: BlockHash, done: Future[None]) -> None:
-        with self._demotes_lock:
-            if self._demotes.get(block_hash) is not done:
+    def _write_beside(self, block_hash: BlockHash, block: torch.Tensor,
+                      copied: torch.cuda.Event | None = None) -> Future[None]:
+        """Write a block's file in the I/O threads, from ``block`` (a host copy, complete once
+        ``copied`` has happened); the step waits only when more than ``MAX_WRITE_BYTES`` of
+        copies are waiting to be written."""
+        assert self.disk is not None and self._io is not None
+        self._await_write(block_hash)  # the same file being written still (its temp file is one)
+        future = self._io.submit(self._write_copied, block_hash, block, copied)
+        with self._writes_lock:
+            self._writes[block_hash] = future
+        future.add_done_callback(lambda done: self._written(block_hash, done))
+        while True:  # the oldest stays listed while waited for: a read of it still waits too
+            with self._writes_lock:
+                if len(self._writes) <= self._max_writes:
+                    return future
+                oldest_hash, oldest = next(iter(self._writes.items()))
+            wait([oldest])
+            self._written(oldest_hash, oldest)
+
+    def _write_copied(self, block_hash: BlockHash, block: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        assert self.disk is not None
+        if copied is not None:
+            copied.synchronize()
+        self.disk.write(block_hash, block)
+
+    def _copy_off_device(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """``blocks`` (gathered on the step's stream) copied to pinned host memory on a stream of
+        the saves' own, and the event after the copy: the engine's thread does not wait for the
+        step's forward pass (with the disk tier alone, most steps save a block)."""
+        if self._off_device is None:
+            return blocks, None
+        host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+        self._off_device.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._off_device):
+            host.copy_(blocks, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        blocks.record_stream(self._off_device)  # the allocator keeps it until the copy has run
+        return host, copied
+
+    def take_step_writes(self) -> list[Future[None]]:
+        saves, self._step_writes = self._step_writes, []
+        return saves
+
+    def _written(self, block_hash: BlockHash, done: Future[None]) -> None:
+        with self._writes_lock:
+            if self._writes.get(block_hash) is not done:
                 return  # (removed by the thread that waited for it)
-            del self._demotes[block_hash]
+            del self._writes[block_hash]
         error = None if done.cancelled() else done.exception()
         if error is not None:  # DiskStore.write warns of I/O errors itself: this is anything else
             log.error("KV offload: writing block %s to disk failed (%r): it will be recomputed", block_hash.hex(),
                       error)
 
-    def _await_demote(self, block_hash: BlockHash) -> None:
+    def _await_write(self, block_hash: BlockHash) -> None:
         """Wait until the block's demote, if one is under way, has written (or failed to write)
         its file."""
-        with self._demotes_lock:
-            pending = self._demotes.get(block_hash)
+        with self._writes_lock:
+            pending = self._writes.get(block_hash)
         if pending is not None:
             wait([pending])  # one that failed left no file: the read finds none (_demoted says why)
 
     def flush(self) -> None:
-        """Every demote written: the next engine on this directory (a restart) finds the files."""
-        with self._demotes_lock:
-            pending = list(self._demotes.values())
+        """Every write beside the steps done: the next engine on this directory (a restart) finds the files."""
+        with self._writes_lock:
+            pending = list(self._writes.values())
         wait(pending)
 
     def prefetch(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> None:
@@ -717,25 +755,22 @@ class TieredWorker(OffloadWorker):
     def run(self, transfers: list[KVTransfer], kv_cache: torch.Tensor) -> list[bool]:
         """Host-memory copies in list order (batched; on a GPU, loads a layer group at a time on
         the load stream, which the step's layers wait for, wait_for_layer, and saves beside the
-        step: CpuStore); disk reads (into pinned slots, then batched to the GPU after
-        the host-memory copies: loads fill distinct fresh blocks) and writes in the I/O threads,
-        every one finished before this returns, so a step's files are whole when its outputs go
-        out (a prefill instance's answer promises them), except demotes: host memory's evicted
-        blocks are written beside the following steps (_demote).
-        The disk blocks a step saves come off the GPU in a few copies (not one per block), once
-        the step has run."""
+        step: CpuStore); disk reads (into pinned slots, then batched to the GPU after the
+        host-memory copies: loads fill distinct fresh blocks), finished before this returns; disk
+        writes beside the following steps (_write_beside): host memory's evicted blocks (demotes)
+        and the saves of a disk tier alone. The disk blocks a step saves come off the GPU in a few
+        copies (not one per block) on a stream of their own once the step has run; the step's
+        outputs wait for their files (take_step_writes: a prefill instance's answer promises them)."""
         started = time.perf_counter()
         failed = [False] * len(transfers)
         disk = self.disk
-        writes: dict[BlockHash, Future[None]] = {}
-        from_gpu: dict[BlockHash, torch.Tensor] = {}
-        io = self._io  # there exactly when the disk tier is
-        if disk is not None and io is not None:
+        from_gpu: dict[BlockHash, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        if disk is not None:
             saves = [t for t in transfers if t.kind == "save_disk"]
             for first in range(0, len(saves), SAVE_COPY_BLOCKS):  # a bounded staging buffer on the device
                 chunk = saves[first : first + SAVE_COPY_BLOCKS]
-                blocks = gather(kv_cache, [t.gpu_block for t in chunk]).cpu()
-                from_gpu.update((t.block_hash, blocks[j]) for j, t in enumerate(chunk))
+                blocks, copied = self._copy_off_device(gather(kv_cache, [t.gpu_block for t in chunk]))
+                from_gpu.update((t.block_hash, (blocks[j], copied)) for j, t in enumerate(chunk))
         # consecutive host-memory loads (or saves) go as one batch: a few copies, not one per block
         batch: list[KVTransfer] = []
         disk_loads: list[tuple[int, KVTransfer]] = []
@@ -762,25 +797,18 @@ class TieredWorker(OffloadWorker):
             if t.kind == "load_disk":
                 disk_loads.append((i, t))  # after the loop: loads fill distinct fresh blocks, in any order
             elif t.kind == "save_disk":
-                assert disk is not None and io is not None
-                self._await_demote(t.block_hash)
-                writes[t.block_hash] = io.submit(disk.write, t.block_hash, from_gpu[t.block_hash])
+                self._step_writes.append(self._write_beside(t.block_hash, *from_gpu[t.block_hash]))
             elif t.kind == "demote":
                 self._demote(t.block_hash, t.slot)
             elif t.kind == "drop":
                 assert disk is not None
-                pending = writes.pop(t.block_hash, None)
-                if pending is not None:  # written and evicted by the same step: the write first
-                    pending.result()
-                self._await_demote(t.block_hash)
+                self._await_write(t.block_hash)  # (written and evicted by the same step: the write first)
                 disk.drop(t.block_hash)
             else:
                 raise ValueError(f"unknown KV transfer {t.kind!r}")
         flush()
         if disk_loads:
             self._load_from_disk(disk_loads, kv_cache, failed)
-        for write in writes.values():
-            write.result()
         self.transfer_seconds += time.perf_counter() - started
         return failed
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent import futures
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -108,6 +110,8 @@ class LaunchedStep:
         self.event = event
         self.prompt_logprobs = prompt_logprobs or {}
         self.failed_kv_blocks: list[int] = []
+        # the disk files the step saved, written beside the steps: its outputs wait for them
+        self.kv_writes: list[Future[None]] = []
 
     @classmethod
     def empty(cls) -> LaunchedStep:
@@ -118,6 +122,9 @@ class LaunchedStep:
         if self.event is not None:
             with phase("pagoda.wait_for_gpu"):
                 self.event.synchronize()  # the one host sync of the step
+        if self.kv_writes:
+            with phase("pagoda.kv_offload_wait_for_writes"):
+                futures.wait(self.kv_writes)
 
     def result(self) -> StepResult:
         self.wait()  # also a step that sampled nothing: the next step but one reuses its input buffers

@@ -314,6 +314,8 @@ class Worker:
         if so.kv_saves and self.offload is not None:
             with phase("pagoda.kv_offload_save"):
                 self.offload.run(so.kv_saves, self.runner.kv_cache)
+        if launched is not None and self.offload is not None:  # (else sample_tokens takes them)
+            launched.kv_writes = self.offload.take_step_writes()
         if so.kv_stages and self.offload is not None:  # into slots the saves may just have demoted from
             self.offload.stage(so.kv_stages, self.runner.kv_cache)
         if self.balancer is not None and (so.lockstep.tokens > 0 if so.lockstep is not None else not so.is_empty):
@@ -334,6 +336,8 @@ class Worker:
     def sample_tokens(self, grammar: GrammarBitmask) -> LaunchedStep:
         launched = self._with_failed_loads(self.runner.sample(grammar))
         assert launched is not None
+        if self.offload is not None:
+            launched.kv_writes = self.offload.take_step_writes()
         return launched
 
     def _with_failed_loads(self, launched: LaunchedStep | None) -> LaunchedStep | None:
