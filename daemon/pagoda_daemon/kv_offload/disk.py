@@ -157,9 +157,9 @@ class DiskIndex:
         self.identities = identities  # one per rank
         self.files: OrderedDict[BlockHash, None] = OrderedDict()
         self.checked: set[BlockHash] = set()  # written by this run, read back whole once, or adopted
-        # written beside the steps (host memory's demotes) and not yet seen on disk: a lookup that
-        # finds no file counts them as there, since the worker's reads wait for the write (one that
-        # failed then fails its load, which is recomputed)
+        # written beside the steps (demotes, the disk tier alone's saves) and not yet seen on disk:
+        # a lookup that finds no file counts them as there, since the worker's reads wait for the
+        # write (one that failed then fails its load, which is recomputed)
         self.pending: set[BlockHash] = set()
         # adopted blocks: the source file's (inode, mtime); and those forgotten (a load failed), so
         # that the same source file is not adopted again, and failed again, without end

@@ -681,8 +681,8 @@ class TieredWorker(OffloadWorker):
         return host, copied
 
     def take_step_writes(self) -> list[Future[None]]:
-        saves, self._step_writes = self._step_writes, []
-        return saves
+        writes, self._step_writes = self._step_writes, []
+        return writes
 
     def _written(self, block_hash: BlockHash, done: Future[None]) -> None:
         with self._writes_lock:
@@ -695,12 +695,12 @@ class TieredWorker(OffloadWorker):
                       error)
 
     def _await_write(self, block_hash: BlockHash) -> None:
-        """Wait until the block's demote, if one is under way, has written (or failed to write)
-        its file."""
+        """Wait until the block's write beside the steps (a demote or a save), if one is under way,
+        has written (or failed to write) its file."""
         with self._writes_lock:
             pending = self._writes.get(block_hash)
         if pending is not None:
-            wait([pending])  # one that failed left no file: the read finds none (_demoted says why)
+            wait([pending])  # one that failed left no file: the read finds none (_written says why)
 
     def flush(self) -> None:
         """Every write beside the steps done: the next engine on this directory (a restart) finds the files."""

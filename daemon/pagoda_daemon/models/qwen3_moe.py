@@ -38,7 +38,7 @@ class SparseMoE(nn.Module):
     # (eplb.ExpertBalancer.count_rows); None: every row counts
     counted_rows: torch.Tensor | None = None
     # With data-parallel attention dispatched by all-to-all: the real rows of the engine's step,
-    # shared by every MoE layer of the model (set by the worker; token_dispatch.py)
+    # shared by every MoE layer of the model (set by ModelRunner._moe_dispatch; token_dispatch.py)
     step_rows: token_dispatch.StepRows | None = None
 
     def __init__(self, config, kernels: bool = False, tp: TensorParallel = SINGLE) -> None:
