@@ -35,6 +35,9 @@ from pagoda_daemon.telemetry.kv_events import offset_endpoint
       "elastic_ep_max_size": 2}, "elastic expert parallelism resizes one engine"),
     ({"data_parallel_experts": True}, "needs data_parallel_size 2 or more"),
     ({"data_parallel_size": 2, "data_parallel_experts": True, "tensor_parallel_size": 2}, "each engine on one GPU"),
+    ({"data_parallel_size": 2, "all2all_backend": "alltoallv"}, "alltoallv .* it needs data_parallel_experts"),
+    ({"data_parallel_size": 2, "data_parallel_experts": True, "all2all_backend": "deepep"}, "all2all_backend"),
+    ({"data_parallel_size": 2, "data_parallel_experts": True, "all2all_backend": 3}, "all2all_backend"),
 ])
 def test_what_data_parallelism_does_not_combine_with_is_refused(options, message):
     with pytest.raises(ValueError, match=message):
