@@ -5,7 +5,7 @@ the same `pagoda bench` conversations (token ids on a long shared context, every
 the conversation so far), reporting TTFT p50/p99, throughput and the offload counters.
 
     python -m benchmarks.kv_offload MODEL_DIR [--tokenizer DIR] [--load-format dummy] \\
-        [--num-kv-blocks N] [--conversations 100] [--turns 10] [--shared-len 2000] \\
+        [--num-kv-blocks N] [--conversations 100] [--turns 10] [--shared-len 2000] [--document-len 0] \\
         [--max-concurrency N | --conversation-rate R --turn-delay S] \\
         [--configs off,cpu,disk,both] [--cpu-gib 16] [--disk-gib 64] [--out results.jsonl]
 
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=100)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--shared-len", type=int, default=2000, help="tokens of the context every conversation shares")
+    ap.add_argument("--document-len", type=int, default=0,
+                    help="tokens of each conversation's own document after the shared context (prefixes no other "
+                         "conversation shares, which the GPU cache cannot keep for all)")
     ap.add_argument("--turn-len", type=int, default=200, help="tokens of each user turn")
     ap.add_argument("--output-len", type=int, default=100, help="tokens of each answer (also replayed as history)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="conversations in flight (default: all)")
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(Path(args.model) / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
     requests = conversation_requests(args.conversations, args.turns, args.shared_len, args.turn_len,
-                                     args.output_len, args.output_len, vocab, seed=0)
+                                     args.output_len, args.output_len, vocab, document_len=args.document_len, seed=0)
     common = ["--device", args.device, "--load-format", args.load_format, "--max-model-len", str(args.max_model_len),
               *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
               *(["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []), *args.extra.split()]
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                       "cpu_gib": args.cpu_gib if config.startswith(("cpu", "both")) else None,
                       "disk_gib": args.disk_gib if config.startswith(("disk", "both")) else None,
                       "conversations": args.conversations, "turns": args.turns, "shared_len": args.shared_len,
+                      "document_len": args.document_len,
                       "max_concurrency": args.max_concurrency, "turn_delay_s": args.turn_delay,
                       "conversation_rate": None if math.isinf(args.conversation_rate) else args.conversation_rate,
                       "turn_len": args.turn_len, "output_len": args.output_len,

@@ -162,7 +162,8 @@ if has kv-offload; then
   # KVO_MODEL: a directory of benchmarks/configs (qwen3-0.6b); KVO_CONCURRENCY: conversations in
   # flight (all otherwise); KVO_MAX_LEN: --max-model-len (32768; the cache needs one sequence of it);
   # KVO_TURN_DELAY: seconds between a conversation's answer and its next turn (1); KVO_RATE:
-  # conversations starting per second (all at once otherwise).
+  # conversations starting per second (all at once otherwise); KVO_SHARED: tokens every conversation
+  # shares (2000); KVO_DOCUMENT: tokens of each conversation's own document after them (0).
   KVO_MODEL=${KVO_MODEL:-qwen3-0.6b}; TOK=/tmp/$KVO_MODEL-synth
   python3 -m benchmarks.synthetic_tokenizer $TOK --config $CFG/$KVO_MODEL/config.json >/dev/null || status=1
   for tree in head ${KVO_BASE:+base}; do
@@ -173,7 +174,7 @@ if has kv-offload; then
       ${KVO_CONCURRENCY:+--max-concurrency $KVO_CONCURRENCY} ${KVO_MAX_LEN:+--max-model-len $KVO_MAX_LEN} \
       ${KVO_TURN_DELAY:+--turn-delay $KVO_TURN_DELAY} ${KVO_RATE:+--conversation-rate $KVO_RATE} \
       ${KVO_BLOCKS:+--num-kv-blocks $KVO_BLOCKS} --conversations "${KVO_CONVERSATIONS:-100}" --turns "${KVO_TURNS:-10}" \
-      --shared-len "${KVO_SHARED:-2000}" ${KVO_CPU_GIB:+--cpu-gib $KVO_CPU_GIB} ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} \
+      --shared-len "${KVO_SHARED:-2000}" --document-len "${KVO_DOCUMENT:-0}" ${KVO_CPU_GIB:+--cpu-gib $KVO_CPU_GIB} ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} \
       --configs "$configs" --out "$OUT/kv_offload.jsonl" $([ "$tree" = head ] && echo --label head)) \
       2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done

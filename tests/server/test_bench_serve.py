@@ -93,6 +93,10 @@ def test_token_id_conversations_reread_their_history_on_the_completions_endpoint
     conv = datasets.conversation_requests(1, 3, 40, 8, 4, 4, 512, seed=0)[0]
     assert [len(p) for p in conv.turns] == [48, 60, 72]
     assert conv.turns[1][:48] == conv.turns[0] and conv.turns[2][:60] == conv.turns[1]  # each extends the last
+    # each conversation's own document after the shared context: shared by its turns, by no other conversation
+    first, second = datasets.conversation_requests(2, 2, 40, 8, 4, 4, 512, document_len=30, seed=0)
+    assert [len(p) for p in first.turns] == [78, 90] and first.turns[1][:78] == first.turns[0]
+    assert first.turns[0][:40] == second.turns[0][:40] and first.turns[0][40:70] != second.turns[0][40:70]
 
 
 def test_sweep_plots_and_resumes_only_the_unfinished_points(server, tmp_path):

@@ -93,17 +93,19 @@ def multi_turn_requests(num: int, turns: int, words_per_turn: int, output_len: i
 
 
 def conversation_requests(num: int, turns: int, shared_len: int, turn_len: int, answer_len: int, output_len: int,
-                          vocab_size: int, *, seed: int = 0) -> list[BenchRequest]:
+                          vocab_size: int, *, document_len: int = 0, seed: int = 0) -> list[BenchRequest]:
     """`num` conversations of `turns` token-id prompts on one shared context of `shared_len`
-    tokens (a long system prompt or document): turn t is the context, the t − 1 earlier user
-    turns of `turn_len` tokens each followed by an answer of `answer_len` tokens (replayed, as a
-    trace would: the server's own answers are not fed back), then the new user turn. Each turn
-    re-reads the whole conversation: the workload of KV offload and of the prefix cache."""
+    tokens (a long system prompt), then each conversation's own document of `document_len`
+    tokens (a RAG document, an agent's tool outputs: prefixes no other conversation shares):
+    turn t is the context, the document, the t − 1 earlier user turns of `turn_len` tokens each
+    followed by an answer of `answer_len` tokens (replayed, as a trace would: the server's own
+    answers are not fed back), then the new user turn. Each turn re-reads the whole
+    conversation: the workload of KV offload and of the prefix cache."""
     rng = random.Random(seed)
     shared = _ids(rng, shared_len, vocab_size)
     out = []
     for _ in range(num):
-        history = list(shared)
+        history = shared + _ids(rng, document_len, vocab_size)
         prompts: list[str | list[int]] = []
         for _ in range(turns):
             history += _ids(rng, turn_len, vocab_size)
