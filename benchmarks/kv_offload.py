@@ -62,10 +62,11 @@ def offload_flags(config: str, cpu_gib: float, disk_gib: float, disk_dir: str) -
     return flags
 
 
-# Where a turn's TTFT goes, as the engine measures it: waiting for its first step (a free KV
-# block, a step boundary), then from that step to its first token (loads and prefill).
-PHASE_HISTOGRAMS = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
-                    "ttft": "vllm:time_to_first_token_seconds"}
+# Where a turn's TTFT goes, as the server measures it: the API process reading, parsing and
+# checking it (admission), waiting for its first step (a free KV block, a step boundary), then
+# from that step to its first token (loads and prefill); ttft is the engine's, after admission.
+PHASE_HISTOGRAMS = {"admission": "pagoda:request_admission_seconds", "queue": "vllm:request_queue_time_seconds",
+                    "prefill": "vllm:request_prefill_time_seconds", "ttft": "vllm:time_to_first_token_seconds"}
 
 
 def engine_phases_ms(text: str) -> dict[str, float]:
