@@ -174,7 +174,7 @@ if has kv-offload; then
       ${KVO_CONCURRENCY:+--max-concurrency $KVO_CONCURRENCY} ${KVO_MAX_LEN:+--max-model-len $KVO_MAX_LEN} \
       ${KVO_TURN_DELAY:+--turn-delay $KVO_TURN_DELAY} ${KVO_RATE:+--conversation-rate $KVO_RATE} \
       ${KVO_BLOCKS:+--num-kv-blocks $KVO_BLOCKS} --conversations "${KVO_CONVERSATIONS:-100}" --turns "${KVO_TURNS:-10}" \
-      --shared-len "${KVO_SHARED:-2000}" --document-len "${KVO_DOCUMENT:-0}" ${KVO_CPU_GIB:+--cpu-gib $KVO_CPU_GIB} ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} \
+      --shared-len "${KVO_SHARED:-2000}" ${KVO_DOCUMENT:+--document-len $KVO_DOCUMENT} ${KVO_CPU_GIB:+--cpu-gib $KVO_CPU_GIB} ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} \
       --configs "$configs" --out "$OUT/kv_offload.jsonl" $([ "$tree" = head ] && echo --label head)) \
       2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
