@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="append the RESULT lines here too")
     ap.add_argument("--label", default="", help="names the tree or variant in the RESULT lines")
     args = ap.parse_args(argv)
+    if args.document_len < 0:
+        ap.error("--document-len must be at least 0")
 
     with open(Path(args.model) / "config.json") as f:
         vocab = json.load(f)["vocab_size"]

@@ -84,12 +84,12 @@ def test_multi_turn_conversations_run_on_the_chat_endpoint(server, tmp_path):
 def test_token_id_conversations_reread_their_history_on_the_completions_endpoint(server, tmp_path):
     out = tmp_path / "conv.json"
     rc = main(["serve", "--base-url", server.url, "--dataset", "multi-turn", "--turns", "3", "--prefix-len", "40",
-               "--input-len", "8", "--num-prompts", "2", "--output-len", "4", "--max-concurrency", "2",
-               "--result-file", str(out), *_common()])
+               "--document-len", "20", "--input-len", "8", "--num-prompts", "2", "--output-len", "4",
+               "--max-concurrency", "2", "--result-file", str(out), *_common()])
     result = json.loads(out.read_text())
     assert rc == 0 and result["completed"] == 6 and result["failed"] == 0, result["errors"]
-    # turn t: the 40-token context, t turns of 8 and t - 1 replayed answers of 4
-    assert result["prompt_tokens"] == 2 * sum(40 + 8 * t + 4 * (t - 1) for t in (1, 2, 3))
+    # turn t: the 40-token context, the conversation's 20-token document, t turns of 8 and t - 1 answers of 4
+    assert result["prompt_tokens"] == 2 * sum(40 + 20 + 8 * t + 4 * (t - 1) for t in (1, 2, 3))
     conv = datasets.conversation_requests(1, 3, 40, 8, 4, 4, 512, seed=0)[0]
     assert [len(p) for p in conv.turns] == [48, 60, 72]
     assert conv.turns[1][:48] == conv.turns[0] and conv.turns[2][:60] == conv.turns[1]  # each extends the last
@@ -127,6 +127,9 @@ def test_sweep_plots_and_resumes_only_the_unfinished_points(server, tmp_path):
     ["sweep", "--server", "a=http://127.0.0.1:1", "--workload-var", "request_rate", "--values", "1",
      "--experiment-name", "../up"],
     ["serve", "--base-url", "http://127.0.0.1:1", "--dataset", "jsonl"],
+    ["serve", "--base-url", "http://127.0.0.1:1", "--document-len", "5"],  # random prompts have no documents
+    ["sweep", "--server", "a=http://127.0.0.1:1", "--workload-var", "document_len", "--values", "10,20",
+     "--experiment-name", "x", "--dataset", "multi-turn", "--endpoint", "chat"],
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, tmp_path, capsys):
     rc = main([*argv, *(["--output-dir", str(tmp_path)] if argv[0] == "sweep" else []), "--model", "m",
@@ -135,7 +138,8 @@ def test_bad_arguments_exit_2_with_a_message(argv, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag", ["--request-rate=0", "--request-rate=nan", "--range-ratio=1", "--num-prompts=0",
-                                  "--goodput=ttft:-1", "--goodput=latency:5"])
+                                  "--goodput=ttft:-1", "--goodput=latency:5",
+                                  "--document-len=-1", "--document-len=x"])
 def test_out_of_bounds_flags_are_refused_by_the_parser(flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--base-url", "http://127.0.0.1:1", flag, *_common()])

@@ -25,6 +25,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
+    return value
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -84,6 +91,9 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=_positive_int, default=4,
                    help="multi-turn: turns per conversation (chat: random words; completions: token ids on a "
                         "shared context of --prefix-len tokens, turns of --input-len, answers replayed)")
+    p.add_argument("--document-len", type=_non_negative_int, default=0,
+                   help="multi-turn on completions: tokens of each conversation's own document after the shared "
+                        "context (a RAG document, an agent's tool outputs: prefixes no other conversation shares)")
     p.add_argument("--turn-delay", type=_delay, default=0.0,
                    help="multi-turn: seconds a user pauses between an answer and the next turn")
     p.add_argument("--decode-prompts-with", metavar="TOKENIZER_DIR", default=None,
@@ -141,6 +151,8 @@ def _decoder(tokenizer_dir: str) -> Callable[[list[int]], str]:
 
 
 def _requests(a: dict, seed: int) -> list[datasets.BenchRequest]:
+    if a["document_len"] and (a["dataset"] != "multi-turn" or a["endpoint"] != "completions"):
+        raise ValueError("--document-len applies to --dataset multi-turn on --endpoint completions")
     if a["dataset"] in ("random", "shared-prefix") and a["vocab_size"] is None:
         raise ValueError(f"--dataset {a['dataset']} needs --vocab-size (the model's vocabulary size)")
     if a["dataset"] == "random":
@@ -158,7 +170,8 @@ def _requests(a: dict, seed: int) -> list[datasets.BenchRequest]:
         if a["vocab_size"] is None:
             raise ValueError("--dataset multi-turn on the completions endpoint needs --vocab-size")
         return datasets.conversation_requests(a["num_prompts"], a["turns"], a["prefix_len"], a["input_len"],
-                                              a["output_len"], a["output_len"], a["vocab_size"], seed=seed)
+                                              a["output_len"], a["output_len"], a["vocab_size"],
+                                              document_len=a["document_len"], seed=seed)
     return datasets.multi_turn_requests(a["num_prompts"], a["turns"], max(1, a["input_len"] // 4), a["output_len"],
                                         seed=seed)
 

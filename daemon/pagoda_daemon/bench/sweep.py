@@ -17,7 +17,7 @@ from pagoda_daemon.bench.run import PointConfig, run_point
 
 # The variables a sweep may move: those of the point config and those of the dataset.
 POINT_VARS = {"request_rate": float, "max_concurrency": int, "burstiness": float}
-DATASET_VARS = {"input_len": int, "output_len": int, "num_prompts": int}
+DATASET_VARS = {"input_len": int, "output_len": int, "num_prompts": int, "document_len": int}
 WORKLOAD_VARS = {**POINT_VARS, **DATASET_VARS}
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
