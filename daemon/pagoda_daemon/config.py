@@ -141,6 +141,10 @@ class EngineConfig:
                             minimum=0, maximum=63)
     master_addr: str = option("127.0.0.1", "with nnodes > 1: the address of node 0, where the ranks meet")
     master_port: int = option(29500, "with nnodes > 1: node 0's rendezvous port", minimum=1, maximum=65535)
+    node_heartbeat_timeout: float = option(
+        20.0, "with nnodes > 1: seconds without a heartbeat from the other pods' ranks (they beat every 2 s) "
+        "before the group is taken for dead and this pod exits, so that its restart re-forms the group; an idle "
+        "engine runs no collective that would notice sooner", minimum=5.0, maximum=3600.0)
     kv_cache_dtype: str = option("auto", "KV cache element type", choices=("auto", "fp8"), needs="kv_cache_fp8")
     kv_offload_cpu_gib: float = option(0.0, "host memory for offloaded KV blocks, GiB", minimum=0.0,
                                        needs="kv_offload")

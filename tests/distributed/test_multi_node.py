@@ -34,9 +34,9 @@ def _node(model: str, port: int, log: Path, rank: int = 1, ready_port: int = 0) 
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _leader(model: str, port: int, tmp_path: Path) -> ServerProcess:
+def _leader(model: str, port: int, tmp_path: Path, *extra: str) -> ServerProcess:
     return ServerProcess(model, "--max-model-len", "256", "--dtype", "float32", "--tensor-parallel-size", "2",
-                         "--nnodes", "2", "--master-port", str(port), log_dir=tmp_path, served_name="tiny",
+                         "--nnodes", "2", "--master-port", str(port), *extra, log_dir=tmp_path, served_name="tiny",
                          env=LOOPBACK)
 
 
@@ -79,14 +79,15 @@ def test_an_idle_leader_finds_a_dead_node_and_exits(tiny_models, tmp_path):
     (its pod restarts, the group re-forms)."""
     port = free_port()
     node = _node(tiny_models["qwen3"], port, tmp_path / "node1.log")
-    srv = _leader(tiny_models["qwen3"], port, tmp_path)
+    srv = _leader(tiny_models["qwen3"], port, tmp_path, "--node-heartbeat-timeout", "6")
     try:
         srv.wait_ready(timeout=180)
         os.killpg(node.pid, signal.SIGKILL)  # the whole pod: supervisor and rank
         killed = time.monotonic()
         assert srv.proc.wait(60) == 1
-        assert time.monotonic() - killed < 45
-        assert "lost the other ranks" in srv.log_path.read_text()
+        assert time.monotonic() - killed < 30
+        log_text = srv.log_path.read_text()
+        assert "lost the other ranks" in log_text and "has not beaten for 6 s" in log_text
     finally:
         srv.stop()
         if node.poll() is None:
@@ -120,6 +121,9 @@ def test_node_rank_from_a_stateful_set_hostname():
     ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2}, "node_rank 2 must be below nnodes 2"),
     ({"nnodes": 0}, "nnodes"),
     ({"master_port": 70000}, "master_port"),
+    ({"node_heartbeat_timeout": 4.0}, "node_heartbeat_timeout must be at least 5"),
+    ({"node_heartbeat_timeout": float("nan")}, "node_heartbeat_timeout must be a finite number"),
+    ({"node_heartbeat_timeout": 1e9}, "node_heartbeat_timeout must be at most 3600"),
 ])
 def test_bad_node_layouts_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):

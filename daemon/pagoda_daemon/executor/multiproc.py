@@ -251,7 +251,8 @@ def run_node(config: EngineConfig, model_config, max_model_len: int, ready_port:
     others and the node (exit 1: the pod restarts and rejoins); SIGTERM ends them too (exit 0)."""
     k = config.ranks_per_node
     ranks = range(config.node_rank * k, (config.node_rank + 1) * k)
-    rdv = Rendezvous(host=config.master_addr, port=config.master_port)
+    rdv = Rendezvous(host=config.master_addr, port=config.master_port,
+                     heartbeat_timeout_s=config.node_heartbeat_timeout)
     log.info("node %d of %d: ranks %d..%d, meeting node 0 at %s:%d", config.node_rank, config.nnodes, ranks[0],
              ranks[-1], rdv.host, rdv.port)
     private = tempfile.mkdtemp(prefix="pagoda-node-")
@@ -303,7 +304,8 @@ class MultiprocExecutor(Executor):
         device_type = _device_type(config)
         self._private: str | None = None
         if config.nnodes > 1:
-            rdv = Rendezvous(host=config.master_addr, port=config.master_port)
+            rdv = Rendezvous(host=config.master_addr, port=config.master_port,
+                     heartbeat_timeout_s=config.node_heartbeat_timeout)
         else:
             self._private = tempfile.mkdtemp(prefix="pagoda-tp-")  # mode 0700: the daemon's user only
             rdv = Rendezvous(file=os.path.join(self._private, "rendezvous"))

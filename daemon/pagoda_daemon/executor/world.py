@@ -29,10 +29,9 @@ STARTUP_TIMEOUT_S = 600.0
 # How long the ranks may take to leave the world together at shutdown.
 LEAVE_TIMEOUT_S = 30.0
 # Across pods: every rank bumps its counter in node 0's store this often; a peer whose counter
-# has not moved for HEARTBEAT_TIMEOUT_S is taken for dead (an idle engine runs no collective
-# that would notice).
+# has not moved for the rendezvous's heartbeat_timeout_s (the node_heartbeat_timeout option) is
+# taken for dead (an idle engine runs no collective that would notice).
 HEARTBEAT_S = 2.0
-HEARTBEAT_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,7 @@ class Rendezvous:
     file: str | None = None
     host: str = ""
     port: int = 0
+    heartbeat_timeout_s: float = 20.0
 
 
 def join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_rank: int,
@@ -63,8 +63,8 @@ def join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_ra
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
         incarnation = _incarnation()
         store.set(f"pagoda/alive/{rank}", f"{incarnation}:0")
-        threading.Thread(target=_watch_peers, args=(store, rank, size, stopped, incarnation), name="peer-watch",
-                         daemon=True).start()
+        threading.Thread(target=_watch_peers, args=(store, rank, size, stopped, incarnation, rdv.heartbeat_timeout_s),
+                         name="peer-watch", daemon=True).start()
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     laps.append(time.monotonic())
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
@@ -106,7 +106,8 @@ def all_gather_infos(info: WorkerInfo, size: int, group: Any) -> list[WorkerInfo
     return [WorkerInfo(**json.loads(f[: int(n.item())].numpy().tobytes())) for f, n in zip(frames, lengths)]
 
 
-def _watch_peers(store: Any, rank: int, size: int, stopped: threading.Event, incarnation: str) -> None:
+def _watch_peers(store: Any, rank: int, size: int, stopped: threading.Event, incarnation: str,
+                 timeout_s: float) -> None:
     """Across pods: beat, and end this process when a peer stops beating, comes back as another
     process (its pod restarted and it is trying to join again), or the store is gone (node 0
     died). Rank 0 watches every rank; the others watch rank 0."""
@@ -129,8 +130,8 @@ def _watch_peers(store: Any, rank: int, size: int, stopped: threading.Event, inc
                     raise RuntimeError(f"rank {peer} restarted")
                 if seen.get(peer, (None, 0.0))[0] != value:
                     seen[peer] = (value, now)
-                elif now - seen[peer][1] > HEARTBEAT_TIMEOUT_S:
-                    raise RuntimeError(f"rank {peer} has not beaten for {HEARTBEAT_TIMEOUT_S:g} s")
+                elif now - seen[peer][1] > timeout_s:
+                    raise RuntimeError(f"rank {peer} has not beaten for {timeout_s:g} s")
         except Exception as e:  # the store's connection broke, or a peer is gone
             if stopped.is_set():
                 return
