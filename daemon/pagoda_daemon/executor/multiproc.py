@@ -305,7 +305,7 @@ class MultiprocExecutor(Executor):
         self._private: str | None = None
         if config.nnodes > 1:
             rdv = Rendezvous(host=config.master_addr, port=config.master_port,
-                     heartbeat_timeout_s=config.node_heartbeat_timeout)
+                             heartbeat_timeout_s=config.node_heartbeat_timeout)
         else:
             self._private = tempfile.mkdtemp(prefix="pagoda-tp-")  # mode 0700: the daemon's user only
             rdv = Rendezvous(file=os.path.join(self._private, "rendezvous"))

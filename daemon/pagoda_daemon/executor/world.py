@@ -9,6 +9,7 @@ import datetime
 import itertools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -42,7 +43,7 @@ class Rendezvous:
     file: str | None = None
     host: str = ""
     port: int = 0
-    heartbeat_timeout_s: float = 20.0
+    heartbeat_timeout_s: float = math.inf  # across pods: the node_heartbeat_timeout option
 
 
 def join_world(rank: int, size: int, rdv: Rendezvous, device_type: str, local_rank: int,
