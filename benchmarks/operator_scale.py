@@ -91,13 +91,14 @@ def operator_requests(port: int) -> float | None:
     return sum(float(m) for m in found) if found else None
 
 
-def reconciles(port: int) -> dict[str, float]:
-    """The operator's reconcile passes so far, by trigger (every result)."""
+def reconciles(port: int, by: str = "trigger") -> dict[str, float]:
+    """The operator's reconcile passes so far, by trigger (every result) or by result (changed,
+    unchanged, gone, error; every trigger)."""
     text = scrape(f"http://127.0.0.1:{port}/metrics")
     out: Counter = Counter()
-    for trigger, value in re.findall(r'^pagoda_operator_reconciles_total\{result="[^"]*",trigger="([^"]*)"\} (\S+)$',
-                                     text, re.M):
-        out[trigger] += float(value)
+    for result, trigger, value in re.findall(
+            r'^pagoda_operator_reconciles_total\{result="([^"]*)",trigger="([^"]*)"\} (\S+)$', text, re.M):
+        out[trigger if by == "trigger" else result] += float(value)
     return dict(out)
 
 
@@ -217,7 +218,7 @@ def main() -> int:
 
         threading.Thread(target=watch, daemon=True).start()
         ops_0, api_0 = operator_requests(port), apiserver_requests(kube)
-        passes_0 = reconciles(port)
+        passes_0, results_0 = reconciles(port), reconciles(port, by="result")
         created_at: dict[str, float] = {}
 
         def create(i: int) -> None:
@@ -279,6 +280,8 @@ def main() -> int:
             # passes by trigger from the first create to the end: "create" above the object count
             # means kopf ran the create handler more than once for some
             "reconciles_by_trigger": {k: round(v - passes_0.get(k, 0)) for k, v in reconciles(port).items()},
+            "reconciles_by_result": {k: round(v - results_0.get(k, 0))
+                                     for k, v in reconciles(port, by="result").items()},
         }), flush=True)
         return 0 if len(ready_at) == a.objects else 1
     finally:
