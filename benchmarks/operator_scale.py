@@ -91,15 +91,17 @@ def operator_requests(port: int) -> float | None:
     return sum(float(m) for m in found) if found else None
 
 
-def reconciles(port: int, by: str = "trigger") -> dict[str, float]:
-    """The operator's reconcile passes so far, by trigger (every result) or by result (changed,
-    unchanged, gone, error; every trigger)."""
+def reconciles(port: int) -> tuple[dict[str, float], dict[str, float]]:
+    """The operator's reconcile passes so far from one scrape: by trigger (every result) and by
+    result (changed, unchanged, gone, error; every trigger)."""
     text = scrape(f"http://127.0.0.1:{port}/metrics")
-    out: Counter = Counter()
+    by_trigger: Counter = Counter()
+    by_result: Counter = Counter()
     for result, trigger, value in re.findall(
             r'^pagoda_operator_reconciles_total\{result="([^"]*)",trigger="([^"]*)"\} (\S+)$', text, re.M):
-        out[trigger if by == "trigger" else result] += float(value)
-    return dict(out)
+        by_trigger[trigger] += float(value)
+        by_result[result] += float(value)
+    return dict(by_trigger), dict(by_result)
 
 
 def cache_bytes(port: int) -> dict[str, float]:
@@ -218,7 +220,7 @@ def main() -> int:
 
         threading.Thread(target=watch, daemon=True).start()
         ops_0, api_0 = operator_requests(port), apiserver_requests(kube)
-        passes_0, results_0 = reconciles(port), reconciles(port, by="result")
+        passes_0, results_0 = reconciles(port)
         created_at: dict[str, float] = {}
 
         def create(i: int) -> None:
@@ -255,6 +257,7 @@ def main() -> int:
 
         busy = {k: round(v - api_0.get(k, 0)) for k, v in (api_1 - api_0).items() if v - api_0.get(k, 0) >= 1}
         idle = {k: round(v - api_1.get(k, 0)) for k, v in (api_2 - api_1).items() if v - api_1.get(k, 0) >= 1}
+        passes_1, results_1 = reconciles(port)
         print("RESULT " + json.dumps({
             "label": a.label, "operator_root": str(root), "operator_env": a.operator_env, "objects": a.objects, "namespaces": a.namespaces,
             "nodes": a.nodes, "controller_qps": a.controller_qps or None, "ready": len(ready_at), "create_s": round(last_create - t0, 2),
@@ -279,9 +282,8 @@ def main() -> int:
             "median_latency_s": round(statistics.median(latencies), 2) if latencies else None,
             # passes by trigger from the first create to the end: "create" above the object count
             # means kopf ran the create handler more than once for some
-            "reconciles_by_trigger": {k: round(v - passes_0.get(k, 0)) for k, v in reconciles(port).items()},
-            "reconciles_by_result": {k: round(v - results_0.get(k, 0))
-                                     for k, v in reconciles(port, by="result").items()},
+            "reconciles_by_trigger": {k: round(v - passes_0.get(k, 0)) for k, v in passes_1.items()},
+            "reconciles_by_result": {k: round(v - results_0.get(k, 0)) for k, v in results_1.items()},
         }), flush=True)
         return 0 if len(ready_at) == a.objects else 1
     finally:
