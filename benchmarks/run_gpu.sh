@@ -6,7 +6,7 @@
 #                                               overhead|topology|e2e[-throughput|-startup|-profile|-latency]|
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
-#                                               kv-offload|kv-offload-tests|kv-offload-fit|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
+#                                               kv-offload|kv-offload-tests|kv-offload-fit|kv-load-bandwidth|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               prefill-profile|kernels-prefill|
 #                                               all-reduce|dp|eplb] ...
 #
@@ -177,6 +177,16 @@ if has kv-offload; then
       --shared-len "${KVO_SHARED:-2000}" ${KVO_DOCUMENT:+--document-len $KVO_DOCUMENT} ${KVO_CPU_GIB:+--cpu-gib $KVO_CPU_GIB} ${KVO_DISK_GIB:+--disk-gib $KVO_DISK_GIB} \
       --configs "$configs" --out "$OUT/kv_offload.jsonl" $([ "$tree" = head ] && echo --label head)) \
       2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+fi
+if has kv-load-bandwidth; then
+  # How fast host-memory blocks reach the GPU cache (benchmarks/kv_load_bandwidth.py): one
+  # contiguous copy (the link's peak), the host tier's load, and the kernel reading pinned slots.
+  step "KV load bandwidth: host slots into the paged cache"
+  for layers in ${KVL_LAYERS:-28 32}; do
+    python3 -m benchmarks.kv_load_bandwidth --layers "$layers" --blocks "${KVL_BLOCKS:-64,256,1024}" \
+      --programs "${KVL_PROGRAMS:-0,16,32,64,132}" --label "layers-$layers" 2>&1 | grep -E '^RESULT|host tier|Error|error' \
+      | tee -a "$OUT/kv-load-bandwidth.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
 fi
 if has kv-offload-fit; then

@@ -3,6 +3,7 @@
 | module | kernels |
 |---|---|
 | `cache_write` | K/V of a step into their paged-cache slots (slot mapping), fp8 quantisation |
+| `kv_copy` | KV blocks from pinned host slots straight into the paged cache (the host tier's loads) |
 | `decode_attention` | paged decode attention: a per-step work plan, balanced chunks (flash-decoding), combined by the last chunk of each sequence to finish |
 | `prefill_attention` | paged prefill/extend attention (varlen, causal, cached prefix) and varlen on fresh K/V |
 | `rmsnorm` | RMSNorm with optional fused residual add |

@@ -46,6 +46,15 @@ def write_kv_cache_ref(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None)
             flat[i].index_copy_(0, slots, x.to(kv_cache.dtype))
 
 
+def load_blocks_ref(host: torch.Tensor, slots, kv_cache: torch.Tensor, gpu_blocks) -> None:
+    """``kv_cache[:, :, gpu_blocks[i]] = host[slots[i]]``: host ``[slots, layers, 2, ...]``,
+    kv_cache ``[layers, 2, blocks, ...]`` (bytes, so fp8 caches copy as they are)."""
+    slots = torch.as_tensor(slots, dtype=torch.long)
+    blocks = torch.as_tensor(gpu_blocks, dtype=torch.long, device=kv_cache.device)
+    rows = host.view(torch.uint8)[slots].to(kv_cache.device)  # [n, layers, 2, ..., bytes]
+    kv_cache.view(torch.uint8).movedim(2, 0)[blocks] = rows
+
+
 # ---- attention -------------------------------------------------------------------------
 
 

@@ -21,9 +21,11 @@ from pagoda_kernels.cache_write import write_kv_cache
 from pagoda_kernels.decode_attention import decode_block_n, paged_decode_attention, plan_decode
 from pagoda_kernels.fused_moe import fused_moe, route_topk
 from pagoda_kernels.gemv import gemv
+from pagoda_kernels.kv_copy import load_blocks
 from pagoda_kernels.prefill_attention import paged_prefill_attention, varlen_attention
 from pagoda_kernels.reference import (
     gemv_ref,
+    load_blocks_ref,
     moe_ref,
     paged_attention_ref,
     quantize_fp8_ref,
@@ -240,6 +242,23 @@ def test_fp8_rounding_matches_torch_everywhere():
     cache = torch.empty((2, 1, x.shape[0], 1, 64), dtype=FP8, device=DEV)
     write_kv_cache(x, x, cache, torch.arange(x.shape[0], device=DEV), 1.0, 1.0)
     assert torch.equal(cache[0, 0].view(torch.uint8), quantize_fp8_ref(x, 1.0, FP8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+@pytest.mark.parametrize("max_programs", [0, 32])
+def test_load_blocks_from_pinned_host(dtype, max_programs):
+    """The host tier's loads: pinned slots read by the kernel over PCIe, every layer of 200
+    scattered blocks into scattered cache blocks, byte for byte (past 2**31 bytes of cache)."""
+    g = torch.Generator().manual_seed(max_programs)
+    shape = (28, 2, 16, 8, 256)  # 256 bytes a row: head_dim 128 in bf16, 256 in fp8
+    host = torch.randint(0, 256, (300, *shape), dtype=torch.uint8, generator=g).pin_memory().view(dtype)
+    cache = torch.full((*shape[:2], 1200, *shape[2:]), 0x7F, dtype=torch.uint8, device=DEV).view(dtype)
+    slots = torch.randperm(300, generator=g)[:200]
+    blocks = torch.randperm(1200, generator=g)[:200]
+    expected = cache.clone()
+    load_blocks(host, slots.tolist(), cache, blocks.tolist(), max_programs=max_programs)
+    load_blocks_ref(host, slots, expected, blocks)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
 # ---- norms, rope, activation -----------------------------------------------------------------

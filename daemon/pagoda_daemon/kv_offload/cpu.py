@@ -3,9 +3,10 @@
 ``CpuIndex`` (scheduler half) maps block hash -> slot in LRU order; ``CpuStore`` (worker half,
 one per rank) holds a slot's layers in a few groups, one host tensor ``[slots, layers_in_group,
 2, block_size, heads, head_dim]`` per group, pinned when the KV cache is on a GPU so that copies
-to and from it are asynchronous and run at full bandwidth. A run of consecutive slots of one group
-is contiguous: a load crosses PCIe group by group, a few copies each, and the step's forward pass
-reads a layer as soon as its group has arrived (``load_by_layer_group``).
+to and from it are asynchronous and run at full bandwidth. A load crosses PCIe group by group, one
+kernel each that reads the pinned slots and writes every block where it goes
+(``pagoda_kernels.kv_copy``), and the step's forward pass reads a layer as soon as its group has
+arrived (``load_by_layer_group``).
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 # A copy stages at most this many blocks on the device at a time (64 Llama-3-8B blocks: 128 MiB).
 STAGE_BLOCKS = 64
+# A load's kernel runs this many programs, each looping over its share of the blocks, so that a
+# load beside a forward pass leaves it most of the SMs. On an H200 (2026-11-30,
+# docs/benchmarks/2026-11-30-kv-load-bandwidth-h200.md) 1,024 scattered Qwen3-0.6B blocks (1.75 GiB)
+# loaded at 50.6 GB/s with 32 programs (50.1 with 132, 46.9 with 16) against 53.5 GB/s for one
+# contiguous copy of the same bytes; a copy per run of slots into a staging buffer, then one
+# scatter, reached 42.6 GB/s.
+LOAD_PROGRAMS = 32
 # Saves still crossing to host memory hold their staging buffers: beyond this many bytes, the
 # engine's thread waits for the oldest (PCIe is then the limit). The KV cache is sized without it
 # (Worker._profile_gpu_blocks).
@@ -143,9 +151,10 @@ def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
 class CpuStore:
     """One rank's host copy of the blocks.
 
-    On a GPU, copies are asynchronous and batched: a step's blocks are gathered into contiguous
-    buffers on the device (one kernel per layer group and ``STAGE_BLOCKS``) and cross PCIe as one
-    copy per group and run of consecutive host slots. Loads run on the current stream: a load
+    On a GPU, copies are asynchronous and batched. A load is one kernel per layer group reading
+    the pinned slots (``LOAD_PROGRAMS``); a save gathers the step's blocks into contiguous buffers
+    on the device (one kernel per layer group and ``STAGE_BLOCKS``), which cross PCIe as one copy
+    per group and run of consecutive host slots. Loads run on the current stream: a load
     stream of the worker's (TieredWorker), beside the step that reads them layer group by layer
     group or beside the one before it (a prefetch), or the step's (the disk loads' staging slots).
     Saves are gathered on the step's stream before anything can overwrite the blocks (written
@@ -224,16 +233,16 @@ class CpuStore:
         if self.saves is not None:
             for event in {id(e): e for e in map(self._written.get, slots) if e is not None}.values():
                 torch.cuda.current_stream().wait_event(event)  # a save of the slot still under way
-        ids = [_on_device(gpu_blocks[first : first + STAGE_BLOCKS], kv_cache.device)
-               for first in range(0, len(slots), STAGE_BLOCKS)]
+            from pagoda_kernels.kv_copy import load_blocks
+
+            slot_ids, block_ids = _on_device(slots, kv_cache.device), _on_device(gpu_blocks, kv_cache.device)
+            for (start, end), data in zip(self.groups, self.data, strict=True):
+                load_blocks(data, slot_ids, kv_cache[start:end], block_ids, max_programs=LOAD_PROGRAMS)
+                yield start, end
+            return
+        ids = _on_device(gpu_blocks, kv_cache.device)
         for (start, end), data in zip(self.groups, self.data, strict=True):
-            for k, first in enumerate(range(0, len(slots), STAGE_BLOCKS)):
-                chunk = slots[first : first + STAGE_BLOCKS]
-                # stream-ordered: the next buffer may reuse this one's memory once the scatter ran
-                staged = torch.empty((len(chunk), *data.shape[1:]), dtype=data.dtype, device=kv_cache.device)
-                for i, slot, n in _runs(chunk):
-                    staged[i : i + n].copy_(data[slot : slot + n], non_blocking=self.on_gpu)
-                _blocks(kv_cache[start:end])[ids[k]] = staged  # one scatter
+            _blocks(kv_cache[start:end])[ids] = data[torch.tensor(slots, dtype=torch.long)]  # on a CPU: one gather
             yield start, end
 
     def block(self, slot: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from pagoda_daemon.engine.block_pool import CPU as CPU_MEDIUM
 from pagoda_daemon.engine.block_pool import DISK as DISK_MEDIUM
 from pagoda_daemon.engine.scheduler_output import KVTransfer
 from pagoda_daemon.kv_offload.connector import OffloadConnector, OffloadWorker, capacity_blocks
-from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, STAGE_BLOCKS, CpuIndex, CpuStore, gather
+from pagoda_daemon.kv_offload.cpu import SAVE_STAGING_BYTES, CpuIndex, CpuStore, gather
 from pagoda_daemon.kv_offload.disk import DiskIndex, DiskStore, identity
 from pagoda_daemon.kv_offload.transfer_auth import FROM_REQUEST, check_url, is_remote, transfer_key
 from pagoda_daemon.topology.pinning import pin_thread
@@ -88,12 +88,11 @@ def enabled(config: EngineConfig) -> bool:
 
 def device_staging_bytes(config: EngineConfig, block_bytes: int) -> int:
     """What the copies may hold on the device beside the KV cache: the saves crossing to host
-    memory, a load's, a prefetch's and a disk save's staging buffers (the worker sizes the cache
-    without it)."""
+    memory and a disk save's staging buffer (the worker sizes the cache without it). Loads hold
+    nothing there: a kernel reads the pinned slots straight into the cache (CpuStore)."""
     if not enabled(config):
         return 0
-    host = config.kv_offload_host_gib > 0  # then also the saves in flight and the prefetches' buffer
-    return (SAVE_STAGING_BYTES if host else 0) + ((2 if host else 1) * STAGE_BLOCKS + SAVE_COPY_BLOCKS) * block_bytes
+    return (SAVE_STAGING_BYTES if config.kv_offload_host_gib > 0 else 0) + SAVE_COPY_BLOCKS * block_bytes
 
 
 def check_options(config: EngineConfig) -> None:
