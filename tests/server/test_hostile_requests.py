@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -171,6 +172,21 @@ def test_integer_fields_refuse_floats_bools_and_strings(server):
                          ("logprobs", "1"), ("stream", 1), ("ignore_eos", "false")):
         assert_openai_error(httpx.post(server.url + COMPLETIONS, json=completion(**{field: value}), timeout=30),
                             400, field)
+
+
+@pytest.mark.parametrize("ids", [[-1, 5], [5, 2**63], [True, 5], [5, 1.0], [5, None], [5, "7"], [5, [6]]])
+def test_token_id_prompts_taken_at_once_still_refuse_what_the_union_refuses(ids):
+    """Lists of plain ints in range skip the union's validator (CompletionRequest); anything else
+    is still refused by it, naming the prompt (no server: parsing alone)."""
+    from pagoda_daemon.server.errors import APIError
+    from pagoda_daemon.server.protocol import INT64_MAX, CompletionRequest, parse_request
+
+    with pytest.raises(APIError) as refused:
+        parse_request(CompletionRequest, json.dumps({"model": MODEL_NAME, "prompt": ids}).encode())
+    assert refused.value.status == 400 and refused.value.param.split(".")[0] == "prompt", refused.value.param
+    ids = [0, INT64_MAX, *(random.randrange(2**20) for _ in range(1000))]
+    request = parse_request(CompletionRequest, json.dumps({"model": MODEL_NAME, "prompt": ids}).encode())
+    assert request.prompts() == [ids]
 
 
 # ---- 6. a batch that can never fit is a 400, not a 503 -------------------------------------------
