@@ -377,6 +377,12 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # 0 only with echo: the prompt (and its logprobs) back, nothing generated
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    add_special_tokens: bool = True
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -388,12 +394,6 @@ class CompletionRequest(_Common):
                 and min(value) >= 0 and max(value) <= INT64_MAX):
             return value
         return handler(value)
-    # 0 only with echo: the prompt (and its logprobs) back, nothing generated
-    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _check(self):
