@@ -1,7 +1,7 @@
 """How fast host-memory KV blocks reach the GPU cache: the PCIe peak (one contiguous copy) beside
-the host tier's load (``CpuStore.load``: a copy per run of consecutive slots into a staging buffer,
-then one scatter) and a kernel that reads the pinned slots itself and writes each block where it
-goes (``pagoda_kernels.kv_copy``), for scattered and consecutive slots.
+the host tier's load as the tree has it (``CpuStore.load``) and the kernel that reads the pinned
+slots itself and writes each block where it goes (``pagoda_kernels.kv_copy``) at several program
+counts, for scattered and consecutive slots.
 
     python3 -m benchmarks.kv_load_bandwidth --layers 28 --blocks 64,256,1024
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagoda_daemon.kv_offload.cpu import CpuStore
+from pagoda_daemon.kv_offload.cpu import CpuStore, _on_device
 from pagoda_kernels.kv_copy import load_blocks
 
 
@@ -80,9 +80,11 @@ def _measure(store: CpuStore, kv_cache: torch.Tensor, n: int, rng: torch.Generat
         for count in programs:
             kv_cache[:, :, gpu_blocks] = 0
             results[f"kernel-{layout}-programs{count}"] = _time(
-                lambda s=slots, c=count: load_blocks(host, s, kv_cache, gpu_blocks, max_programs=c), repeats)
+                lambda s=slots, c=count: load_blocks(host, _on_device(s, kv_cache.device), kv_cache,
+                                                     _on_device(gpu_blocks, kv_cache.device), max_programs=c), repeats)
             assert torch.equal(kv_cache[:, :, gpu_blocks].view(torch.int16), expected), f"{layout}, {count} programs"
     return results
+
 
 if __name__ == "__main__":
     main()

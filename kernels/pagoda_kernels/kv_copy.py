@@ -34,19 +34,12 @@ def _load_blocks_kernel(host_ptr, cache_ptr, slots_ptr, blocks_ptr, total,
         tl.store(cache_ptr + piece * piece_stride + block * PIECE_BYTES + at, data, mask=mask)
 
 
-def _on_device(ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Ids as a tensor on the device, copied from pinned memory without waiting for the stream."""
-    if isinstance(ids, torch.Tensor):
-        return ids.to(device, non_blocking=True)
-    pinned = device.type == "cuda"
-    return torch.tensor(ids, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=pinned)
-
-
-def load_blocks(host: torch.Tensor, slots: list[int] | torch.Tensor, kv_cache: torch.Tensor,
-                gpu_blocks: list[int] | torch.Tensor, max_programs: int = 0) -> None:
+def load_blocks(host: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor, gpu_blocks: torch.Tensor,
+                max_programs: int = 0) -> None:
     """``kv_cache[:, :, gpu_blocks[i]] = host[slots[i]]`` for every i, on the current stream.
 
-    ``host``: ``[slots, layers, 2, ...]`` pinned (or on the cache's device), contiguous;
+    ``host``: ``[slots, layers, 2, ...]`` pinned (or on the cache's device), contiguous; ``slots``
+    and ``gpu_blocks``: integer tensors on the cache's device;
     ``kv_cache``: ``[layers, 2, blocks, ...]`` with the same layer count and block shape, each
     block contiguous (a slice of layers of the whole cache is fine). ``max_programs``: at most
     this many programs, each looping over its share (0: one program per chunk of a piece), so
@@ -59,8 +52,6 @@ def load_blocks(host: torch.Tensor, slots: list[int] | torch.Tensor, kv_cache: t
     n = len(slots)
     if n == 0:
         return
-    device = kv_cache.device
-    slots, gpu_blocks = _on_device(slots, device), _on_device(gpu_blocks, device)
     size = kv_cache.element_size()
     piece_bytes = kv_cache[0, 0, 0].numel() * size
     pieces = layers * 2

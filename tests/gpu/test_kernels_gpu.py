@@ -256,7 +256,7 @@ def test_load_blocks_from_pinned_host(dtype, max_programs):
     slots = torch.randperm(300, generator=g)[:200]
     blocks = torch.randperm(1200, generator=g)[:200]
     expected = cache.clone()
-    load_blocks(host, slots.tolist(), cache, blocks.tolist(), max_programs=max_programs)
+    load_blocks(host, slots.to(DEV), cache, blocks.to(DEV), max_programs=max_programs)
     load_blocks_ref(host, slots, expected, blocks)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 

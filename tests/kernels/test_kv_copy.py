@@ -30,7 +30,7 @@ def test_load_blocks_matches_twin(gen, dtype, layers, block_size, heads, head_di
     slots = torch.randperm(12, generator=gen)[:5].tolist()
     blocks = torch.randperm(9, generator=gen)[:5].tolist()
     expected = cache.clone()
-    load_blocks(host, slots, cache, blocks, max_programs=max_programs)
+    load_blocks(host, torch.tensor(slots), cache, torch.tensor(blocks), max_programs=max_programs)
     load_blocks_ref(host, slots, expected, blocks)
     # byte for byte: the blocks nobody loaded must still hold the poison
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
@@ -44,7 +44,7 @@ def test_load_blocks_into_a_slice_of_layers(gen):
     cache = poisoned((5, 2, 7, 4, 2, 16), torch.float32)
     expected = cache.clone()
     slots, blocks = [*randint(gen, 0, 5, 1), 5], [6, 0]
-    load_blocks(host, slots, cache[2:4], blocks)
+    load_blocks(host, torch.tensor(slots), cache[2:4], torch.tensor(blocks))
     load_blocks_ref(host, slots, expected[2:4], blocks)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     assert cache[:2].isnan().all() and cache[4:].isnan().all()
@@ -52,5 +52,6 @@ def test_load_blocks_into_a_slice_of_layers(gen):
 
 def test_no_blocks_is_a_no_op(gen):
     cache = poisoned((2, 2, 3, 4, 1, 8), torch.float32)
-    load_blocks(randn(gen, 2, 2, 2, 4, 1, 8), [], cache, [])
+    none = torch.tensor([], dtype=torch.long)
+    load_blocks(randn(gen, 2, 2, 2, 4, 1, 8), none, cache, none)
     assert cache.isnan().all()
