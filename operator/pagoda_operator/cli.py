@@ -291,7 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     memory.limit_arenas()  # before any thread of ours or kopf's starts
 
-    from pagoda_operator.handlers import QuietAboutLeaderWorkerSets, build_registry, operator_settings
+    from pagoda_operator.handlers import (
+        KOPF_THREADS,
+        QuietAboutLeaderWorkerSets,
+        build_registry,
+        operator_settings,
+    )
     from pagoda_operator.kube import Kube, load_configuration
     from pagoda_operator.leader import LeaderElector, default_identity
     from pagoda_operator.reconcile import Context
@@ -300,9 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("kopf._core.reactor.observation").addFilter(QuietAboutLeaderWorkerSets())
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
-    # one connection per thread that calls the API server: kopf's handler threads, the ticker's,
-    # and the lease, webhook and metrics threads
-    kube = Kube(load_configuration(args.kubeconfig), connections=2 * args.workers + 4)
+    # one connection per thread that calls the API server: the reconcile passes' threads, the
+    # ticker's, kopf's handler threads, and the lease, webhook and metrics threads
+    kube = Kube(load_configuration(args.kubeconfig), connections=2 * args.workers + KOPF_THREADS + 4)
     if policy is not None:  # first: /healthz (readiness) then means the webhook answers too
         start_admission_webhook(args, policy, kube)
     if args.metrics_port:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION, memory
 from pagoda_operator import leader_worker_set as lws
 from pagoda_operator.builders import INSTANCE_LABEL, MANAGED_BY
 from pagoda_operator.kube import ApiError, Kube, in_cluster_server
+from pagoda_operator.pass_pool import PassPool
 from pagoda_operator.placement import MODEL_LABEL_PREFIX, NVLINK_LABEL, node_labels
 from pagoda_operator.reconcile import Context, Result, Retry, reconcile
 from pagoda_operator.telemetry import HEARTBEATS, Heartbeats, forget
@@ -57,6 +59,7 @@ MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRES
 # intervals plus two minutes (a pass over 1,000 InferenceServices on a busy API server is slow,
 # not stuck; docs/benchmarks/2026-11-25-operator-scale.md).
 LOOP_BEAT = "kopf event loop"
+KOPF_THREADS = 2
 LOOP_BEAT_S, LOOP_STUCK_AFTER_S = 5.0, 60.0
 PASS_BEAT = "periodic pass"
 
@@ -81,7 +84,9 @@ def operator_settings(
     )
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "pagoda-operator"
-    settings.execution.max_workers = workers
+    # kopf's own threads run only the handlers left synchronous (NodeTopology's, which labels
+    # nodes); reconcile passes run on the PassPool's ``workers`` threads (pass_pool.py)
+    settings.execution.max_workers = KOPF_THREADS
     # Objects kopf works on at once. Unbounded, a burst of creates had each object's worker patch
     # at once, and kopf's HTTP pool kept a TLS connection (128 KiB of buffers) for each: 188 of
     # them, 23.5 MiB, after 200 creates (tracemalloc, 2026-11-26). At 200 creates on the test
@@ -234,6 +239,7 @@ def build_registry(
 ) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     ticker = Ticker(ctx, interval, namespaces, workers)
+    passes = PassPool(workers)
     res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
 
     @kopf.on.login(registry=registry)
@@ -253,6 +259,7 @@ def build_registry(
     @kopf.on.cleanup(registry=registry)
     def stop_ticker(**_: Any) -> None:
         ticker.stop()
+        passes.shutdown()
 
     beating: list[asyncio.Task] = []  # kept: the loop holds tasks only weakly
 
@@ -269,49 +276,54 @@ def build_registry(
     @kopf.on.resume(**res, id="reconcile")
     @kopf.on.create(**res, id="reconcile")
     @kopf.on.update(**res, id="reconcile")
-    def on_change(namespace: str, name: str, reason: str, body: kopf.Body, **_: Any) -> None:
+    async def on_change(namespace: str, name: str, reason: str, body: kopf.Body, **_: Any) -> None:
         _observe(ctx, "InferenceService", {"object": body})  # the spec this change is about, whatever ran first
-        _run(ctx, namespace, name, str(getattr(reason, "value", reason)))
+        await passes.run(_run, ctx, namespace, name, str(getattr(reason, "value", reason)))
 
+    def child_event(namespace: str, owner: str, trigger: str) -> None:
+        passes.request((namespace, owner), functools.partial(_child_event, ctx, namespace, owner, trigger))
+
+    # The handlers below run on kopf's event loop and never wait: the cache takes the object, the
+    # pool the pass (pass_pool.py says why).
     @kopf.on.event(**res, id="forget")
-    def on_gone(event: Mapping[str, Any], namespace: str, name: str, **_: Any) -> None:
+    async def on_gone(event: Mapping[str, Any], namespace: str, name: str, **_: Any) -> None:
         _observe(ctx, "InferenceService", event)
         if event.get("type") == "DELETED":
             forget(namespace, name)
             ctx.forget(namespace, name)
 
     @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry, id="deployment")
-    def on_deployment(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+    async def on_deployment(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
         _observe(ctx, "Deployment", event)
-        _child_event(ctx, namespace, labels[INSTANCE_LABEL], "deployment")
+        child_event(namespace, labels[INSTANCE_LABEL], "deployment")
 
     @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED, registry=registry, id="statefulset")
-    def on_stateful_set(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+    async def on_stateful_set(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
         _observe(ctx, "StatefulSet", event)
-        _child_event(ctx, namespace, labels[INSTANCE_LABEL], "statefulset")
+        child_event(namespace, labels[INSTANCE_LABEL], "statefulset")
 
     @kopf.on.event(lws.GROUP, lws.VERSION, lws.PLURAL, labels=MANAGED, registry=registry, id="leaderworkerset")
-    def on_leader_worker_set(labels: Mapping[str, str], namespace: str, **_: Any) -> None:
-        _child_event(ctx, namespace, labels[INSTANCE_LABEL], "leaderworkerset")
+    async def on_leader_worker_set(labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+        child_event(namespace, labels[INSTANCE_LABEL], "leaderworkerset")
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="pod")
-    def on_pod(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
+    async def on_pod(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
         _observe(ctx, "Pod", event)
-        _child_event(ctx, namespace, labels[INSTANCE_LABEL], "pod")
+        child_event(namespace, labels[INSTANCE_LABEL], "pod")
 
     # Children no status depends on: watched only to keep the passes' reads of them current.
     @kopf.on.event("", "v1", "services", labels=MANAGED, registry=registry, id="service")
-    def on_service(event: Mapping[str, Any], **_: Any) -> None:
+    async def on_service(event: Mapping[str, Any], **_: Any) -> None:
         _observe(ctx, "Service", event)
 
     @kopf.on.event("", "v1", "configmaps", labels=MANAGED, registry=registry, id="configmap")
-    def on_config_map(event: Mapping[str, Any], **_: Any) -> None:
+    async def on_config_map(event: Mapping[str, Any], **_: Any) -> None:
         _observe(ctx, "ConfigMap", event)
 
     if ctx.settings.network_policy:
         @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED, registry=registry,
                        id="networkpolicy")
-        def on_network_policy(event: Mapping[str, Any], **_: Any) -> None:
+        async def on_network_policy(event: Mapping[str, Any], **_: Any) -> None:
             _observe(ctx, "NetworkPolicy", event)
 
     @kopf.on.event(GROUP, VERSION, TOPOLOGY_PLURAL, registry=registry, id="node-labels")

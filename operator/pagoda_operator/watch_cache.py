@@ -14,6 +14,10 @@ namespace (cluster-wide for NodeTopology):
 - listed again every ``RELIST_AFTER_S`` seconds: a watch that restarts from a fresh list
   reports the objects that exist, not the ones deleted meanwhile.
 
+A list runs without the cache's lock (watch events arrive on kopf's event loop, which must not
+wait for a request): events for that kind and namespace seen while its list is in flight are
+kept and applied to the list's result before it is installed.
+
 A newer resourceVersion always wins, so an event that arrives late never rolls an entry back.
 A pass that acts on an entry the API server has moved past is refused (409, the write carries
 the resourceVersion it read) and retried, as before. ``CachedKube`` is the ``Kube`` a pass
@@ -92,13 +96,26 @@ def _version(obj: Mapping[str, Any]) -> int | None:
     return int(version) if isinstance(version, str) and version.isdigit() else None
 
 
-def _newer(new: Mapping[str, Any], old: _Entry | None) -> bool:
+def _newer(new: _Entry, old: _Entry | None) -> bool:
     """Whether ``new`` is at least as recent as ``old`` (resourceVersions are etcd revisions;
     one that is not a number is taken as newer)."""
     if old is None:
         return True
-    a, b = _version(new), old.version
+    a, b = new.version, old.version
     return a is None or b is None or a >= b
+
+
+def _apply(objects: dict[str, _Entry], name: str, entry: _Entry, deleted: bool) -> tuple[bool, _Entry | None]:
+    """One watch event into a store's objects: whether it moved them (not when it is older than
+    what they hold), and the entry it replaced."""
+    old = objects.get(name)
+    if not _newer(entry, old):
+        return False, old
+    if deleted:
+        objects.pop(name, None)
+    else:
+        objects[name] = entry
+    return True, old
 
 
 def matches(labels: Mapping[str, str], selector: str | None) -> bool:
@@ -123,24 +140,49 @@ class WatchCache:
         self._clock = clock
         self._lock = threading.Lock()
         self._stores: dict[tuple[str, str | None], _Store] = {}
+        # one list at a time per kind and namespace; the events seen while it is in flight
+        self._listing: dict[tuple[str, str | None], threading.Lock] = {}
+        self._seen_while_listing: dict[tuple[str, str | None], list[tuple[str, _Entry, bool]]] = {}
 
     @staticmethod
     def _scope(kind: str, namespace: str | None) -> tuple[str, str | None]:
         return kind, None if kind in CLUSTER_SCOPED else namespace
 
+    def _current(self, key: tuple[str, str | None]) -> _Store | None:
+        """The key's store unless it was never listed or listed too long ago. Lock held."""
+        store = self._stores.get(key)
+        return store if store is not None and self._clock() - store.listed_at < self._relist_after else None
+
     def _store(self, kind: str, namespace: str | None) -> _Store:
         """The kind's objects in the namespace, listed when never listed or listed too long ago.
-        Called with the lock held: passes for one namespace wait for its list once."""
+        Passes that need the same list wait for the one in flight; nothing else does."""
         key = self._scope(kind, namespace)
-        store = self._stores.get(key)
-        now = self._clock()
-        if store is None or now - store.listed_at >= self._relist_after:
-            items = self._lister(kind, key[1], CACHED[kind])
-            old = self._stores.get(key)
-            store = _Store(now, {o["metadata"]["name"]: _Entry.of(o) for o in items})
-            self._stores[key] = store
-            self._account(kind, old.objects.values() if old else (), store.objects.values())
-        return store
+        with self._lock:
+            store = self._current(key)
+            listing = self._listing.setdefault(key, threading.Lock())
+        if store is not None:
+            return store
+        with listing:
+            with self._lock:
+                store = self._current(key)
+                if store is not None:  # listed by another pass meanwhile
+                    return store
+                self._seen_while_listing[key] = []
+                listed_at = self._clock()
+            try:
+                items = self._lister(kind, key[1], CACHED[kind])
+                fresh = _Store(listed_at, {o["metadata"]["name"]: _Entry.of(o) for o in items})
+            except BaseException:
+                with self._lock:
+                    self._seen_while_listing.pop(key)
+                raise
+            with self._lock:
+                for name, entry, deleted in self._seen_while_listing.pop(key):
+                    _apply(fresh.objects, name, entry, deleted)
+                old = self._stores.get(key)
+                self._stores[key] = fresh
+                self._account(kind, old.objects.values() if old else (), fresh.objects.values())
+            return fresh
 
     @staticmethod
     def _account(kind: str, gone: Any, added: Any) -> None:
@@ -150,13 +192,15 @@ class WatchCache:
         CACHED_BYTES.labels(kind).inc(sum(len(e.text) for e in added) - sum(len(e.text) for e in gone))
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        store = self._store(kind, namespace)
         with self._lock:
-            found = self._store(kind, namespace).objects.get(name)
+            found = store.objects.get(name)
         return found.load() if found is not None else None
 
     def list(self, kind: str, namespace: str | None, selector: str | None = None) -> list[dict[str, Any]]:
+        store = self._store(kind, namespace)
         with self._lock:
-            entries = list(self._store(kind, namespace).objects.values())
+            entries = list(store.objects.values())
         return [e.load() for e in entries if matches(e.labels, selector)]
 
     def observe(self, kind: str, body: Mapping[str, Any], deleted: bool = False) -> None:
@@ -168,19 +212,19 @@ class WatchCache:
             return
         if CACHED[kind] is not None and not matches(meta.get("labels") or {}, CACHED[kind]):
             return  # not one of the operator's: its lists leave such objects out too
+        key = self._scope(kind, meta.get("namespace"))
+        if key not in self._stores and key not in self._seen_while_listing:
+            return  # a read without the lock: at worst the event is taken, and then kept or dropped below
+        entry = _Entry.of(body)  # the JSON text made outside the lock
         with self._lock:
-            store = self._stores.get(self._scope(kind, meta.get("namespace")))
+            if key in self._seen_while_listing:
+                self._seen_while_listing[key].append((name, entry, deleted))
+            store = self._stores.get(key)
             if store is None:
                 return
-            old = store.objects.get(name)
-            if not _newer(body, old):
-                return
-            if deleted:
-                store.objects.pop(name, None)
-                self._account(kind, [old] if old else [], [])
-            else:
-                store.objects[name] = entry = _Entry.of(body)
-                self._account(kind, [old] if old else [], [entry])
+            moved, old = _apply(store.objects, name, entry, deleted)
+            if moved:
+                self._account(kind, [old] if old else [], [] if deleted else [entry])
 
     def forget(self, kind: str, namespace: str | None, name: str) -> None:
         """The operator deleted it."""

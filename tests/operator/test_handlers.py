@@ -161,3 +161,29 @@ def test_kopfs_warning_that_leader_worker_sets_cannot_be_served_is_dropped_alone
     assert not quiet.filter(record(f"Unresolved resources cannot be served (try creating their CRDs): {lws}"))
     assert quiet.filter(record(f"Unresolved resources cannot be served (try creating their CRDs): {lws}, {other}"))
     assert quiet.filter(record("Ambiguous resources will not be served"))
+
+
+def test_a_childs_event_asks_for_its_owners_pass_and_returns_at_once(fake_kube):
+    """Child handlers run on kopf's event loop: they keep the object and ask the pass pool for
+    the owner's pass instead of running it (pass_pool.py says why); the pass runs on a pool
+    thread and writes the children."""
+    import asyncio
+    import inspect
+    import time
+
+    from pagoda_operator.builders import INSTANCE_LABEL
+
+    fake_kube.put(isvc("a"))
+    ctx = Context(kube=fake_kube, settings=Settings(daemon_image="img"))
+    registry = build_registry(ctx, interval=1)
+    handlers = {h.id: h for h in registry._watching.get_all_handlers()}
+    assert all(inspect.iscoroutinefunction(handlers[i].fn) for i in handlers if i != "node-labels")
+    pod = {"kind": "Pod", "metadata": {"name": "a-1", "namespace": "default", "labels": {INSTANCE_LABEL: "a"}}}
+    asyncio.run(handlers["pod"].fn(event={"type": "ADDED", "object": pod}, labels=pod["metadata"]["labels"],
+                                   namespace="default"))
+    deadline = time.monotonic() + 10
+    while fake_kube.get("Deployment", "default", "a") is None:
+        assert time.monotonic() < deadline, "no pass ran for the pod's owner"
+        time.sleep(0.02)
+    (stop,) = [h for h in registry._activities.get_all_handlers() if h.id.endswith(".stop_ticker")]
+    stop.fn()

@@ -251,3 +251,54 @@ def test_passes_read_from_the_cache_and_see_watch_events(fake_kube):
     status = kube.get("InferenceService", "default", "llama")["status"]
     assert not any("larger than any node offers" in c.get("message", "") for c in status["conditions"])
     assert len(reads) == first, reads[first:]
+
+
+def test_events_seen_while_a_list_is_in_flight_land_in_its_result_and_never_wait_for_it():
+    """The list runs without the cache's lock: an event on kopf's event loop does not wait for
+    it, and what the events say is applied to the list's result by resourceVersion (a newer
+    object added, a listed one deleted, an update older than the list ignored)."""
+    import threading
+
+    listing, release = threading.Event(), threading.Event()
+    listed = [obj("Pod", "kept", 10), obj("Pod", "gone", 11)]
+
+    def lister(kind: str, namespace: str | None, selector: str | None) -> list[dict]:
+        listing.set()
+        assert release.wait(10)
+        return copy.deepcopy(listed)
+
+    cache = WatchCache(lister)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(cache.list("Pod", "ns")))
+    reader.start()
+    assert listing.wait(10)
+    observer = threading.Thread(target=lambda: (
+        cache.observe("Pod", obj("Pod", "new", 12)),
+        cache.observe("Pod", obj("Pod", "gone", 13), deleted=True),
+        cache.observe("Pod", obj("Pod", "kept", 9, extra="old")),
+    ))
+    observer.start()
+    observer.join(5)
+    assert not observer.is_alive(), "an event waited for the list"
+    release.set()
+    reader.join(10)
+    names = {o["metadata"]["name"]: o for o in got[0]}
+    assert set(names) == {"kept", "new"} and "extra" not in names["kept"]
+    assert {o["metadata"]["name"] for o in cache.list("Pod", "ns")} == {"kept", "new"}
+
+
+def test_a_failed_list_leaves_nothing_behind_and_the_next_read_lists_again():
+    calls = []
+
+    def lister(kind: str, namespace: str | None, selector: str | None) -> list[dict]:
+        calls.append(kind)
+        if len(calls) == 1:
+            raise ApiError(500, "etcd leader changed")
+        return [obj("Pod", "a", 5)]
+
+    cache = WatchCache(lister)
+    with pytest.raises(ApiError):
+        cache.get("Pod", "ns", "a")
+    cache.observe("Pod", obj("Pod", "b", 6))  # no store, no list in flight: left to the list
+    assert [o["metadata"]["name"] for o in cache.list("Pod", "ns")] == ["a"]
+    assert len(calls) == 2
