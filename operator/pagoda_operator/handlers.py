@@ -59,7 +59,6 @@ MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRES
 # intervals plus two minutes (a pass over 1,000 InferenceServices on a busy API server is slow,
 # not stuck; docs/benchmarks/2026-11-25-operator-scale.md).
 LOOP_BEAT = "kopf event loop"
-KOPF_THREADS = 2
 LOOP_BEAT_S, LOOP_STUCK_AFTER_S = 5.0, 60.0
 PASS_BEAT = "periodic pass"
 
@@ -73,6 +72,11 @@ class QuietAboutLeaderWorkerSets(logging.Filter):
                     and message.count("Selector(") == 1 and f"group='{lws.GROUP}'" in message)
 
 
+# kopf's own threads: they run only the handlers left synchronous (NodeTopology's, which labels
+# nodes, and the login); reconcile passes run on the PassPool's ``--workers`` threads
+KOPF_THREADS = 2
+
+
 def operator_settings(
     settings: kopf.OperatorSettings | None = None, workers: int = 8
 ) -> kopf.OperatorSettings:
@@ -84,8 +88,6 @@ def operator_settings(
     )
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "pagoda-operator"
-    # kopf's own threads run only the handlers left synchronous (NodeTopology's, which labels
-    # nodes); reconcile passes run on the PassPool's ``workers`` threads (pass_pool.py)
     settings.execution.max_workers = KOPF_THREADS
     # Objects kopf works on at once. Unbounded, a burst of creates had each object's worker patch
     # at once, and kopf's HTTP pool kept a TLS connection (128 KiB of buffers) for each: 188 of
