@@ -343,7 +343,8 @@ def _observe(ctx: Context, kind: str, event: Mapping[str, Any]) -> None:
 
 
 def _child_event(ctx: Context, namespace: str, owner: str, trigger: str) -> None:
-    # Event handlers are not retried by kopf; the ticker repairs whatever a failure here leaves.
+    # A pass a child's event asked for (on the PassPool) is not retried; the ticker repairs what a
+    # failure here leaves. Logged without a traceback: a refused write repeats on every event.
     try:
         post_events(ctx.kube, namespace, owner, reconcile(ctx, namespace, owner, trigger))
     except Exception as e:
