@@ -1,0 +1,184 @@
+"""Issue #20 probe: can a mixed step's decode rows run beside its prompt rows on the GPU?
+
+One mixed step of the prefill-heavy workload at the Qwen3-0.6B shape (28 layers, hidden 1,024,
+16 query / 8 KV heads of 128, MLP 3,072): a prompt micro-batch of P tokens (two fresh prompts)
+and a decode micro-batch of D sequences of C context tokens. Times, per step (28 layers):
+serial (what a mixed step does now), attention only on two streams, the two micro-batches on two
+streams through all layers (eager, and with the decode micro-batch as a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-tokens", type=int, default=8092)
+    ap.add_argument("--decodes", type=int, default=100)
+    ap.add_argument("--context", type=int, default=4240)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+
+    from pagoda_kernels.decode_attention import decode_block_n, paged_decode_attention, plan_decode
+    from pagoda_kernels.prefill_attention import paged_prefill_attention
+
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    torch.manual_seed(0)
+    H, KVH, HD, HID, INTER, PAGE = 16, 8, 128, 1024, 3072, 16
+    P, D, C, L = args.prompt_tokens, args.decodes, args.context, args.layers
+    halves = [P // 2, P - P // 2]
+    # one cache for both micro-batches: D contexts, then the two prompts
+    d_blocks = -(-C // PAGE)
+    p_blocks = [-(-n // PAGE) for n in halves]
+    num_blocks = D * d_blocks + sum(p_blocks)
+    cache = torch.randn((2, num_blocks, PAGE, KVH, HD), dtype=dt, device=dev)
+    perm = torch.randperm(num_blocks, device=dev).to(torch.int32)
+    d_tables = perm[: D * d_blocks].view(D, d_blocks).contiguous()
+    width = max(p_blocks)
+    p_tables = torch.zeros((2, width), dtype=torch.int32, device=dev)
+    start = D * d_blocks
+    for i, nb in enumerate(p_blocks):
+        p_tables[i, :nb] = perm[start:start + nb]
+        start += nb
+    d_lens = torch.full((D,), C, dtype=torch.int32, device=dev)
+    p_lens = torch.tensor(halves, dtype=torch.int32, device=dev)
+    p_qsl = torch.tensor([0, halves[0], P], dtype=torch.int32, device=dev)
+    block_n = decode_block_n(HD, dt)
+    plan = plan_decode(d_lens, KVH, block_n)
+    scale = HD ** -0.5
+
+    w = {name: torch.randn(shape, dtype=dt, device=dev) * 0.02 for name, shape in
+         {"qkv": ((H + 2 * KVH) * HD, HID), "o": (HID, H * HD), "gu": (2 * INTER, HID), "d": (HID, INTER)}.items()}
+
+    def buffers(rows: int) -> dict:
+        return {"x": torch.randn((rows, HID), dtype=dt, device=dev), "q": torch.randn((rows, H, HD), dtype=dt, device=dev),
+                "attn": torch.empty((rows, H, HD), dtype=dt, device=dev)}
+
+    pb, db = buffers(P), buffers(D)
+
+    def gemms_before(b):
+        return F.linear(b["x"], w["qkv"])
+
+    def gemms_after(b):
+        h = F.linear(b["attn"].view(-1, H * HD), w["o"])
+        gu = F.linear(h, w["gu"])
+        g, u = gu.chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, w["d"])
+
+    def prompt_attn():
+        paged_prefill_attention(pb["q"], cache, p_tables, p_qsl, p_lens, scale, max_query_len=max(halves), out=pb["attn"])
+
+    def decode_attn():
+        paged_decode_attention(db["q"], cache, d_tables, d_lens, scale, plan=plan, out=db["attn"], block_n=block_n)
+
+    def prompt_layer():
+        gemms_before(pb); prompt_attn(); gemms_after(pb)  # noqa: E702
+
+    def decode_layer():
+        gemms_before(db); decode_attn(); gemms_after(db)  # noqa: E702
+
+    side = torch.cuda.Stream(dev)
+    main_stream = torch.cuda.current_stream(dev)
+
+    def serial():
+        for _ in range(L):
+            # the engine's mixed step: one GEMM over all rows; attention per kind
+            gemms_before(pb); gemms_before(db)  # noqa: E702
+            decode_attn(); prompt_attn()  # noqa: E702
+            gemms_after(pb); gemms_after(db)  # noqa: E702
+
+    def attention_overlap_decode_first():
+        for _ in range(L):
+            gemms_before(pb); gemms_before(db)  # noqa: E702
+            side.wait_stream(main_stream)
+            with torch.cuda.stream(side):
+                decode_attn()
+            prompt_attn()
+            main_stream.wait_stream(side)
+            gemms_after(pb); gemms_after(db)  # noqa: E702
+
+    def attention_overlap_prompt_first():
+        for _ in range(L):
+            gemms_before(pb); gemms_before(db)  # noqa: E702
+            side.wait_stream(main_stream)
+            prompt_attn()
+            with torch.cuda.stream(side):
+                decode_attn()
+            main_stream.wait_stream(side)
+            gemms_after(pb); gemms_after(db)  # noqa: E702
+
+    def microbatches(decode_first: bool):
+        def run():
+            side.wait_stream(main_stream)
+            if decode_first:
+                with torch.cuda.stream(side):
+                    for _ in range(L):
+                        decode_layer()
+                for _ in range(L):
+                    prompt_layer()
+            else:
+                for _ in range(L):
+                    prompt_layer()
+                    with torch.cuda.stream(side):
+                        decode_layer()
+            main_stream.wait_stream(side)
+        return run
+
+    def decode_only():
+        for _ in range(L):
+            decode_layer()
+
+    def prompt_only():
+        for _ in range(L):
+            prompt_layer()
+
+    # the decode micro-batch as a graph, replayed on the side stream
+    decode_only(); torch.cuda.synchronize()  # noqa: E702
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_only()
+
+    def graphed_microbatches():
+        side.wait_stream(main_stream)
+        with torch.cuda.stream(side):
+            graph.replay()
+        prompt_only()
+        main_stream.wait_stream(side)
+
+    def graphed_decode_only():
+        graph.replay()
+
+    cases = {"serial": serial, "attention_overlap_prompt_first": attention_overlap_prompt_first,
+             "attention_overlap_decode_first": attention_overlap_decode_first,
+             "microbatches_decode_first": microbatches(True), "microbatches_interleaved": microbatches(False),
+             "microbatches_graphed_decode": graphed_microbatches, "prompt_only": prompt_only,
+             "decode_only_eager": decode_only, "decode_only_graph": graphed_decode_only,
+             "decode_attention_only": lambda: [decode_attn() for _ in range(L)],
+             "prompt_attention_only": lambda: [prompt_attn() for _ in range(L)]}
+    result = {"prompt_tokens": P, "decodes": D, "context": C, "layers": L, "device": torch.cuda.get_device_name()}
+    for name, fn in cases.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        result[name + "_ms"] = round(statistics.median(times), 3)
+    print("RESULT", json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
