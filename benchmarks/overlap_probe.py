@@ -5,6 +5,8 @@ One mixed step of the prefill-heavy workload at the Qwen3-0.6B shape (28 layers,
 and a decode micro-batch of D sequences of C context tokens. Times, per step (28 layers):
 serial (what a mixed step does now), attention only on two streams, the two micro-batches on two
 streams through all layers (eager, and with the decode micro-batch as a CUDA graph).
+
+    python -m benchmarks.overlap_probe --prompt-tokens 8092 --decodes 100 --context 4240
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.kernels import graphed
 
 
 def main() -> None:
@@ -90,30 +94,29 @@ def main() -> None:
 
     def serial():
         for _ in range(L):
-            # the engine's mixed step: one GEMM over all rows; attention per kind
+            # a mixed step's work one kernel after another (the engine runs one GEMM over all rows;
+            # here each micro-batch has its own, as in the overlapped cases, to compare like with like)
             gemms_before(pb); gemms_before(db)  # noqa: E702
             decode_attn(); prompt_attn()  # noqa: E702
             gemms_after(pb); gemms_after(db)  # noqa: E702
 
-    def attention_overlap_decode_first():
-        for _ in range(L):
-            gemms_before(pb); gemms_before(db)  # noqa: E702
-            side.wait_stream(main_stream)
-            with torch.cuda.stream(side):
-                decode_attn()
-            prompt_attn()
-            main_stream.wait_stream(side)
-            gemms_after(pb); gemms_after(db)  # noqa: E702
-
-    def attention_overlap_prompt_first():
-        for _ in range(L):
-            gemms_before(pb); gemms_before(db)  # noqa: E702
-            side.wait_stream(main_stream)
-            prompt_attn()
-            with torch.cuda.stream(side):
-                decode_attn()
-            main_stream.wait_stream(side)
-            gemms_after(pb); gemms_after(db)  # noqa: E702
+    def attention_overlap(decode_first: bool):
+        """The GEMMs over both micro-batches, then the two attentions on two streams."""
+        def run():
+            for _ in range(L):
+                gemms_before(pb); gemms_before(db)  # noqa: E702
+                side.wait_stream(main_stream)
+                if decode_first:
+                    with torch.cuda.stream(side):
+                        decode_attn()
+                    prompt_attn()
+                else:
+                    prompt_attn()
+                    with torch.cuda.stream(side):
+                        decode_attn()
+                main_stream.wait_stream(side)
+                gemms_after(pb); gemms_after(db)  # noqa: E702
+        return run
 
     def microbatches(decode_first: bool):
         def run():
@@ -140,27 +143,20 @@ def main() -> None:
         for _ in range(L):
             prompt_layer()
 
-    # the decode micro-batch as a graph, replayed on the side stream
-    decode_only(); torch.cuda.synchronize()  # noqa: E702
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode_only()
+    replay_decode = graphed(decode_only, dev)  # the decode micro-batch as a CUDA graph
 
     def graphed_microbatches():
         side.wait_stream(main_stream)
         with torch.cuda.stream(side):
-            graph.replay()
+            replay_decode()
         prompt_only()
         main_stream.wait_stream(side)
 
-    def graphed_decode_only():
-        graph.replay()
-
-    cases = {"serial": serial, "attention_overlap_prompt_first": attention_overlap_prompt_first,
-             "attention_overlap_decode_first": attention_overlap_decode_first,
+    cases = {"serial": serial, "attention_overlap_prompt_first": attention_overlap(False),
+             "attention_overlap_decode_first": attention_overlap(True),
              "microbatches_decode_first": microbatches(True), "microbatches_interleaved": microbatches(False),
              "microbatches_graphed_decode": graphed_microbatches, "prompt_only": prompt_only,
-             "decode_only_eager": decode_only, "decode_only_graph": graphed_decode_only,
+             "decode_only_eager": decode_only, "decode_only_graph": replay_decode,
              "decode_attention_only": lambda: [decode_attn() for _ in range(L)],
              "prompt_attention_only": lambda: [prompt_attn() for _ in range(L)]}
     result = {"prompt_tokens": P, "decodes": D, "context": C, "layers": L, "device": torch.cuda.get_device_name()}
