@@ -32,11 +32,13 @@ are what the proxy's clients see), followed by the proxy's own ``pagoda_pd_proxy
 # imported inside build_app so that the CLI does not import FastAPI) when they are defined.
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,7 +244,12 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
     # sent on a connection the instance is closing fails with nothing received.
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
                                limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S))
-    app = FastAPI(title="pagoda pd-proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()  # on shutdown: the pooled connections to the instances
+
+    app = FastAPI(title="pagoda pd-proxy", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -413,10 +420,6 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
             return passed(r)
         text = r.content if r.content.endswith(b"\n") or not r.content else r.content + b"\n"
         return Response(text + own, media_type=r.headers.get("content-type"))
-
-    @app.on_event("shutdown")
-    async def close() -> None:
-        await client.aclose()
 
     return app
 
