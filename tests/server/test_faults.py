@@ -73,6 +73,7 @@ def _completion(max_tokens: int = 1) -> bytes:
 # ---- connections that never finish a request ---------------------------------------------
 
 
+@pytest.mark.serial  # a wall-clock bound: runs alone, after the parallel pass
 def test_slowloris_connections_are_closed_after_the_read_deadlines_while_health_answers(guarded):
     """500 half-open connections (headers a byte at a time, or a body that never completes)
     must not be held forever, and the server must keep answering meanwhile."""
@@ -253,6 +254,7 @@ def _events(lines: list[tuple[float, str]]) -> list:
     return [line.removeprefix("data: ") for _, line in lines]
 
 
+@pytest.mark.serial  # a wall-clock bound: runs alone, after the parallel pass
 def test_engine_killed_streams_end_with_error_event_and_the_daemon_exits_non_zero(start_server):
     srv = start_server()
     lines: list[tuple[float, str]] = []
@@ -272,6 +274,7 @@ def test_engine_killed_streams_end_with_error_event_and_the_daemon_exits_non_zer
     assert srv.proc.wait(10) == 1  # not a live API with frozen gauges: the kubelet restarts the pod
 
 
+@pytest.mark.serial  # a wall-clock bound: runs alone, after the parallel pass
 def test_api_killed_engine_exits_within_a_second_and_removes_its_ipc_files(start_server):
     srv = start_server()
     (ipc_dir,) = srv.ipc_dirs()

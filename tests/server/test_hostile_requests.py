@@ -271,6 +271,7 @@ print(json.dumps(latencies))
 """
 
 
+@pytest.mark.serial  # a wall-clock bound: runs alone, after the parallel pass
 def test_huge_prompts_do_not_block_health_or_keep_memory(server):
     huge = json.dumps(completion(prompt="lorem ipsum dolor sit amet " * 400_000)).encode()  # ~10.8 MB
     huge_chat = json.dumps(chat("lorem ipsum dolor sit amet " * 400_000)).encode()

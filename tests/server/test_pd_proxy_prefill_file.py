@@ -153,6 +153,7 @@ def until(check: Callable[[], bool], seconds: float = SETTLE_S) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.serial  # a wall-clock bound: runs alone, after the parallel pass
 @pytest.mark.parametrize("swap", ["os.replace", "kubelet symlink"])
 def test_new_requests_go_to_the_instances_the_rewritten_file_lists(swap, fakes, tmp_path):
     a, b, decode = fakes(), fakes(), fakes()
