@@ -4,9 +4,11 @@ One mixed step of the prefill-heavy workload at the Qwen3-0.6B shape (28 layers,
 16 query / 8 KV heads of 128, MLP 3,072): a prompt micro-batch of P tokens (two fresh prompts)
 and a decode micro-batch of D sequences of C context tokens. Times, per step (28 layers):
 serial (what a mixed step does now), attention only on two streams, the two micro-batches on two
-streams through all layers (eager, and with the decode micro-batch as a CUDA graph).
+streams through all layers (eager, and with the decode micro-batch as a CUDA graph). With
+--green-sms, the micro-batches also on shares of the SMs: each alone in a green context, and both
+at once on two disjoint partitions.
 
-    python -m benchmarks.overlap_probe --prompt-tokens 8092 --decodes 100 --context 4240
+    python -m benchmarks.overlap_probe --prompt-tokens 8092 --decodes 100 --context 4240 --green-sms 32,40
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4240)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--green-sms", default="",
+                    help="comma-separated SM counts: time the decode micro-batch confined to that many SMs and "
+                    "the prompt micro-batch to the rest (CUDA green contexts), each alone")
     args = ap.parse_args()
 
     from pagoda_kernels.decode_attention import decode_block_n, paged_decode_attention, plan_decode
@@ -174,6 +180,123 @@ def main() -> None:
             times.append(a.elapsed_time(b))
         result[name + "_ms"] = round(statistics.median(times), 3)
     print("RESULT", json.dumps(result), flush=True)
+    if args.green_sms:
+        cases = {"decode_attention_only": cases["decode_attention_only"], "decode_only_eager": decode_only,
+                 "prompt_only": prompt_only}
+        confined(cases, [int(n) for n in args.green_sms.split(",")], args.reps, result)
+        split(decode_layer, prompt_layer, L, [int(n) for n in args.green_sms.split(",")], args.reps)
+
+
+def _sm_partitions(decode_sms: int) -> tuple[int, int, int, int]:
+    """Two disjoint SM partitions (decode_sms, and the rest) as green contexts; their streams.
+
+    Through the CUDA driver API by ctypes: torch's GreenContext.create splits from the whole
+    device each time, so two of them share SMs. Returns (decode stream, decode SMs, prompt
+    stream, prompt SMs); the streams are raw CUstream handles.
+    """
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} returned CUresult {rc}")
+
+    resource_bytes = 512  # CUdevResource is 144 bytes in CUDA 12 headers, more in later ones
+    device = ctypes.c_int()
+    check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+    whole, part, rest = (ctypes.create_string_buffer(resource_bytes) for _ in range(3))
+    check(cuda.cuDeviceGetDevResource(device, whole, 1), "cuDeviceGetDevResource")  # 1: SM
+    groups = ctypes.c_uint(1)
+    check(cuda.cuDevSmResourceSplitByCount(part, ctypes.byref(groups), whole, rest, 0, decode_sms),
+          "cuDevSmResourceSplitByCount")
+    out = []
+    for resource in (part, rest):
+        desc, green, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check(cuda.cuDevResourceGenerateDesc(ctypes.byref(desc), resource, 1), "cuDevResourceGenerateDesc")
+        check(cuda.cuGreenCtxCreate(ctypes.byref(green), desc, device, 1), "cuGreenCtxCreate")  # default stream
+        check(cuda.cuGreenCtxStreamCreate(ctypes.byref(stream), green, 1, 0), "cuGreenCtxStreamCreate")  # non-blocking
+        sms = ctypes.c_uint.from_buffer(resource, 96).value  # CUdevSmResource.smCount after type + padding
+        out += [stream.value, sms]
+    return out[0], out[1], out[2], out[3]
+
+
+def split(decode_layer, prompt_layer, layers: int, sm_counts: list[int], reps: int) -> None:
+    """The decode micro-batch on n SMs and the prompt micro-batch on the others, at the same time
+    (a layer of each in turn, on the two partitions' streams)."""
+    for n in sm_counts:
+        row: dict = {"sms": n}
+        try:
+            d_handle, d_sms, p_handle, p_sms = _sm_partitions(n)
+            row.update(decode_sms=d_sms, prompt_sms=p_sms)
+            d_stream = torch.cuda.ExternalStream(d_handle)
+            p_stream = torch.cuda.ExternalStream(p_handle)
+
+            def layers_on(pairs):
+                def run():
+                    for _ in range(layers):
+                        for stream, layer in pairs:
+                            with torch.cuda.stream(stream):
+                                layer()
+                return run
+
+            cases = {"decode_alone": layers_on([(d_stream, decode_layer)]),
+                     "prompt_alone": layers_on([(p_stream, prompt_layer)]),
+                     "both_at_once": layers_on([(d_stream, decode_layer), (p_stream, prompt_layer)])}
+
+            def sync(streams=(d_stream, p_stream)) -> None:
+                for stream in streams:
+                    stream.synchronize()
+
+            for name, fn in cases.items():
+                row[name + "_ms"] = _host_timed_ms(fn, reps, sync)
+        except Exception as e:  # a probe: report what the driver or a library refused
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        print("SPLIT", json.dumps(row), flush=True)
+
+
+def confined(cases: dict, sm_counts: list[int], reps: int, base: dict) -> None:
+    """Each case alone on n SMs (decode) or all SMs but n (prompt), through a CUDA green context.
+
+    Each green context made this way is split from the whole device, so two of them can share
+    SMs and the parts are not run at once here (split() does that); timed alone, max(decode on n, prompt on the rest) is
+    what a disjoint split could reach at best.
+    """
+    from torch.cuda.green_contexts import GreenContext
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    for n in sm_counts:
+        row: dict = {"sms": n, "total_sms": total}
+        for name, fn in cases.items():
+            count = total - n if name == "prompt_only" else n
+            try:
+                ctx = GreenContext.create(num_sms=count, device_id=0)
+                enter = getattr(ctx, "set_context", None) or ctx.make_current
+                leave = getattr(ctx, "pop_context", None) or ctx.pop_current
+                enter()
+                try:
+                    row[f"{name}_on_{count}_sms_ms"] = _host_timed_ms(fn, reps, torch.cuda.synchronize)
+                finally:
+                    leave()
+                row[f"{name}_all_sms_ms"] = base.get(name + "_ms")
+            except Exception as e:  # a probe: report what the driver or a library refused
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+        print("GREEN", json.dumps(row), flush=True)
+
+
+def _host_timed_ms(fn, reps: int, sync) -> float:
+    """Median wall time of fn() in ms, synchronized by sync(): CUDA events belong to one context,
+    and these cases run in green contexts."""
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 3)
 
 
 if __name__ == "__main__":
