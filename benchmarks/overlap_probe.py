@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--green-sms", default="",
                     help="comma-separated SM counts: time the decode micro-batch confined to that many SMs and "
-                    "the prompt micro-batch to the rest (CUDA green contexts), each alone")
+                    "the prompt micro-batch to the rest (CUDA green contexts), each alone and both at once")
     args = ap.parse_args()
 
     from pagoda_kernels.decode_attention import decode_block_n, paged_decode_attention, plan_decode
@@ -181,17 +181,17 @@ def main() -> None:
         result[name + "_ms"] = round(statistics.median(times), 3)
     print("RESULT", json.dumps(result), flush=True)
     if args.green_sms:
-        cases = {"decode_attention_only": cases["decode_attention_only"], "decode_only_eager": decode_only,
-                 "prompt_only": prompt_only}
-        confined(cases, [int(n) for n in args.green_sms.split(",")], args.reps, result)
-        split(decode_layer, prompt_layer, L, [int(n) for n in args.green_sms.split(",")], args.reps)
+        sm_counts = [int(n) for n in args.green_sms.split(",")]
+        confined({"decode_attention_only": cases["decode_attention_only"], "decode_only_eager": decode_only,
+                  "prompt_only": prompt_only}, sm_counts, args.reps, result)
+        split(decode_layer, prompt_layer, L, sm_counts, args.reps)
 
 
 def _sm_partitions(decode_sms: int) -> tuple[int, int, int, int]:
     """Two disjoint SM partitions (decode_sms, and the rest) as green contexts; their streams.
 
     Through the CUDA driver API by ctypes: torch's GreenContext.create splits from the whole
-    device each time, so two of them share SMs. Returns (decode stream, decode SMs, prompt
+    device each time, so two of them can share SMs. Returns (decode stream, decode SMs, prompt
     stream, prompt SMs); the streams are raw CUstream handles.
     """
     import ctypes
@@ -259,8 +259,8 @@ def confined(cases: dict, sm_counts: list[int], reps: int, base: dict) -> None:
     """Each case alone on n SMs (decode) or all SMs but n (prompt), through a CUDA green context.
 
     Each green context made this way is split from the whole device, so two of them can share
-    SMs and the parts are not run at once here (split() does that); timed alone, max(decode on n, prompt on the rest) is
-    what a disjoint split could reach at best.
+    SMs and the parts are not run at once here (split() does that); timed alone,
+    max(decode on n, prompt on the rest) is what a disjoint split could reach at best.
     """
     from torch.cuda.green_contexts import GreenContext
 
