@@ -237,11 +237,14 @@ def test_replicas_and_services_of_one_namespace_download_once_and_the_agent_evic
                 assert reply.usage.completion_tokens == 4
 
         def listed() -> dict[str, Any] | None:
+            # The status is the agent's view at its last heartbeat (every 10 s here), which may have
+            # been taken while the download was under way: wait for one taken after it finished.
             mine = [m for m in node_cache(local_cluster).get("models", []) if m["namespace"] == ns]
-            return mine[0] if mine and mine[0]["inUse"] else None
+            return mine[0] if mine and mine[0]["inUse"] and mine[0]["complete"] else None
 
-        model = local_cluster.wait_for(listed, timeout=120, what="the model in NodeTopology status.modelCache")
-        assert (model["source"], model["complete"]) == (source.uri, True), model
+        model = local_cluster.wait_for(listed, timeout=120,
+                                       what="the model, complete and in use, in NodeTopology status.modelCache")
+        assert model["source"] == source.uri, model
         scheme, location = source.uri.split("://")
         entry = cache_root() / ns / scheme / location.replace("/", "%2F") / model["revision"]
         assert (entry / "config.json").is_file()  # on the node, in the namespace's directory
