@@ -130,7 +130,7 @@ def proxy_container(spec: ServiceSpec, settings: builders.Settings) -> dict[str,
         "resources": {k: dict(v) for k, v in PROXY_RESOURCES.items()},
         "volumeMounts": mounts,
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
-        "readinessProbe": builders.probe("/ready", 5, 3),
+        "readinessProbe": builders.readiness_probe(),
     }
 
 

@@ -130,7 +130,8 @@ def worker_pod(spec: ServiceSpec, settings: builders.Settings, config_hash: str,
     # Ready once its ranks joined the world and sized their KV caches: the node then accepts
     # connections on the rendezvous port number, which only the leader's store uses otherwise.
     daemon["ports"] = [{"name": "ready", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}]
-    daemon["readinessProbe"] = {"tcpSocket": {"port": "ready"}, "periodSeconds": 5, "failureThreshold": 1}
+    daemon["readinessProbe"] = {"tcpSocket": {"port": "ready"}, "periodSeconds": builders.PROBE_PERIOD_S,
+                                "failureThreshold": 1}
     daemon["args"] = ["serve", builders.model_argument(spec), "--device", spec.device,
                       "--config", posixpath.join(builders.CONFIG_DIR, builders.CONFIG_FILE),
                       *rendezvous, "--node-ready-port", str(RENDEZVOUS_PORT)]

@@ -70,6 +70,11 @@ def test_deployment_runs_the_daemon_command_line():
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    # Probed every 2 s: Ready soon after the engine is; 30 minutes to start, ~15 s to turn unready.
+    startup, ready = c["startupProbe"], c["readinessProbe"]
+    assert startup["periodSeconds"] == ready["periodSeconds"] == 2
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 30 * 60
+    assert 14 <= ready["periodSeconds"] * ready["failureThreshold"] <= 20
     assert env_of(kids)["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     tmpl = kids.workload["spec"]["template"]
     assert kids.workload["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
