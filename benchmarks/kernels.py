@@ -1,7 +1,7 @@
 """Kernel benchmarks for the GPU machine; prints one JSON document.
 
     python -m benchmarks.kernels                 # everything, on cuda:0
-    python -m benchmarks.kernels --only decode   # decode | prefill | moe | sampling | gemv (comma-separated)
+    python -m benchmarks.kernels --only decode   # decode | prefill | moe | moe-sweep | sampling | gemv (comma-separated)
     python -m benchmarks.kernels --smoke         # tiny shapes on CPU under TRITON_INTERPRET=1
 
 Every figure comes with its floor, measured in the same run on the same device:
@@ -166,7 +166,10 @@ def fa3_prefill_case(device, timer, tokens, heads, kv_heads, head_dim, mm) -> di
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
-def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768, dtype=torch.bfloat16) -> dict:
+def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768, dtype=torch.bfloat16,
+             config: dict | None = None, vllm: bool = False) -> dict:
+    """Pagoda's fused MoE (with `config`: those tiles for both GEMMs), or with `vllm` vLLM's
+    `fused_experts` (the kit's, on PYTHONPATH) on the same inputs: the rate to reach."""
     from pagoda_kernels.fused_moe import fused_moe, route_topk
 
     x = torch.randn((tokens, hidden), dtype=dtype, device=device)
@@ -174,7 +177,19 @@ def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768
     w2 = torch.randn((experts, hidden, inter), dtype=dtype, device=device) * inter**-0.5
     logits = torch.randn((tokens, experts), dtype=dtype, device=device)
     weights, ids = route_topk(logits, top_k, True)
-    t = timer(lambda: fused_moe(x, w13, w2, weights, ids))
+    if vllm:
+        try:
+            from vllm.model_executor.layers.fused_moe import fused_experts
+
+            t = timer(lambda: fused_experts(x, w13, w2, weights, ids))
+        except Exception as e:
+            return {"tokens": tokens, "engine": "vllm", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        flops = 6 * tokens * top_k * hidden * inter
+        return {"tokens": tokens, "engine": "vllm", "seconds": t, "TFLOP_per_s": flops / t / 1e12}
+    t = timer(lambda: fused_moe(x, w13, w2, weights, ids, config=config))
+    if config is not None:
+        flops = 6 * tokens * top_k * hidden * inter
+        return {"tokens": tokens, "config": config, "seconds": t, "TFLOP_per_s": flops / t / 1e12}
     t_route = timer(lambda: route_topk(logits, top_k, True))
     flops = 6 * tokens * top_k * hidden * inter
     a = torch.randn((tokens * top_k, hidden), dtype=dtype, device=device)
@@ -338,6 +353,21 @@ def run(only: set[str], smoke: bool) -> dict:
         else:
             rows = [moe_case(device, timer, t) for t in (16, 64, 256, 1024, 4096, 8192)]
         report["moe"] = rows
+    if "moe-sweep" in only:  # tiles of the grouped GEMMs at prompt-sized steps (Qwen3-30B-A3B shape), vLLM beside
+        keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+        sweep = [dict(zip(keys, c)) for c in ((16, 16, 16, 1, 4, 1),)] if smoke else [dict(zip(keys, c)) for c in (
+            (64, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 1, 8, 4), (128, 256, 64, 16, 8, 4),
+            (128, 128, 64, 8, 8, 3))]  # the 64- and 128-row defaults first (2026-11-30's sweep had ten)
+        rows = []
+        for tokens in (16,) if smoke else (1024, 4096, 8192):
+            shape = dict(experts=8, top_k=2, hidden=64, inter=32, dtype=dtype) if smoke else {}
+            rows.append(moe_case(device, timer, tokens, vllm=True, **shape))
+            for cfg in sweep:
+                try:
+                    rows.append(moe_case(device, timer, tokens, config=cfg, **shape))
+                except Exception as e:  # a config that does not compile (shared memory) is a result too
+                    rows.append({"tokens": tokens, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        report["moe_sweep"] = rows
     if "sampling" in only:
         copy = report.get("copy") or copy_bandwidth(device, timer, 1 << 16 if smoke else 2 << 30)
         report["copy"] = copy

@@ -7,7 +7,7 @@
 #                                               multi-gpu|offline-llm|vllm-stash|vllm|structured|
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|kv-load-bandwidth|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
-#                                               prefill-profile|kernels-prefill|
+#                                               prefill-profile|kernels-prefill|kernels-moe|
 #                                               all-reduce|dp|eplb] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
@@ -290,6 +290,17 @@ if has kernels-prefill; then
   vpath=""; [ -f /tmp/vsite/vllm/__init__.py ] || [ -f .vllm_b/core.part.01 ] && unpack_vllm >/dev/null && vpath=/tmp/vsite
   PYTHONPATH=$PYTHONPATH${vpath:+:$vpath} python3 -m benchmarks.kernels --only prefill,prefill-sweep \
     --out "$OUT/kernels-prefill.json" | tail -60 || status=1
+fi
+if has kernels-moe; then
+  # Issue #20: the fused MoE's GPU tests, then its grouped GEMMs' tiles at prompt-sized steps
+  # (1,024-8,192 tokens, Qwen3-30B-A3B shape) beside vLLM's fused_experts when the vLLM kit is here
+  # (`vllm-stash` and `vllm-moe-stash` calls first, .vllm_b carried).
+  step "fused MoE: GPU tests, tile sweep at prompt-sized steps, vLLM's beside it"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "${KM_TESTS:-moe}" \
+    2>&1 | tail -5 | tee "$OUT/kernels-pytest.txt"; grep -q -E "failed|error" "$OUT/kernels-pytest.txt" && status=1
+  vpath=""; [ -f /tmp/vsite/vllm/__init__.py ] || [ -f .vllm_b/core.part.01 ] && unpack_vllm >/dev/null && vpath=/tmp/vsite
+  PYTHONPATH=$PYTHONPATH${vpath:+:$vpath} python3 -m benchmarks.kernels --only moe-sweep \
+    --out "$OUT/kernels-moe.json" | tail -5 || status=1
 fi
 if has prefill-profile; then
   # Issue #20: the prefill-heavy workload (200 prompts of 3,072-5,120 tokens, 192-320 out, all at

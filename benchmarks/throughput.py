@@ -85,6 +85,7 @@ def build_core(args):
                       # Only when asked, so that trees from before the option (run_gpu.sh's A/B bases) still run.
                       **({} if args.max_piecewise_graph_tokens is None
                          else {"max_piecewise_graph_tokens": args.max_piecewise_graph_tokens}),
+                      **({} if args.num_kv_blocks is None else {"num_kv_blocks": args.num_kv_blocks}),
                       **({} if args.kv_offload_write_policy is None
                          else {"kv_offload_write_policy": args.kv_offload_write_policy}),
                       **({} if not args.eplb_step_interval else {
@@ -520,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="run the workload this many times on one engine")
     ap.add_argument("--fresh-prompts-per-round", action="store_true",
                     help="round r's prompt ids shifted by r (same lengths): nothing cached serves a later round")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="an exact KV cache size (e.g. the one vLLM reports beside it), not the memory budget's")
     ap.add_argument("--kv-offload-cpu-gib", type=float, default=0.0, help="KV offload to this much host memory")
     ap.add_argument("--kv-offload-write-policy", choices=("write-through", "write-back"), default=None,
                     help="when the host tier gets a copy of a block (the engine's default otherwise)")

@@ -134,7 +134,8 @@ def _launch_everything(torch) -> None:
         for rows in (1, 256):  # one chunk per row (direct) and several (two stages)
             sampling.sample_tokens(torch.zeros(rows, 151936 if rows > 1 else 2000, dtype=logits_dtype),
                                    torch.zeros(rows), seed=1)
-    for tokens in (4, 512, 1024):  # moe_align: one program up to 512 tokens at top-8, three kernels past it
+    for tokens in (4, 512, 1024, 4096):  # moe_align: one program up to 512 tokens at top-8, three kernels past
+        # it; from 4,096 tokens (256 rows an expert) the grouped GEMMs take their large tiles
         x = torch.zeros(tokens, 2048, dtype=bf16)
         ids = torch.zeros(tokens, 8, dtype=torch.int32)
         fused_moe.fused_moe(x, torch.zeros(128, 1536, 2048, dtype=bf16), torch.zeros(128, 2048, 768, dtype=bf16),

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_kernels._device import cast_to, dot
+from pagoda_kernels._device import cast_to, dot_acc
 from pagoda_kernels._utils import cdiv, next_pow2
 from pagoda_kernels.activation import silu_and_mul
 
@@ -220,7 +220,7 @@ def _grouped_gemm_kernel(
     stride_am, stride_be, stride_bn, stride_bk, stride_cm,
     TOP_K: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # grouped ordering of the tiles so neighbouring programs share B columns in L2
     pid = tl.program_id(0)
@@ -245,19 +245,38 @@ def _grouped_gemm_kernel(
     b_cols = b_ptr + expert * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = acc + dot(a, b, IEEE)
+        if EVEN_K:  # no K tail: A masked by row only, B (with no N tail either) not at all
+            a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_mask[:, None], other=0.0)
+            if EVEN_N:
+                b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk)
+            else:
+                b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+        acc = dot_acc(a, b, acc, IEEE)
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
              cast_to(acc, c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-def _gemm_config(num_rows: int, n: int, k: int) -> dict:
+# From this many rows per expert (a step's rows over the experts they are routed to) 16-bit GEMMs
+# take 128 x 256 tiles: at the Qwen3-30B-A3B shape on an H200 (2026-11-30), the fused MoE of a
+# 4,096-token step took 0.90 ms with them against 1.05 with 64 x 128, an 8,192-token step 1.63
+# against 2.01 (vLLM's fused_experts 0.84 and 1.53); at 1,024 tokens (64 rows an expert, each
+# expert's run padded to a whole 128-row tile) they lost. docs/benchmarks/2026-11-30-moe-prefill-h200.md
+LARGE_TILE_ROWS_PER_EXPERT = 256
+
+
+def _gemm_config(num_rows: int, n: int, k: int, experts: int = 1, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tiles of the grouped GEMMs for `num_rows` (token, slot) rows spread over `experts`."""
     if num_rows <= 64:  # decode-sized: few rows per expert
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    if dtype != torch.float32 and num_rows >= LARGE_TILE_ROWS_PER_EXPERT * experts:
+        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
@@ -270,7 +289,7 @@ def grouped_gemm(a, b, out, sorted_ids, expert_ids, num_rows_padded, top_k: int,
     num_rows = out.shape[0]
     n, k = b.shape[1], b.shape[2]
     assert a.shape[1] == k and a.stride(-1) == 1 and out.stride(-1) == 1
-    cfg = dict(config or _gemm_config(num_rows, n, k))
+    cfg = dict(config or _gemm_config(num_rows, n, k, b.shape[0], a.dtype))
     cfg["BLOCK_M"] = block_m
     num_tiles_m = expert_ids.shape[0]
     grid = (num_tiles_m * triton.cdiv(n, cfg["BLOCK_N"]),)
@@ -278,7 +297,8 @@ def grouped_gemm(a, b, out, sorted_ids, expert_ids, num_rows_padded, top_k: int,
         a, b, out, topk_weights if topk_weights is not None else out, sorted_ids, expert_ids, num_rows_padded,
         n, k, num_rows, num_tiles_m,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
-        TOP_K=top_k, MUL_WEIGHTS=topk_weights is not None, IEEE=a.dtype == torch.float32, **cfg,
+        TOP_K=top_k, MUL_WEIGHTS=topk_weights is not None, IEEE=a.dtype == torch.float32,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **cfg,
     )
     return out
 
@@ -321,18 +341,20 @@ def moe_sum(down: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_e
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, first_expert: int = 0,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, global_experts: int | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights/ids [T, k] -> [T, H] in x's dtype
     (written into ``out`` when given: the all-reduce's buffer, sparing a copy).
     Under expert parallelism w13/w2 hold experts first_expert .. first_expert + E - 1 and the
-    ids are global: a row routed to another expert (or with an id of -1) adds nothing."""
+    ids are global: a row routed to another expert (or with an id of -1) adds nothing.
+    `global_experts` (all ranks' experts; w13's count when not given) sizes the tiles: a step's
+    rows spread over all of them."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
     rows = num_tokens * top_k
     if num_tokens == 0:
         return torch.empty_like(x) if out is None else out
-    cfg = config or _gemm_config(rows, two_inter, hidden)
+    cfg = config or _gemm_config(rows, two_inter, hidden, global_experts or num_experts, x.dtype)
     block_m = cfg["BLOCK_M"]
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, block_m, first_expert)
     gate_up = torch.empty((rows, two_inter), dtype=x.dtype, device=x.device)
@@ -350,4 +372,4 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     """Route and run: the drop-in for `SparseMoE.forward` after the gate matmul. Under expert
     parallelism w13/w2 hold experts first_expert.. only; the tokens routed elsewhere add nothing."""
     weights, ids = route_topk(router_logits, top_k, renormalize)
-    return fused_moe(x, w13, w2, weights, ids, config, first_expert)
+    return fused_moe(x, w13, w2, weights, ids, config, first_expert, global_experts=router_logits.shape[-1])

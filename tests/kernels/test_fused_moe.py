@@ -89,6 +89,25 @@ def test_fused_moe_matches_twin(gen, dtype, experts, top_k, hidden, inter):
     assert buffer[tokens * hidden:].isnan().all()
 
 
+def test_prompt_sized_steps_take_the_large_tiles_and_match_the_twin(gen):
+    """From LARGE_TILE_ROWS_PER_EXPERT rows an expert (counted over every rank's experts) 16-bit
+    GEMMs take 128 x 256 tiles; float32 (FMAs, the correctness path) and fewer rows keep theirs."""
+    from pagoda_kernels.fused_moe import LARGE_TILE_ROWS_PER_EXPERT, _gemm_config
+
+    large = LARGE_TILE_ROWS_PER_EXPERT
+    assert _gemm_config(large * 128, 1536, 2048, 128, torch.bfloat16)["BLOCK_M"] == 128
+    assert _gemm_config(large * 128 - 8, 1536, 2048, 128, torch.bfloat16)["BLOCK_M"] == 64
+    assert _gemm_config(large * 128, 1536, 2048, 128, torch.float32)["BLOCK_M"] == 64
+    tokens, experts, top_k, hidden, inter = 2 * large + 3, 2, 1, 64, 48  # a ragged last tile
+    assert _gemm_config(tokens * top_k, 2 * inter, hidden, experts, torch.float16)["BLOCK_N"] == 256
+    x = randn(gen, tokens, hidden, dtype=torch.float16)
+    w13 = randn(gen, experts, 2 * inter, hidden, dtype=torch.float16, scale=hidden**-0.5)
+    w2 = randn(gen, experts, hidden, inter, dtype=torch.float16, scale=inter**-0.5)
+    logits = randn(gen, tokens, experts)
+    w, ids = route_topk_ref(logits, top_k, True)
+    assert_close(moe(x, logits, w13, w2, top_k, True), moe_ref(x, w13, w2, w, ids), 3e-3)
+
+
 @pytest.mark.parametrize(("dtype", "groups"), [(torch.float32, 2), (torch.float16, 4)])
 def test_expert_parallel_shards_sum_to_the_whole_moe(gen, dtype, groups):
     """Each expert-parallel rank runs only its experts (tokens routed elsewhere add nothing);
@@ -172,3 +191,19 @@ def test_moe_align_many_rows_and_experts(gen, tokens, first):
 def test_moe_align_of_no_rows():
     sorted_ids, expert_ids, num_padded = moe_align(torch.empty((0, 2), dtype=torch.int32), 4, 16)
     assert sorted_ids.numel() == 0 and expert_ids.numel() == 0 and int(num_padded) == 0
+
+
+def test_the_models_moe_layer_on_the_kernels_matches_its_torch_path(gen, tiny_models):
+    """The path the engine runs on a GPU (`SparseMoE(kernels=True)`: the routing kernel, then
+    `fused_moe` sized by every rank's experts) against the layer's own torch path."""
+    from pagoda_daemon.models.loader import load_config
+    from pagoda_daemon.models.qwen3_moe import SparseMoE
+
+    config = load_config(tiny_models["qwen3_moe"])
+    torch_path, kernel_path = SparseMoE(config), SparseMoE(config, kernels=True)
+    for p in torch_path.parameters():
+        p.data = randn(gen, *p.shape, scale=p.shape[-1] ** -0.5)
+    kernel_path.load_state_dict(torch_path.state_dict())
+    x = randn(gen, randint(gen, 1, 40, 1)[0], config.hidden_size)
+    with torch.inference_mode():
+        assert_close(kernel_path(x), torch_path(x), 1e-5)

@@ -178,7 +178,9 @@ class SparseMoE(nn.Module):
         """This rank's expert slots (``first_expert``..) on ``x``'s rows, each weighted as routed;
         the slots of other ranks add nothing."""
         if self._fused is not None:
-            out = self._fused(x, self.w13, self.w2, weights, slots, first_expert=self.first_expert, out=out)
+            # the rows spread over every rank's experts: what the grouped GEMMs' tiles are sized by
+            out = self._fused(x, self.w13, self.w2, weights, slots, first_expert=self.first_expert, out=out,
+                              global_experts=self.num_experts)
         else:
             local = self.w13.shape[0]
             every_expert_here = local == self.num_experts and not self.eplb
