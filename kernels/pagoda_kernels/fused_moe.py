@@ -264,14 +264,15 @@ def _grouped_gemm_kernel(
 
 
 # From this many rows per expert (a step's rows over the experts they are routed to) 16-bit GEMMs
-# take 128 x 256 tiles: at the Qwen3-30B-A3B shape on an H200 (2026-11-30), the fused MoE of a
-# 4,096-token step took 0.90 ms with them against 1.05 with 64 x 128, an 8,192-token step 1.63
-# against 2.01 (vLLM's fused_experts 0.84 and 1.53); at 1,024 tokens (64 rows an expert, each
-# expert's run padded to a whole 128-row tile) they lost. docs/benchmarks/2026-11-30-moe-prefill-h200.md
+# take 128 x 256 tiles: at the Qwen3-30B-A3B shape on an H200 (2026-11-30, one call), the fused
+# MoE of a 4,096-token step took 0.89 ms with them against 1.01 with 64 x 128, an 8,192-token
+# step 1.54 against 1.91 (vLLM's fused_experts 0.88 and 1.82); at 1,024 tokens (64 rows an
+# expert, each expert's run padded to a whole 128-row tile) they gain nothing.
+# docs/benchmarks/2026-11-30-moe-prefill-h200.md
 LARGE_TILE_ROWS_PER_EXPERT = 256
 
 
-def _gemm_config(num_rows: int, n: int, k: int, experts: int = 1, dtype: torch.dtype = torch.bfloat16) -> dict:
+def _gemm_config(num_rows: int, n: int, k: int, experts: int, dtype: torch.dtype) -> dict:
     """Tiles of the grouped GEMMs for `num_rows` (token, slot) rows spread over `experts`."""
     if num_rows <= 64:  # decode-sized: few rows per expert
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}

@@ -19,3 +19,10 @@ def test_bench_smoke_prints_json(capsys):
     assert report["moe"][0]["fraction_of_dense"] > 0
     assert all(r["speedup"] > 0 and r["fraction_of_copy"] > 0 for r in report["sampling"])
     assert all(r["speedup"] > 0 and r["rel_err"] < 1e-2 and "torch_fraction_of_copy" in r for r in report["gemv"])
+
+
+def test_moe_sweep_smoke_times_each_tile_set_and_reports_vllm_beside_it(capsys):
+    assert bench.main(["--smoke", "--only", "moe-sweep"]) == 0
+    rows = json.loads(capsys.readouterr().out)["moe_sweep"]
+    assert rows[0]["engine"] == "vllm" and ("seconds" in rows[0] or "error" in rows[0])  # no vLLM here: an error row
+    assert all(r["seconds"] > 0 and r["config"]["BLOCK_M"] for r in rows[1:])
