@@ -165,9 +165,12 @@ class Prometheus:
         """Until these jobs' targets are up, then a few scrapes more (rate() needs two samples)."""
         def up() -> bool:
             try:
-                active = httpx.get(f"{self.api}/targets", timeout=10).json()["data"]["activeTargets"]
-            except httpx.TransportError:  # still starting
+                reply = httpx.get(f"{self.api}/targets", timeout=10)
+            except httpx.TransportError:  # still starting: not listening yet
                 return False
+            if reply.status_code == 503:  # listening, its storage not open yet ("Service Unavailable")
+                return False
+            active = reply.json()["data"]["activeTargets"]
             return jobs <= {t["labels"]["job"] for t in active if t["health"] == "up"}
 
         self.cluster.wait_for(up, timeout=120, interval=1, what=f"scrape jobs {sorted(jobs)} up")
