@@ -177,6 +177,7 @@ def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768
     w2 = torch.randn((experts, hidden, inter), dtype=dtype, device=device) * inter**-0.5
     logits = torch.randn((tokens, experts), dtype=dtype, device=device)
     weights, ids = route_topk(logits, top_k, True)
+    flops = 6 * tokens * top_k * hidden * inter
     if vllm:
         try:
             from vllm.model_executor.layers.fused_moe import fused_experts
@@ -184,14 +185,11 @@ def moe_case(device, timer, tokens, experts=128, top_k=8, hidden=2048, inter=768
             t = timer(lambda: fused_experts(x, w13, w2, weights, ids))
         except Exception as e:
             return {"tokens": tokens, "engine": "vllm", "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        flops = 6 * tokens * top_k * hidden * inter
         return {"tokens": tokens, "engine": "vllm", "seconds": t, "TFLOP_per_s": flops / t / 1e12}
     t = timer(lambda: fused_moe(x, w13, w2, weights, ids, config=config))
     if config is not None:
-        flops = 6 * tokens * top_k * hidden * inter
         return {"tokens": tokens, "config": config, "seconds": t, "TFLOP_per_s": flops / t / 1e12}
     t_route = timer(lambda: route_topk(logits, top_k, True))
-    flops = 6 * tokens * top_k * hidden * inter
     a = torch.randn((tokens * top_k, hidden), dtype=dtype, device=device)
     b = torch.randn((hidden, 3 * inter), dtype=dtype, device=device)
     t_dense = timer(lambda: a @ b)

@@ -141,6 +141,9 @@ unpack_vllm() {
     fi
   done
 }
+# /tmp/vsite (unpacked first) when the vLLM kit is here, for a benchmark's PYTHONPATH; nothing
+# otherwise, and the benchmark reports vLLM's side as an error row.
+vllm_kit_path() { { [ -f /tmp/vsite/vllm/__init__.py ] || [ -f .vllm_b/core.part.01 ]; } && unpack_vllm >/dev/null && echo /tmp/vsite; }
 if has vllm-stash; then
   step "vLLM anchor, step 1: stash core.part.00"
   mkdir -p /tmp/vllm_stash && cp .vllm_stash/* /tmp/vllm_stash/ && ls -la /tmp/vllm_stash || status=1
@@ -287,7 +290,7 @@ if has kernels-prefill; then
   step "prefill attention: GPU tests, tile sweep, FA3 beside it"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "prefill or varlen or backend" \
     2>&1 | tail -5 | tee "$OUT/kernels-pytest.txt" || status=1
-  vpath=""; [ -f /tmp/vsite/vllm/__init__.py ] || [ -f .vllm_b/core.part.01 ] && unpack_vllm >/dev/null && vpath=/tmp/vsite
+  vpath=$(vllm_kit_path)
   PYTHONPATH=$PYTHONPATH${vpath:+:$vpath} python3 -m benchmarks.kernels --only prefill,prefill-sweep \
     --out "$OUT/kernels-prefill.json" | tail -60 || status=1
 fi
@@ -298,7 +301,7 @@ if has kernels-moe; then
   step "fused MoE: GPU tests, tile sweep at prompt-sized steps, vLLM's beside it"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "${KM_TESTS:-moe}" \
     2>&1 | tail -5 | tee "$OUT/kernels-pytest.txt"; grep -q -E "failed|error" "$OUT/kernels-pytest.txt" && status=1
-  vpath=""; [ -f /tmp/vsite/vllm/__init__.py ] || [ -f .vllm_b/core.part.01 ] && unpack_vllm >/dev/null && vpath=/tmp/vsite
+  vpath=$(vllm_kit_path)
   PYTHONPATH=$PYTHONPATH${vpath:+:$vpath} python3 -m benchmarks.kernels --only moe-sweep \
     --out "$OUT/kernels-moe.json" | tail -5 || status=1
 fi
