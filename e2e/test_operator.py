@@ -469,6 +469,11 @@ def test_groups_render_as_one_leader_worker_set_where_its_crd_is_installed(clust
         assert get(cluster, "service", "grp-group", ns)["spec"]["clusterIP"] == "None"
         assert cond(get(cluster, "pisvc", "grp", ns), "Ready").get("status") != "True"
         assert "leaderworkerset.x-k8s.io/v1 is served" in operator.log()
+        # the operator's own watch of LeaderWorkerSets (optional_watch.py) saw it and asked for a pass
+        cluster.wait_for(lambda: any(
+            line.startswith("pagoda_operator_reconciles_total{") and 'trigger="leaderworkerset"' in line
+            and float(line.rsplit(" ", 1)[1]) > 0 for line in operator.metrics().splitlines()),
+            timeout=20, what="a pass after the LeaderWorkerSet's watch event")
 
         cluster.kubectl("patch", "pisvc", "grp", "-n", ns, "--type=merge", "-p", json.dumps(
             {"spec": {"resources": {"gpusPerReplica": 1, "podsPerReplica": 1}, "parallelism": {"tensor": 1}}}))
@@ -480,6 +485,12 @@ def test_groups_render_as_one_leader_worker_set_where_its_crd_is_installed(clust
         cluster.kubectl("delete", "pisvc", "grp", "-n", ns, "--ignore-not-found", check=False)
         cluster.kubectl("delete", "crd", "leaderworkersets.leaderworkerset.x-k8s.io", "--ignore-not-found",
                         "--timeout=60s", check=False)
+    # The CRD deleted under the watch: the operator keeps serving (kopf's watch of LeaderWorkerSets
+    # stopped the whole operator on the 404 that follows, in a CI run on 2026-11-30).
+    cluster.wait_for(lambda: "leaderworkerset.x-k8s.io/v1 is not served" in operator.log(), timeout=20,
+                     what="the operator finding LeaderWorkerSets no longer served")
+    time.sleep(2)  # a watch reconnect after the deletion has been answered
+    assert operator.alive(), operator.log()[-3000:]
 
 
 def test_kubectl_scale(cluster, ns, operator):

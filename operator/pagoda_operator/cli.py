@@ -293,7 +293,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from pagoda_operator.handlers import (
         KOPF_THREADS,
-        QuietAboutLeaderWorkerSets,
         build_registry,
         operator_settings,
     )
@@ -302,12 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pagoda_operator.reconcile import Context
     from pagoda_operator.watch_cache import CachedKube
 
-    logging.getLogger("kopf._core.reactor.observation").addFilter(QuietAboutLeaderWorkerSets())
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
     # one connection per thread that calls the API server: the reconcile passes' threads, the
-    # ticker's, kopf's handler threads, and the lease, webhook and metrics threads
-    kube = Kube(load_configuration(args.kubeconfig), connections=2 * args.workers + KOPF_THREADS + 4)
+    # ticker's, kopf's handler threads, the lease, webhook and metrics threads, and the
+    # LeaderWorkerSet watches (one per namespace watched; optional_watch.py)
+    kube = Kube(load_configuration(args.kubeconfig),
+                connections=2 * args.workers + KOPF_THREADS + 4 + max(1, len(args.namespace)))
     if policy is not None:  # first: /healthz (readiness) then means the webhook answers too
         start_admission_webhook(args, policy, kube)
     if args.metrics_port:
@@ -365,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   operator_secret=operator_secret, tracer=tracer,
                   model_configs=model_config.ModelConfigs(endpoints, args.scrape_timeout) if endpoints else None,
                   leader_worker_sets=lws_served)
-    registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers)
+    registry = build_registry(ctx, interval=args.interval, namespaces=args.namespace, workers=args.workers,
+                              lws_recheck_s=args.lws_discovery_interval)
     logging.getLogger("pagoda_operator").info(
         "operator running: %s, interval %.1fs, daemon image %s",
         "namespaces " + ",".join(args.namespace) if args.namespace else "all namespaces",

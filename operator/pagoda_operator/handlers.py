@@ -10,15 +10,10 @@ build their own registry.
   not a ``kopf.timer`` on purpose: kopf puts a finalizer on every object a timer serves, and then
   deleting an InferenceService would hang whenever the operator is not running;
 - events of managed Deployments and pods: reconcile the owner, so status follows the rollout;
-- events of managed LeaderWorkerSets: the same, once their CRD is installed (kopf watches the
-  CRDs and starts, or stops, watching a resource as its CRD comes or goes; its warning that
-  leaderworkersets cannot be served, repeated on every CRD change, is dropped: not installed is
-  the default, and the operator logs which layout it renders, leader_worker_set.Discovery).
-  Nothing depends on this watch but how soon a pass follows the controller's status: passes
-  read the LeaderWorkerSet from the API server, not from the watch-fed cache, because kopf
-  finds a new CRD's resource by API discovery when the CRD changes, and an API server that
-  publishes it later than the CRD's last change leaves kopf without the watch until the next
-  CRD change or restart;
+- events of managed LeaderWorkerSets: the same, while API discovery finds their CRD installed,
+  through a watch of our own (optional_watch.py says why not kopf's). Nothing depends on it but
+  how soon a pass follows the controller's status: passes read the LeaderWorkerSet from the API
+  server, not from the watch-fed cache;
 - events of NodeTopology: keep the NVLink label of the node in step.
 
 No handler needs a finalizer, so the operator never blocks deletion: owner references let the
@@ -46,6 +41,7 @@ from pagoda_operator import GROUP, PLURAL, TOPOLOGY_PLURAL, VERSION, memory
 from pagoda_operator import leader_worker_set as lws
 from pagoda_operator.builders import INSTANCE_LABEL, MANAGED_BY
 from pagoda_operator.kube import ApiError, Kube, in_cluster_server
+from pagoda_operator.optional_watch import OptionalWatch
 from pagoda_operator.pass_pool import PassPool
 from pagoda_operator.placement import MODEL_LABEL_PREFIX, NVLINK_LABEL, node_labels
 from pagoda_operator.reconcile import Context, Result, Retry, reconcile
@@ -54,6 +50,7 @@ from pagoda_operator.watch_cache import CachedKube
 
 log = logging.getLogger("pagoda_operator")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRESENT}
+MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY},{INSTANCE_LABEL}"  # MANAGED as a label selector
 # /healthz answers 503 (and the liveness probe restarts the operator) when kopf's event loop has
 # not run a 5 s heartbeat task for a minute, or when a periodic pass has not finished for ten
 # intervals plus two minutes (a pass over 1,000 InferenceServices on a busy API server is slow,
@@ -61,15 +58,6 @@ MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRES
 LOOP_BEAT = "kopf event loop"
 LOOP_BEAT_S, LOOP_STUCK_AFTER_S = 5.0, 60.0
 PASS_BEAT = "periodic pass"
-
-
-class QuietAboutLeaderWorkerSets(logging.Filter):
-    """Drops kopf's "Unresolved resources cannot be served" when LeaderWorkerSets are all it names."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Unresolved resources cannot be served")
-                    and message.count("Selector(") == 1 and f"group='{lws.GROUP}'" in message)
 
 
 # kopf's own threads: they run only the handlers left synchronous (NodeTopology's, which labels
@@ -237,11 +225,26 @@ async def loop_heartbeat(heartbeats: Heartbeats, every_s: float = LOOP_BEAT_S,
 
 
 def build_registry(
-    ctx: Context, interval: float = 15.0, namespaces: Sequence[str] = (), workers: int = 4
+    ctx: Context, interval: float = 15.0, namespaces: Sequence[str] = (), workers: int = 4,
+    lws_recheck_s: float = lws.RECHECK_S,
 ) -> kopf.OperatorRegistry:
+    """``lws_recheck_s``: how long the LeaderWorkerSet watch waits to ask again after finding
+    them not served (the operator's ``--lws-discovery-interval``)."""
     registry = kopf.OperatorRegistry()
     ticker = Ticker(ctx, interval, namespaces, workers)
     passes = PassPool(workers)
+
+    def child_event(namespace: str, owner: str, trigger: str) -> None:
+        passes.request((namespace, owner), functools.partial(_child_event, ctx, namespace, owner, trigger))
+
+    def on_leader_worker_set(event: Mapping[str, Any]) -> None:
+        meta = event["object"].get("metadata") or {}
+        owner = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+        if owner and meta.get("namespace"):
+            child_event(meta["namespace"], owner, "leaderworkerset")
+
+    lws_watches = [OptionalWatch(ctx.kube, lws.KIND, ns, MANAGED_SELECTOR, ctx.leader_worker_sets, on_leader_worker_set,
+                                 recheck_s=lws_recheck_s) for ns in (namespaces or [None])]
     res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
 
     @kopf.on.login(registry=registry)
@@ -257,9 +260,13 @@ def build_registry(
     @kopf.on.startup(registry=registry)
     def start_ticker(**_: Any) -> None:
         ticker.start()
+        for watch in lws_watches:
+            watch.start()
 
     @kopf.on.cleanup(registry=registry)
     def stop_ticker(**_: Any) -> None:
+        for watch in lws_watches:
+            watch.stop()
         ticker.stop()
         passes.shutdown()
 
@@ -282,9 +289,6 @@ def build_registry(
         _observe(ctx, "InferenceService", {"object": body})  # the spec this change is about, whatever ran first
         await passes.run(_run, ctx, namespace, name, str(getattr(reason, "value", reason)))
 
-    def child_event(namespace: str, owner: str, trigger: str) -> None:
-        passes.request((namespace, owner), functools.partial(_child_event, ctx, namespace, owner, trigger))
-
     # The handlers below run on kopf's event loop and never wait: the cache takes the object, the
     # pool the pass (pass_pool.py says why).
     @kopf.on.event(**res, id="forget")
@@ -303,10 +307,6 @@ def build_registry(
     async def on_stateful_set(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:
         _observe(ctx, "StatefulSet", event)
         child_event(namespace, labels[INSTANCE_LABEL], "statefulset")
-
-    @kopf.on.event(lws.GROUP, lws.VERSION, lws.PLURAL, labels=MANAGED, registry=registry, id="leaderworkerset")
-    async def on_leader_worker_set(labels: Mapping[str, str], namespace: str, **_: Any) -> None:
-        child_event(namespace, labels[INSTANCE_LABEL], "leaderworkerset")
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="pod")
     async def on_pod(event: Mapping[str, Any], labels: Mapping[str, str], namespace: str, **_: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import ssl
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
@@ -94,6 +94,15 @@ def load_configuration(kubeconfig: str | None = None) -> k8s_client.Configuratio
     return cfg
 
 
+def _payload(resp: urllib3.BaseHTTPResponse) -> Any:
+    """A response's body: parsed JSON, else its text (an error page), else None."""
+    text = resp.data.decode("utf-8", "replace")
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return text
+
+
 class Kube:
     """Thread-safe; one per operator process."""
 
@@ -143,11 +152,7 @@ class Kube:
         resp = self.pool.request(
             method, url, body=data, headers=self._headers(content_type if data else None)
         )
-        text = resp.data.decode("utf-8", "replace")
-        try:
-            payload = json.loads(text) if text else None
-        except json.JSONDecodeError:
-            payload = text
+        payload = _payload(resp)
         if resp.status >= 400:
             raise ApiError(resp.status, resp.reason or "", payload)
         return payload
@@ -170,6 +175,25 @@ class Kube:
     ) -> list[dict[str, Any]]:
         out = self.request("GET", path(kind, namespace), query={"labelSelector": selector})
         return list((out or {}).get("items") or [])
+
+    def watch(self, kind: str, namespace: str | None, selector: str | None, resource_version: str | None,
+              timeout_s: int) -> Iterator[dict[str, Any]]:
+        """The watch events of ``kind`` after ``resource_version`` (None: the current objects as
+        ADDED first), one per line, until the server ends the request after ``timeout_s``."""
+        query = {"watch": "true", "allowWatchBookmarks": "true", "labelSelector": selector,
+                 "resourceVersion": resource_version, "timeoutSeconds": timeout_s}
+        url = self.host + path(kind, namespace) + "?" + urlencode({k: v for k, v in query.items() if v is not None})
+        API_REQUESTS.labels("WATCH").inc()
+        resp = self.pool.request("GET", url, headers=self._headers(None), preload_content=False,
+                                 timeout=urllib3.Timeout(connect=30.0, read=timeout_s + 30.0))
+        try:
+            if resp.status >= 400:
+                raise ApiError(resp.status, resp.reason or "", _payload(resp))
+            for line in resp:
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            resp.release_conn()
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]

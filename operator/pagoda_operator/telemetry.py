@@ -39,7 +39,8 @@ DURATION = Histogram(
 )
 API_REQUESTS = Counter(
     "pagoda_operator_api_requests_total",
-    "Requests to the Kubernetes API server (reads served by the watch cache are not), by HTTP method.",
+    "Requests to the Kubernetes API server (reads served by the watch cache are not), by HTTP method "
+    "(WATCH: a watch the operator holds itself, optional_watch.py; kopf's own are not counted).",
     ["method"],
     registry=REGISTRY,
 )
@@ -87,7 +88,7 @@ class ScalingSeries:
 REPLICAS = ScalingSeries.of("pagoda_operator_", "replicas", "autoscaler")
 PREFILL = ScalingSeries.of("pagoda_operator_prefill_", "prefill pods", "prefill autoscaler")
 # What starts a reconcile pass (handlers.py): kopf's reasons, the ticker, the children's events.
-TRIGGERS = ("create", "update", "resume", "timer", "deployment", "statefulset", "pod")
+TRIGGERS = ("create", "update", "resume", "timer", "deployment", "statefulset", "leaderworkerset", "pod")
 for _trigger in TRIGGERS:  # every error series exists from the start, at 0: rate() over it is 0, not "no data"
     ERRORS.labels(_trigger)
 DIRECTIONS = ("up", "down")

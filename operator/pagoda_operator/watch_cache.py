@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,6 +252,10 @@ class CachedKube(Kube):
     def request(self, method: str, url_path: str, body: Any = None, query: Mapping[str, Any] | None = None,
                 content_type: str = "application/json") -> Any:
         return self.inner.request(method, url_path, body, query, content_type)
+
+    def watch(self, kind: str, namespace: str | None, selector: str | None, resource_version: str | None,
+              timeout_s: int) -> Iterator[dict[str, Any]]:
+        return self.inner.watch(kind, namespace, selector, resource_version, timeout_s)
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         if kind in CACHED:

@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+import socketserver
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
-from pagoda_operator.kube import ApiError
+from pagoda_operator.kube import ApiError, Kube
 from pagoda_operator.watch_cache import matches
+
+Server = TypeVar("Server", bound=socketserver.TCPServer)
+
+
+@contextmanager
+def serving(server: Server) -> Iterator[Server]:
+    """``server`` (an HTTP server on loopback) answering on a thread of its own until the block ends."""
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def kube_for(server: socketserver.TCPServer) -> Kube:
+    """The operator's API client, pointed at ``server`` over plain HTTP."""
+    from kubernetes import client as k8s_client
+
+    cfg = k8s_client.Configuration()
+    cfg.host = f"http://127.0.0.1:{server.server_address[1]}"
+    return Kube(cfg)
 
 
 def isvc(name: str = "llama", namespace: str = "default", generation: int = 1, **spec: Any) -> dict[str, Any]:

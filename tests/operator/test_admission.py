@@ -11,7 +11,6 @@ import shutil
 import socket
 import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,8 @@ from pagoda_operator.admission import (
     review,
 )
 from pagoda_operator.cli import main, parser, start_admission_webhook
-from pagoda_operator.kube import Kube
 from pagoda_operator.webhook import AdmissionWebhook, decide
+from tests.operator.operator_fakes import kube_for, serving
 from tests.operator.test_manifests import helm, render  # noqa: F401  (the helm fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -422,20 +421,8 @@ class FakeAuthorizer(http.server.ThreadingHTTPServer):
 
 @pytest.fixture
 def authorizer() -> Iterator[FakeAuthorizer]:
-    server = FakeAuthorizer({"bob": {("create", "pods", None)}})
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-def kube_for(server: FakeAuthorizer) -> Kube:
-    from kubernetes import client as k8s_client
-
-    cfg = k8s_client.Configuration()
-    cfg.host = f"http://127.0.0.1:{server.server_address[1]}"
-    return Kube(cfg)
+    with serving(FakeAuthorizer({"bob": {("create", "pods", None)}})) as server:
+        yield server
 
 
 def free_port() -> int:

@@ -79,8 +79,8 @@ def test_registry_has_no_finalizer_handlers(fake_kube):
     ids = {h.id for h in registry._changing.get_all_handlers()}
     assert ids == {"reconcile"}
     watching = {h.id for h in registry._watching.get_all_handlers()}
-    assert watching == {"forget", "deployment", "statefulset", "leaderworkerset", "pod", "service", "configmap",
-                        "node-labels"}
+    # LeaderWorkerSets: the operator's own watch, not kopf's (optional_watch.py)
+    assert watching == {"forget", "deployment", "statefulset", "pod", "service", "configmap", "node-labels"}
 
 
 def test_operator_settings_keep_kopf_out_of_status():
@@ -145,22 +145,44 @@ def test_nodes_are_labelled_with_the_models_their_cache_holds_and_unlabelled_whe
     assert not any(k.startswith("models.pagoda.dev/") for k in fake_kube.get("Node", None, "n1")["metadata"]["labels"])
 
 
-def test_kopfs_warning_that_leader_worker_sets_cannot_be_served_is_dropped_alone():
-    """Not installed is the default: kopf's warning, repeated on every CRD change, is dropped when
-    LeaderWorkerSets are all it names, kept when it names another resource too."""
-    import logging
+def test_leader_worker_set_events_reach_the_owners_pass_through_the_operators_own_watch(fake_kube):
+    """Not a kopf handler (optional_watch.py says why): started with the ticker while API
+    discovery says LeaderWorkerSets are served, label-selected like kopf's child watches, each
+    event asks for its owner's pass; stopped with the ticker."""
+    import time
 
-    from pagoda_operator.handlers import QuietAboutLeaderWorkerSets
+    from pagoda_operator.builders import INSTANCE_LABEL
+    from pagoda_operator.handlers import MANAGED_SELECTOR
 
-    def record(message: str) -> logging.LogRecord:
-        return logging.LogRecord("kopf._core.reactor.observation", logging.WARNING, "", 0, message, (), None)
+    def passes_after_lws_events() -> float:
+        return sum(telemetry.REGISTRY.get_sample_value(
+            "pagoda_operator_reconciles_total", {"trigger": "leaderworkerset", "result": r}) or 0
+            for r in ("changed", "unchanged", "gone", "error"))
 
-    lws = "Selector(group='leaderworkerset.x-k8s.io', version='v1', any_name='leaderworkersets')"
-    other = "Selector(group='pagoda.dev', version='v1alpha1', any_name='nodetopologies')"
-    quiet = QuietAboutLeaderWorkerSets()
-    assert not quiet.filter(record(f"Unresolved resources cannot be served (try creating their CRDs): {lws}"))
-    assert quiet.filter(record(f"Unresolved resources cannot be served (try creating their CRDs): {lws}, {other}"))
-    assert quiet.filter(record("Ambiguous resources will not be served"))
+    asked: list[tuple[str | None, str | None]] = []
+
+    def watch(kind, namespace, selector, resource_version, timeout_s):
+        asked.append((namespace, selector))
+        if len(asked) == 1:
+            yield {"type": "ADDED", "object": {"kind": kind, "metadata": {
+                "name": "a-group", "namespace": "default", "resourceVersion": "1", "labels": {INSTANCE_LABEL: "a"}}}}
+        else:
+            time.sleep(0.05)  # as a server holds the request open
+
+    fake_kube.watch = watch
+    fake_kube.put(isvc("a"))
+    before = passes_after_lws_events()
+    ctx = Context(kube=fake_kube, settings=Settings(daemon_image="img"), leader_worker_sets=lambda: True)
+    registry = build_registry(ctx, interval=3600, namespaces=["default"])
+    activities = {h.id.rsplit(".", 1)[-1]: h for h in registry._activities.get_all_handlers()}
+    activities["start_ticker"].fn()
+    deadline = time.monotonic() + 10
+    while passes_after_lws_events() == before:
+        assert time.monotonic() < deadline, "no pass followed the LeaderWorkerSet's event"
+        time.sleep(0.02)
+    activities["stop_ticker"].fn()
+    assert asked[0] == ("default", MANAGED_SELECTOR)
+    assert MANAGED_SELECTOR == "app.kubernetes.io/managed-by=pagoda-operator,pagoda.dev/inferenceservice"
 
 
 def test_a_childs_event_asks_for_its_owners_pass_and_returns_at_once(fake_kube):
