@@ -186,13 +186,18 @@ class Kube:
         API_REQUESTS.labels("WATCH").inc()
         resp = self.pool.request("GET", url, headers=self._headers(None), preload_content=False,
                                  timeout=urllib3.Timeout(connect=30.0, read=timeout_s + 30.0))
+        finished = False
         try:
             if resp.status >= 400:
-                raise ApiError(resp.status, resp.reason or "", _payload(resp))
+                payload, finished = _payload(resp), True
+                raise ApiError(resp.status, resp.reason or "", payload)
             for line in resp:
                 if line.strip():
                     yield json.loads(line)
+            finished = True
         finally:
+            if not finished:  # left mid-stream: the server's later bytes must not reach another request
+                resp.close()
             resp.release_conn()
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -115,8 +115,8 @@ class WatchServer(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.events = events
+    def __init__(self, events: list[dict[str, Any]], pause_s: float = 0.01) -> None:
+        self.events, self.pause_s = events, pause_s
         self.queries: list[dict[str, list[str]]] = []
         super().__init__(("127.0.0.1", 0), WatchHandler)
 
@@ -147,7 +147,7 @@ class WatchHandler(http.server.BaseHTTPRequestHandler):
             for part in (line[:7], line[7:]):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
             self.wfile.flush()
-            time.sleep(0.01)
+            time.sleep(self.server.pause_s)
         self.wfile.write(b"0\r\n\r\n")
 
     def log_message(self, *args: Any) -> None:
@@ -194,3 +194,17 @@ def test_the_watch_over_a_real_connection_hands_each_event_on(watch_server):
     watch.stop()
     assert seen[:3] == ["ADDED", "MODIFIED", "DELETED"]
     assert watch_server.queries[1]["resourceVersion"] == ["7"]  # the reconnect resumed after the last event
+
+
+def test_a_watch_left_mid_stream_does_not_hand_its_connection_to_the_next_request():
+    """A stream abandoned before its end (a stop, a 410) still has the server's bytes coming: its
+    connection is closed, not pooled, or the next request would read them as its answer."""
+    events = [lws_event("ADDED", "a", "5"), lws_event("MODIFIED", "a", "6")]
+    with serving(WatchServer(events, pause_s=0.5)) as server:
+        kube = kube_for(server)
+        stream = kube.watch("LeaderWorkerSet", "ns", None, None, 300)
+        assert next(stream)["object"]["metadata"]["resourceVersion"] == "5"
+        stream.close()  # the server sends the rest in 0.5 s
+        with pytest.raises(ApiError) as raised:
+            list(kube.watch("LeaderWorkerSet", "elsewhere", None, None, 300))
+        assert raised.value.status == 404
