@@ -46,11 +46,11 @@ from pagoda_operator.pass_pool import PassPool
 from pagoda_operator.placement import MODEL_LABEL_PREFIX, NVLINK_LABEL, node_labels
 from pagoda_operator.reconcile import Context, Result, Retry, reconcile
 from pagoda_operator.telemetry import HEARTBEATS, Heartbeats, forget
-from pagoda_operator.watch_cache import CachedKube
+from pagoda_operator.watch_cache import MANAGED_SELECTOR, CachedKube
 
 log = logging.getLogger("pagoda_operator")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY, INSTANCE_LABEL: kopf.PRESENT}
-MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY},{INSTANCE_LABEL}"  # MANAGED as a label selector
+OWNED_SELECTOR = f"{MANAGED_SELECTOR},{INSTANCE_LABEL}"  # MANAGED as a label selector
 # /healthz answers 503 (and the liveness probe restarts the operator) when kopf's event loop has
 # not run a 5 s heartbeat task for a minute, or when a periodic pass has not finished for ten
 # intervals plus two minutes (a pass over 1,000 InferenceServices on a busy API server is slow,
@@ -243,7 +243,7 @@ def build_registry(
         if owner and meta.get("namespace"):
             child_event(meta["namespace"], owner, "leaderworkerset")
 
-    lws_watches = [OptionalWatch(ctx.kube, lws.KIND, ns, MANAGED_SELECTOR, ctx.leader_worker_sets, on_leader_worker_set,
+    lws_watches = [OptionalWatch(ctx.kube, lws.KIND, ns, OWNED_SELECTOR, ctx.leader_worker_sets, on_leader_worker_set,
                                  recheck_s=lws_recheck_s) for ns in (namespaces or [None])]
     res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
 

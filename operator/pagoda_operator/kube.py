@@ -136,6 +136,11 @@ class Kube:
                 headers[setting["key"]] = setting["value"]
         return headers
 
+    def _url(self, url_path: str, query: Mapping[str, Any] | None) -> str:
+        """The server's URL for ``url_path``, with the query's set values (None: left out)."""
+        given = {k: v for k, v in (query or {}).items() if v is not None}
+        return self.host + url_path + ("?" + urlencode(given) if given else "")
+
     def request(
         self,
         method: str,
@@ -144,9 +149,7 @@ class Kube:
         query: Mapping[str, Any] | None = None,
         content_type: str = "application/json",
     ) -> Any:
-        url = self.host + url_path
-        if query:
-            url += "?" + urlencode({k: v for k, v in query.items() if v is not None})
+        url = self._url(url_path, query)
         data = json.dumps(body).encode() if body is not None else None
         API_REQUESTS.labels(method).inc()
         resp = self.pool.request(
@@ -182,9 +185,8 @@ class Kube:
         ADDED first), one per line, until the server ends the request after ``timeout_s``."""
         query = {"watch": "true", "allowWatchBookmarks": "true", "labelSelector": selector,
                  "resourceVersion": resource_version, "timeoutSeconds": timeout_s}
-        url = self.host + path(kind, namespace) + "?" + urlencode({k: v for k, v in query.items() if v is not None})
         API_REQUESTS.labels("WATCH").inc()
-        resp = self.pool.request("GET", url, headers=self._headers(None), preload_content=False,
+        resp = self.pool.request("GET", self._url(path(kind, namespace), query), headers=self._headers(None), preload_content=False,
                                  timeout=urllib3.Timeout(connect=30.0, read=timeout_s + 30.0))
         finished = False
         try:

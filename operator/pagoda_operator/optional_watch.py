@@ -58,17 +58,14 @@ class OptionalWatch:
                 continue
             try:
                 self.follow()
-            except ApiError as e:
-                if e.status == 404:  # the CRD went away between discovery and this request
+            except Exception as e:
+                if isinstance(e, ApiError) and e.status == 404:  # the CRD went away after discovery's answer
                     log.info("%s: no longer served, not watched until API discovery finds it again", self.kind)
                     self.resource_version = None
                     self.stop_flag.wait(self.recheck_s)
-                else:
+                else:  # connection lost, read timeout, 5xx: ask again from where it was
                     log.warning("watch of %s failed: %s", self.kind, e)
                     self.stop_flag.wait(self.retry_s)
-            except Exception as e:  # connection lost, read timeout: ask again
-                log.warning("watch of %s failed: %s", self.kind, e)
-                self.stop_flag.wait(self.retry_s)
 
     def follow(self) -> None:
         """One watch request, to its end (the server's timeout, or a stop)."""

@@ -152,7 +152,7 @@ def test_leader_worker_set_events_reach_the_owners_pass_through_the_operators_ow
     import time
 
     from pagoda_operator.builders import INSTANCE_LABEL
-    from pagoda_operator.handlers import MANAGED_SELECTOR
+    from pagoda_operator.handlers import OWNED_SELECTOR
 
     def passes_after_lws_events() -> float:
         return sum(telemetry.REGISTRY.get_sample_value(
@@ -181,8 +181,8 @@ def test_leader_worker_set_events_reach_the_owners_pass_through_the_operators_ow
         assert time.monotonic() < deadline, "no pass followed the LeaderWorkerSet's event"
         time.sleep(0.02)
     activities["stop_ticker"].fn()
-    assert asked[0] == ("default", MANAGED_SELECTOR)
-    assert MANAGED_SELECTOR == "app.kubernetes.io/managed-by=pagoda-operator,pagoda.dev/inferenceservice"
+    assert asked[0] == ("default", OWNED_SELECTOR)
+    assert OWNED_SELECTOR == "app.kubernetes.io/managed-by=pagoda-operator,pagoda.dev/inferenceservice"
 
 
 def test_a_childs_event_asks_for_its_owners_pass_and_returns_at_once(fake_kube):
