@@ -24,6 +24,12 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids: a whole large vocabulary's worth
 MAX_BAD_WORDS = 128
+# logit_bias entries: each costs the runner 20 bytes a step while its request runs (row, token id,
+# bias, copied to the device), so a request cannot make every step move megabytes; a larger set of
+# tokens is what allowed_token_ids is for. Values are clamped to OpenAI's [-100, 100] as vLLM
+# clamps them (-100 or 100 is in effect a ban or a forced choice).
+MAX_LOGIT_BIAS = 1 << 16
+LOGIT_BIAS_LIMIT = 100.0
 MAX_BAD_WORD_TOKENS = 64  # one bad word's token sequence
 MAX_REPETITION_PENALTY = 100.0
 # Like vLLM: a positive temperature below this is raised to it (smaller ones overflow the softmax).
@@ -46,6 +52,17 @@ def _shown(value: object) -> str:
         return f"a {value.bit_length()}-bit integer"
     text = repr(value)
     return text if len(text) <= 60 else text[:60] + "..."
+
+
+def is_finite_number(value: object) -> bool:
+    """An int or float (not a bool) that a float holds finitely: NaN, infinities and ints past
+    float's range (whose conversion would raise OverflowError) are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def is_strict_int(value: object) -> bool:
@@ -83,6 +100,9 @@ class SamplingParams:
     # token sequences never to complete (vLLM's bad_words, tokenized by the frontend): the last
     # token of a sequence is banned whenever the output ends with the ones before it
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # token id -> a number added to its logit before penalties and sampling (OpenAI's logit_bias;
+    # logprobs stay those of the raw logits, as vLLM reports them); empty means None
+    logit_bias: dict[int, float] | None = None
     # constrained decoding (a JSON schema, regex, choice or grammar); a dict is read as its fields
     structured_outputs: StructuredOutputsParams | None = None
     # the constraint starts after the first output token equal to this id, which, like the tokens
@@ -101,6 +121,9 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
         self._validate()
+        if self.logit_bias is not None:
+            self.logit_bias = {token: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(bias)))
+                               for token, bias in self.logit_bias.items()} or None
         if self.top_k == -1 or self.top_k >= TOP_K_WHOLE_VOCABULARY:
             self.top_k = 0
         if 0.0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
@@ -119,8 +142,7 @@ class SamplingParams:
                 fail(param, f"must be at most {high}, got {_shown(value)}")
 
         def check_float(param: str, value, ok, bounds: str) -> None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or not ok(value):
+            if not is_finite_number(value) or not ok(value):
                 fail(param, f"must be a finite number in {bounds}, got {_shown(value)}")
 
         # n > 1 is fanned out by the frontend into n requests; the engine core sees n=1.
@@ -156,6 +178,14 @@ class SamplingParams:
             if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS or any(
                     not is_strict_int(t) or not 0 <= t <= INT64_MAX for t in word):
                 fail("bad_words", f"each word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                fail("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to numbers")
+            if any(not is_strict_int(t) or not 0 <= t <= INT64_MAX for t in self.logit_bias):
+                fail("logit_bias", "keys must be non-negative integer token ids")
+            if not all(map(is_finite_number, self.logit_bias.values())):
+                fail("logit_bias", f"values must be finite numbers (clamped to [-{LOGIT_BIAS_LIMIT:g}, "
+                                   f"{LOGIT_BIAS_LIMIT:g}])")
         if len(self.stop) > MAX_STOP_STRINGS:
             fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:

@@ -52,9 +52,11 @@ def test_outputs_and_stats_round_trip(outs, s):
 
 @settings(max_examples=100, deadline=None)
 @given(ids, tokens.filter(bool), st.none() | st.integers(0, 2**31), finite,
-       st.lists(st.lists(st.text(max_size=10), max_size=2), max_size=2))
-def test_a_request_round_trips_and_rebuilds_the_same_sampling_params(rid, prompt, eos, arrival, extra):
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=17, stop=["x"], seed=-5, logprobs=3)
+       st.lists(st.lists(st.text(max_size=10), max_size=2), max_size=2),
+       st.none() | st.dictionaries(st.integers(0, 2**31 - 1), st.floats(-100, 100), max_size=5))
+def test_a_request_round_trips_and_rebuilds_the_same_sampling_params(rid, prompt, eos, arrival, extra, bias):
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=17, stop=["x"], seed=-5, logprobs=3,
+                            logit_bias=bias)
     add = wire.add_request(rid, prompt, params, eos, tuple(tuple(k) for k in extra), arrival)
     decoded = wire.decode_to_core(wire.encode(add))
     assert decoded == add

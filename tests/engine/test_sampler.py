@@ -153,3 +153,56 @@ def test_frequency_and_presence_penalties_reduce_repeats(llm):
     pen = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                 frequency_penalty=2.0, presence_penalty=2.0))[0]
     assert len(set(pen.outputs[0].token_ids)) > len(set(base.outputs[0].token_ids))
+
+
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    plain = logits.argmax(-1)
+    favoured = [int((plain[0] + 1) % 40), int((plain[2] + 7) % 40)]
+    # row 0 is pushed to another token, row 1 has no bias, row 2's best token is banned and
+    # another pushed up; a temperature-only batch would otherwise take the fused kernel
+    batch = SamplingBatch(temperature=torch.zeros(3), all_greedy=True, max_num_logprobs=2,
+                          logit_bias=(torch.tensor([0, 2, 2]), torch.tensor([favoured[0], int(plain[2]), favoured[1]]),
+                                      torch.tensor([100.0, -100.0, 100.0])))
+    out = Sampler(fused=True)(logits, batch)
+    assert out.sampled.tolist() == [favoured[0], int(plain[1]), favoured[1]]
+    raw = logits.log_softmax(-1)
+    torch.testing.assert_close(out.sampled_logprob, raw.gather(1, out.sampled[:, None]).squeeze(1))
+    assert out.top_ids.tolist() == raw.topk(2).indices.tolist()  # the raw logits' ranking, as vLLM reports it
+
+
+def test_logit_bias_matches_transformers_sequence_bias(tiny_models, llm):
+    """Greedy with logit_bias equals transformers' generate with the same single-token
+    sequence_bias, changes the output, and stays in its own row of a shared batch."""
+    from transformers import GenerationConfig
+
+    from benchmarks.parity import hf_model
+
+    vocab = llm.engine.model_config.vocab_size
+    prompts = random_prompts(vocab, [9, 33], seed=23)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = llm.generate(prompts, greedy)
+    first = plain[0].outputs[0].token_ids
+    # ban the tokens plain greedy chose first, favour a few random ones mildly
+    gen = torch.Generator().manual_seed(24)
+    bias = {t: -100.0 for t in first[:3]}
+    bias.update({int(t): float(b) for t, b in zip(torch.randint(3, vocab, (6,), generator=gen),
+                                                  torch.empty(6).uniform_(0.5, 3.0, generator=gen))})
+    biased = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias=bias)
+    mixed = llm.generate(prompts, [biased, greedy])
+    hf = hf_model(tiny_models["qwen3"], "float32", str(llm.engine.core.executor.worker.device))
+    config = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=2,
+                              sequence_bias={(t,): b for t, b in bias.items()})
+    ids = torch.tensor([prompts[0]], device=hf.device)
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, len(prompts[0]):]
+    assert mixed[0].outputs[0].token_ids == ref.tolist()
+    assert mixed[0].outputs[0].token_ids != first and not set(first[:3]) & set(mixed[0].outputs[0].token_ids)
+    assert mixed[1].outputs[0].token_ids == plain[1].outputs[0].token_ids
+
+
+def test_logit_bias_of_100_forces_a_token_under_sampling(llm):
+    prompt = random_prompts(llm.engine.model_config.vocab_size, [15], seed=25)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=8, ignore_eos=True,
+                                                logit_bias={17: 250.0}, logprobs=1))[0].outputs[0]
+    assert out.token_ids == [17] * 8
+    assert all(entry[17] < -1.0 for entry in out.logprobs)  # raw logprobs: the bias is not in them

@@ -12,6 +12,7 @@ from pagoda_daemon import LLM, SamplingParams
 from pagoda_daemon.engine.input_processor import InputProcessor, InvalidInput, max_chars_per_token
 from pagoda_daemon.models import loader
 from pagoda_daemon.sampling_params import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
     MIN_POSITIVE_TEMPERATURE,
@@ -40,6 +41,10 @@ INVALID = [
     ("structured_outputs_after_token_id", -1), ("structured_outputs_after_token_id", 2**64),
     ("structured_outputs_after_token_id", 1.0), ("structured_outputs_after_token_id", True),
     ("structured_outputs_after_token_id", "7"),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {2**64: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", {True: 1.0}),
+    ("logit_bias", {1.0: 1.0}), ("logit_bias", {5: math.nan}), ("logit_bias", {5: -math.inf}),
+    ("logit_bias", {5: 10**400}), ("logit_bias", {5: "1"}), ("logit_bias", {5: False}), ("logit_bias", {5: None}),
+    ("logit_bias", [(5, 1.0)]), ("logit_bias", dict.fromkeys(range(MAX_LOGIT_BIAS + 1), 1.0)),
 ]
 
 
@@ -64,6 +69,11 @@ def test_values_at_the_bounds_are_accepted_with_vllm_semantics():
     assert SamplingParams(temperature=1e-300).temperature == MIN_POSITIVE_TEMPERATURE  # as vLLM clamps it
     assert SamplingParams(temperature=0.0).greedy
     assert SamplingParams(stop=["\U0001f600"]).stop == ["\U0001f600"]
+    # logit_bias: clamped to OpenAI's [-100, 100] as vLLM does, ints become floats, empty is none
+    assert SamplingParams(logit_bias={3: 1e300, 4: -250, 5: 2, 6: -0.5}).logit_bias == {
+        3: 100.0, 4: -100.0, 5: 2.0, 6: -0.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={2**63 - 1: 1.0}).logit_bias == {2**63 - 1: 1.0}  # the vocabulary is checked later
 
 
 def test_lone_surrogates_are_found_and_pairs_are_not():
@@ -125,6 +135,10 @@ def test_offline_llm_rejects_bad_params_and_serves_huge_top_k(tiny_models):
     llm = LLM(tiny_models["llama"], device="cpu", max_model_len=128, num_kv_blocks=32, numa_policy="none")
     with pytest.raises(ValueError, match=r"^seed "):
         llm.generate(["hi"], SamplingParams(seed=2**64))
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(InvalidInput, match=r"^logit_bias token ids must be in \[0, ") as e:
+        llm.generate(["hi"], SamplingParams(logit_bias={3: 1.0, vocab: 1.0}))
+    assert e.value.param == "logit_bias"
     # top_k past the vocabulary (stored as given up to 2**31) is clamped by the runner, like vLLM's
     params = SamplingParams(max_tokens=4, top_k=2**31 - 1, seed=3, logprobs=MAX_LOGPROBS)
     whole = llm.generate(["hi"], SamplingParams(max_tokens=4, top_k=0, seed=3, logprobs=MAX_LOGPROBS))[0]

@@ -56,6 +56,7 @@ optional_fields: dict = {
     "priority": st.just(0),
     "truncate_prompt_tokens": st.one_of(st.just(-1), st.integers(1, 40)),
     "allowed_token_ids": st.lists(st.integers(0, 511), min_size=1, max_size=8),
+    "logit_bias": st.dictionaries(st.integers(0, 511).map(str), st.floats(-150, 150), max_size=6),  # clamped past 100
     "bad_words": st.lists(text, max_size=3),
     "prompt_logprobs": st.integers(0, 20),
     "return_tokens_as_token_ids": st.booleans(),

@@ -287,3 +287,27 @@ def test_the_openai_sdk_reads_every_new_shape(openai_client, offline):
     openai_client.completions.create(model=MODEL_NAME, prompt=repeat, max_tokens=1)
     again = openai_client.completions.create(model=MODEL_NAME, prompt=repeat, max_tokens=1)
     assert again.usage.prompt_tokens_details.cached_tokens == (len(repeat) - 1) // 16 * 16
+
+
+def test_logit_bias_through_the_openai_client(openai_client, offline):
+    """OpenAI's logit_bias as the official client sends it (token ids as string keys) reaches the
+    engine core over its socket and samples as the offline LLM does with the same bias."""
+    prompt = random_text_ids(offline, 10)
+    greedy = dict(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+
+    def token_ids(completion) -> list[int]:
+        return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
+
+    plain = token_ids(openai_client.completions.create(**greedy))
+    bias = {plain[0]: -100, plain[1]: -100, random.randrange(3, 500): 2.5}
+    biased = token_ids(openai_client.completions.create(**greedy, logit_bias={str(t): b for t, b in bias.items()}))
+    offline_out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                            logit_bias=bias))[0].outputs[0].token_ids
+    assert biased == offline_out and biased != plain and not {plain[0], plain[1]} & set(biased)
+    forced = random.randrange(3, 500)
+    chat = openai_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, seed=7, logit_bias={str(forced): 100},
+                                                 extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                                                 logprobs=True)
+    assert [c.token for c in chat.choices[0].logprobs.content] == [f"token_id:{forced}"] * 5

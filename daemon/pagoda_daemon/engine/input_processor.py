@@ -173,6 +173,8 @@ class InputProcessor:
             raise InvalidInput(f"allowed_token_ids must be in [0, {self.vocab_size})", param="allowed_token_ids")
         if any(not 0 <= t < self.vocab_size for word in params.bad_words_token_ids for t in word):
             raise InvalidInput(f"bad_words token ids must be in [0, {self.vocab_size})", param="bad_words")
+        if params.logit_bias is not None and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise InvalidInput(f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias")
         after = params.structured_outputs_after_token_id
         if after is not None and not 0 <= after < self.vocab_size:
             raise InvalidInput(f"structured_outputs_after_token_id must be in [0, {self.vocab_size})",

@@ -33,6 +33,7 @@ from pagoda_daemon.sampling_params import (
     INT64_MAX,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_REPETITION_PENALTY,
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 # implement yet: a 400 names them rather than serving something else than was asked.
 UNSUPPORTED = (
     "functions", "function_call",  # OpenAI's deprecated form of tools
-    "logit_bias", "suffix", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+    "suffix", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
     "service_tier", "store", "metadata", "chat_template", "use_beam_search", "length_penalty",
     "guided_whitespace_pattern", "logits_processors", "prompt_embeds", "mm_processor_kwargs", "lora_request",
 )
@@ -101,6 +102,8 @@ _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Identifier = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+# logit_bias: JSON object keys are strings, so a token id comes as its decimal digits
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,19}$")]
 
 
 def _reject_constant(name: str):
@@ -270,6 +273,7 @@ class _Common(BaseModel):
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
                          Field(max_length=MAX_BAD_WORDS)] = []
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logit_bias: Annotated[dict[TokenIdKey, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     return_tokens_as_token_ids: bool = False
     # constrained output: one of these at most
     response_format: ResponseFormat | None = None
@@ -368,6 +372,7 @@ class _Common(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 allowed_token_ids=self.allowed_token_ids,
+                logit_bias=None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()},
                 structured_outputs=None if constraint is None else constraint[1],
             )
         except ValueError as e:

@@ -75,9 +75,10 @@ def to_request(add: AddRequest, block_size: int, vocab_size: int) -> Request:
         raise ValueError(f"prompt token ids must be a non-empty list of integers in [0, {vocab_size})")
     params = SamplingParams(**add.sampling_params)
     # token ids that index the logits: out of range would fail the whole step, not this request
-    masked = [*(params.allowed_token_ids or ()), *(t for word in params.bad_words_token_ids for t in word)]
+    masked = [*(params.allowed_token_ids or ()), *(t for word in params.bad_words_token_ids for t in word),
+              *(params.logit_bias or ())]
     if any(t >= vocab_size for t in masked):
-        raise ValueError(f"allowed_token_ids and bad_words must be token ids in [0, {vocab_size})")
+        raise ValueError(f"allowed_token_ids, bad_words and logit_bias must be token ids in [0, {vocab_size})")
     return Request(
         add.request_id, prompt, params, add.eos_token_id, block_size,
         extra_keys=tuple(tuple(k) for k in add.extra_keys), arrival_time=add.arrival_time, kv_source=add.kv_source,

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pagoda_daemon.attention.backend import AttentionMetadata, KVCacheSpec
+from pagoda_daemon.engine.request import Request
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput, StepAgreement
 from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker import step_shapes
@@ -45,6 +46,9 @@ class RunnerRequestState:
     block_table: np.ndarray  # the request's block ids in its first num_blocks entries (int32)
     num_blocks: int = 0
     generator: torch.Generator | None = None
+    # the request's logit_bias as (token ids, biases) CPU tensors, built at its first sampled step
+    # and reused at every later one (a vocabulary-sized bias is converted once, not per step)
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_blocks(self, block_ids: list[int]) -> None:
         self.block_table[: len(block_ids)] = block_ids
@@ -435,9 +439,30 @@ class ModelRunner:
             banned_rows, banned_tokens = zip(*banned)
             batch.banned = (torch.tensor(banned_rows, device=self.device),
                             torch.tensor(banned_tokens, device=self.device))
+        batch.logit_bias = self._logit_bias(reqs)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_num_logprobs = min(max(wanted), self.vocab_size) if wanted else None
         return batch
+
+    def _logit_bias(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids, biases) of the rows whose request has a logit_bias, on the device."""
+        parts = []
+        for row, req in enumerate(reqs):
+            bias = req.sampling_params.logit_bias
+            if not bias:
+                continue
+            state = self.requests[req.request_id]
+            if state.logit_bias is None:
+                state.logit_bias = (torch.tensor(list(bias), dtype=torch.int64),
+                                    torch.tensor(list(bias.values()), dtype=torch.float32))
+            parts.append((row, *state.logit_bias))
+        if not parts:
+            return None
+        rows = torch.cat([torch.full((len(tokens),), row, dtype=torch.int64) for row, tokens, _ in parts])
+        tokens = torch.cat([tokens for _, tokens, _ in parts])
+        biases = torch.cat([biases for _, _, biases in parts])
+        return (rows.to(self.device, non_blocking=True), tokens.to(self.device, non_blocking=True),
+                biases.to(self.device, non_blocking=True))
 
     def _token_bitmask(self, grammar: GrammarBitmask, num_rows: int) -> torch.Tensor:
         """The grammar rows at their sampled rows, on the device. Rows without a grammar are left

@@ -42,6 +42,8 @@ class SamplingBatch:
     # tokens a row may sample, and the (row, token) pairs bad_words bans this step
     allowed: torch.Tensor | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids)
+    # logit_bias: (rows, token ids, biases) added to the logits before penalties (None when no row has one)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # constrained decoding: [B, ceil(V/32)] int32, bit t of row i set = token t allowed (xgrammar's
     # layout), read only at the rows listed in token_bitmask_rows (the others sample unconstrained)
     token_bitmask: torch.Tensor | None = None
@@ -106,6 +108,14 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | 
     return probs.div(q).argmax(dim=-1)
 
 
+def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's logit_bias added to its logits, out of place (the raw logits stay for logprobs)."""
+    if batch.logit_bias is None:
+        return logits
+    rows, tokens, biases = batch.logit_bias
+    return logits.index_put((rows, tokens), biases, accumulate=True)
+
+
 def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """allowed_token_ids and bad_words: what a row may not sample gets -inf."""
     if batch.allowed is not None:
@@ -130,7 +140,8 @@ def _temperature_only(batch: SamplingBatch) -> bool:
     """True when the batch needs no more than temperature scaling (or greedy) per row."""
     return (batch.top_k is None and batch.top_p is None and batch.min_p is None and not batch.generators
             and batch.repetition_penalty is None and batch.presence_penalty is None
-            and batch.frequency_penalty is None and batch.allowed is None and batch.banned is None)
+            and batch.frequency_penalty is None and batch.allowed is None and batch.banned is None
+            and batch.logit_bias is None)
 
 
 class Sampler:
@@ -183,7 +194,8 @@ class Sampler:
 
     @staticmethod
     def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits: float32 (not modified)."""
+        """logits: float32 (not modified). The order is vLLM's: logit_bias, then penalties."""
+        logits = apply_logit_bias(logits, batch)
         if batch.repetition_penalty is not None:
             logits = apply_penalties(logits, batch)
         logits = apply_masks(logits, batch)
