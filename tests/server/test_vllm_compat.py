@@ -122,6 +122,10 @@ def test_unknown_fields_are_ignored_and_logged_once(server):
         resp = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, name: {"trace": 1}})
         assert resp.status_code == 200, resp.text
     assert server.log_path.read_text().count(name) == 1
+    # OpenAI's bookkeeping fields change nothing generated: accepted, as vLLM's server accepts them
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                  "store": False, "metadata": {"team": "eval"}, "service_tier": "auto"})
+    assert chat.status_code == 200, chat.text
 
 
 def test_request_ids_name_the_response(server):

@@ -58,11 +58,13 @@ from pagoda_daemon.structured_outputs import (
 log = logging.getLogger(__name__)
 
 # Parameters (OpenAI's and vLLM's) that change what is generated and that Pagoda does not
-# implement yet: a 400 names them rather than serving something else than was asked.
+# implement yet: a 400 names them rather than serving something else than was asked. OpenAI's
+# bookkeeping fields that do not (store, metadata, service_tier) are ignored like any unknown
+# field, as vLLM's server ignores them.
 UNSUPPORTED = (
     "functions", "function_call",  # OpenAI's deprecated form of tools
     "suffix", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
-    "service_tier", "store", "metadata", "chat_template", "use_beam_search", "length_penalty",
+    "chat_template", "use_beam_search", "length_penalty",
     "guided_whitespace_pattern", "logits_processors", "prompt_embeds", "mm_processor_kwargs", "lora_request",
 )
 MAX_ID_CHARS = 256  # user, cache_salt, request_id, a message's name
