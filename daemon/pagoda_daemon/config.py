@@ -54,6 +54,10 @@ class EngineConfig:
     max_num_batched_tokens: int = option(8192, "token budget of one step", minimum=1)
     enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs: requests are admitted in arrival order; priority: by each request's priority (lower "
+        "first, then arrival), and a step short of KV blocks preempts the lowest-priority request",
+        choices=("fcfs", "priority"))
     gpu_memory_utilization: float = option(
         0.9, "GPU: the fraction of the memory left free after a profiling pass given to the KV cache",
         minimum=0.0, exclusive_minimum=True, maximum=1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -32,11 +33,14 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
-        All prompts are validated before any is queued, so a bad one raises ValueError
-        and nothing is left half-submitted.
+        `priority` (one per prompt, as vLLM's LLM takes it) sets each request's
+        SamplingParams.priority; it needs scheduling_policy="priority". All prompts are
+        validated before any is queued, so a bad one raises ValueError and nothing is left
+        half-submitted.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -50,6 +54,10 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+            params = [dataclasses.replace(p, priority=level) for p, level in zip(params, priority)]
         if any(p.n != 1 for p in params):
             raise ValueError("LLM.generate supports n=1 per prompt; repeat the prompt for more samples")
         processed = [self.engine.input_processor.process(prompt, p) for prompt, p in zip(prompts, params)]

@@ -109,6 +109,9 @@ class SamplingParams:
     # before it, is sampled freely: a reasoning model's end of thinking (`</think>`), so that it
     # thinks unconstrained and answers constrained, as vLLM does with a reasoning parser
     structured_outputs_after_token_id: int | None = None
+    # scheduling priority under scheduling_policy "priority": lower values are admitted first and
+    # preempted last (ties by arrival), as in vLLM; anything but 0 is refused under "fcfs"
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -198,6 +201,7 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", f"must be StructuredOutputsParams, got {_shown(self.structured_outputs)}")
+        check_int("priority", self.priority, INT64_MIN)
         after = self.structured_outputs_after_token_id
         if after is not None and (not is_strict_int(after) or not 0 <= after <= INT64_MAX):
             fail("structured_outputs_after_token_id", f"must be a non-negative integer, got {_shown(after)}")

@@ -141,6 +141,7 @@ class Engine:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    scheduling_policy: str | None = None  # fcfs | priority; unset: the daemon's (fcfs)
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,7 @@ def parse(
         gpu_memory_utilization=float(_get(e, "gpuMemoryUtilization", 0.9)),
         enable_prefix_caching=bool(_get(e, "enablePrefixCaching", True)),
         enforce_eager=bool(_get(e, "enforceEager", False)),
+        scheduling_policy=_get(e, "schedulingPolicy"),
     )
     kv = _get(spec, "kvOffload", {})
     disk = _get(kv, "disk", {})
@@ -793,6 +795,7 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": e.max_num_batched_tokens,
         "num_kv_blocks": e.num_kv_blocks,
+        "scheduling_policy": e.scheduling_policy,  # only when set: pods without it stay as rendered
         "otlp_traces_endpoint": spec.tracing.otlp_endpoint,
         "kv_offload_cpu_gib": kv.cpu_gib,
         "kv_offload_disk_path": kv.disk_path,

@@ -195,3 +195,24 @@ def test_engine_pins_itself_before_allocating(tiny_models):
             LLM(tiny_models["qwen3"], numa_policy="sometimes")
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_priority_orders_the_queue_offline(tiny_models, llm):
+    """vLLM's LLM.generate(priority=...): under scheduling_policy="priority" with one sequence at
+    a time, requests start in (priority, arrival) order; the default engine refuses a priority."""
+    import random
+
+    levels = random.Random().sample(range(-50, 50), 6)
+    prompts = random_prompts(llm.engine.model_config.vocab_size, [7] * 6, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"^priority ") as e:
+        llm.generate(prompts, params, priority=levels)
+    assert e.value.param == "priority"
+    with pytest.raises(ValueError, match="2 priorities"):
+        llm.generate(prompts, params, priority=levels[:2])
+    ordered = LLM(tiny_models["llama"], scheduling_policy="priority", max_num_seqs=1, num_kv_blocks=64,
+                  max_model_len=128)
+    outs = ordered.generate(prompts, params, priority=levels)
+    started = sorted(range(6), key=lambda i: outs[i].metrics.first_token_time)
+    assert started == sorted(range(6), key=lambda i: levels[i])
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -120,3 +120,60 @@ def test_stops_on_max_tokens_stop_token_and_eos_respecting_min_tokens():
     run_step(sched, token=9)
     assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == 9
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
+
+
+def make_priority_scheduler(**kw):
+    kv = KVCacheManager(kw.pop("num_blocks", 64), BS, kw.pop("caching", True))
+    return Scheduler(kv, kw.pop("max_num_seqs", 8), kw.pop("max_tokens_per_step", 64), kw.pop("max_model_len", 512),
+                     policy="priority")
+
+
+def prioritized(rid, prompt_len, priority, arrival, max_tokens=8, first_token=100):
+    tokens = list(range(first_token, first_token + prompt_len))
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, priority=priority), eos_token_id=None,
+                   block_size=BS, arrival_time=arrival)
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    import random
+
+    rng = random.Random()
+    sched = make_priority_scheduler(max_num_seqs=1, max_tokens_per_step=1000)
+    levels = [rng.randrange(-3, 3) for _ in range(12)]
+    arrivals = rng.sample(range(1000), 12)  # arrival times unrelated to the order of add_request
+    for i, (level, arrival) in enumerate(zip(levels, arrivals)):
+        sched.add_request(prioritized(f"r{i}", 5, level, float(arrival), max_tokens=1, first_token=10 * i))
+    order = []
+    while sched.has_unfinished_requests():
+        out, _ = run_step(sched)
+        order += [s.request.request_id for s in out.scheduled if s.num_new_tokens > 1]
+    assert order == [f"r{i}" for i in sorted(range(12), key=lambda i: (levels[i], arrivals[i]))]
+    assert sched.kv_cache.num_free_blocks == 64
+
+
+def test_priority_policy_preempts_the_least_urgent_and_requeues_it_in_order():
+    # 9 blocks: three requests of 40 tokens (3 blocks each) fill the cache; the first to need a
+    # 4th block makes the scheduler preempt: the least urgent (priority 5), not the latest arrival
+    sched = make_priority_scheduler(num_blocks=9, max_tokens_per_step=200, max_model_len=64, caching=False)
+    sched.add_request(prioritized("urgent-late", 40, -1, 3.0, max_tokens=20, first_token=100))
+    sched.add_request(prioritized("lazy-early", 40, 5, 1.0, max_tokens=20, first_token=200))
+    sched.add_request(prioritized("normal", 40, 0, 2.0, max_tokens=20, first_token=300))
+    out, _ = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["urgent-late", "normal", "lazy-early"]
+    preempted = []
+    while sched.has_unfinished_requests():
+        out, _ = run_step(sched)
+        preempted += out.preempted_request_ids
+        assert [r.request_id for r in sched.running] == sorted(
+            (r.request_id for r in sched.running), key=lambda rid: {"urgent-late": 0, "normal": 1, "lazy-early": 2}[rid])
+    assert preempted and preempted[0] == "lazy-early" and "urgent-late" not in preempted
+    assert sched.kv_cache.num_free_blocks == 9
+
+
+def test_fcfs_scheduler_refuses_a_priority():
+    sched = make_scheduler()
+    with pytest.raises(ValueError, match="priority scheduling policy"):
+        sched.add_request(prioritized("p", 5, 1, 0.0))
+    sched.add_request(prioritized("zero", 5, 0, 0.0))  # 0 is every request's priority under fcfs
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        Scheduler(KVCacheManager(8, BS, True), 1, 16, 64, policy="lifo")

@@ -176,6 +176,7 @@ def test_engine_config_in_the_config_map():
             "gpuMemoryUtilization": 0.85,
             "enablePrefixCaching": False,
             "enforceEager": True,
+            "schedulingPolicy": "priority",
         },
         kvOffload={"cpuGiB": 64, "disk": {"path": "/kv", "sizeGiB": 200}},
         placement={"numaPolicy": "none"},
@@ -193,6 +194,7 @@ def test_engine_config_in_the_config_map():
         "gpu_memory_utilization": 0.85,
         "enable_prefix_caching": False,
         "enforce_eager": True,
+        "scheduling_policy": "priority",
         "tensor_parallel_size": 2,
         "expert_parallel_size": 4,
         "data_parallel_size": 1,
@@ -215,7 +217,7 @@ def test_optional_engine_fields_are_left_to_the_daemon():
     cfg = yaml.safe_load(kids.config_map["data"]["engine.yaml"])
     assert (
         "max_model_len" not in cfg and "otlp_traces_endpoint" not in cfg and "kv_offload_cpu_gib" not in cfg
-        and "num_kv_blocks" not in cfg
+        and "num_kv_blocks" not in cfg and "scheduling_policy" not in cfg
     )
     assert "OTEL_TRACES_SAMPLER" not in env_of(kids)
 

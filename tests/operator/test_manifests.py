@@ -203,6 +203,9 @@ def test_example_is_valid_and_fully_known():
         ),
         *[({"model": {"name": "m", "uri": "hf://a"}, "engine": {"numKvBlocks": v}}, f".spec.engine.numKvBlocks: {why}")
           for v, why in ((0, "below minimum"), (2**40, "above maximum"), ("8", "expected integer"))],
+        *[({"model": {"name": "m", "uri": "hf://a"}, "engine": {"schedulingPolicy": v}},
+           f".spec.engine.schedulingPolicy: {why}") for v, why in (("lifo", "'lifo' not in"), ("", "'' not in"),
+                                                                    (1, "expected string"))],
         *[({"model": {"name": "m", "uri": "hf://a"}, "parallelism": {"data": 2, "dataParallelExperts": v}},
            ".spec.parallelism.dataParallelExperts: expected boolean") for v in ("yes", 1)],
         ({"model": {"name": "m", "uri": "ftp://x/y"}}, ".spec.model.uri: does not match"),

@@ -315,3 +315,40 @@ def test_logit_bias_through_the_openai_client(openai_client, offline):
                                                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
                                                  logprobs=True)
     assert [c.token for c in chat.choices[0].logprobs.content] == [f"token_id:{forced}"] * 5
+
+
+def test_priority_scheduling_serves_the_most_urgent_waiting_request_first(start_server):
+    """--scheduling-policy priority, one sequence at a time: of two requests queued behind a
+    running one, the later-arriving but more urgent one (lower priority value) is served first;
+    under the default policy a priority is a 400 (the `server` fixture's BAD_REQUESTS case)."""
+    import concurrent.futures
+    import time
+
+    srv = start_server("--scheduling-policy", "priority", "--max-num-seqs", "1")
+    finished: dict[str, float] = {}
+
+    def complete(name: str, priority: int, max_tokens: int) -> int:
+        resp = post(srv, "/v1/completions", {"prompt": random_ids(8), "max_tokens": max_tokens, "ignore_eos": True,
+                                             "priority": priority})
+        finished[name] = time.monotonic()
+        return resp.status_code
+
+    def first_token_seen() -> None:  # the long request holds the engine's only slot
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+            if any(line.startswith("vllm:num_requests_running") and not line.endswith(" 0.0")
+                   for line in metrics.splitlines()):
+                return
+            time.sleep(0.01)
+        raise AssertionError("the long request never ran")
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        long = pool.submit(complete, "long", 0, 200)
+        first_token_seen()
+        lazy = pool.submit(complete, "lazy", 10, 4)
+        time.sleep(0.2)  # queued first
+        urgent = pool.submit(complete, "urgent", -10, 4)
+        assert [f.result() for f in (long, lazy, urgent)] == [200, 200, 200]
+    assert finished["long"] < finished["urgent"] < finished["lazy"], finished
+    assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "priority": 2**63}).status_code == 400

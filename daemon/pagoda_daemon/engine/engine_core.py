@@ -116,6 +116,7 @@ class EngineCore:
             GrammarManager(self._tokenizer_loader(tokenizer), self.model_config.vocab_size,
                            _eos_ids(self.model_config), config.structured_outputs_backend),
             self.connector,
+            config.scheduling_policy,
         )
         self.elastic = (ElasticStats(config.expert_parallel_size, config.elastic_ep_min_size,
                                      config.elastic_ep_max_size) if config.elastic_ep else None)

@@ -107,10 +107,11 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.scheduling_policy = scheduling_policy
         self.max_chars_per_token = max_chars_per_token(tokenizer)
 
     def _too_long(self, num_tokens: int, at_least: bool = False) -> InvalidInput:
@@ -173,6 +174,10 @@ class InputProcessor:
             raise InvalidInput(f"allowed_token_ids must be in [0, {self.vocab_size})", param="allowed_token_ids")
         if any(not 0 <= t < self.vocab_size for word in params.bad_words_token_ids for t in word):
             raise InvalidInput(f"bad_words token ids must be in [0, {self.vocab_size})", param="bad_words")
+        if params.priority != 0 and self.scheduling_policy != "priority":  # as vLLM refuses it
+            raise InvalidInput(f"priority {params.priority} needs the priority scheduling policy "
+                               "(--scheduling-policy priority); this engine admits requests in arrival order",
+                               param="priority", code="unsupported_parameter")
         if params.logit_bias is not None and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise InvalidInput(f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias")
         after = params.structured_outputs_after_token_id

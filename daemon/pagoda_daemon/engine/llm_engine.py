@@ -36,7 +36,8 @@ class LLMEngine:
         # As the server's engine does before it reports ready: every kernel compiled now, not
         # during the caller's first batch. (The heap is not frozen: it is the caller's process.)
         self.core.warm_up()
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
+                                              self.config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
         self._ids = itertools.count()

@@ -4,7 +4,10 @@ One token budget per step is shared by running requests (decodes and unfinished
 prefill chunks, served first, in FCFS order) and then by waiting ones. When blocks
 run out, the latest-arrived running request is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed (cheaply, from the prefix
-cache where its blocks survive).
+cache where its blocks survive). Under the "priority" policy both the queue and the
+running list are kept in (priority, arrival) order, as vLLM orders them: the most urgent
+request is served and admitted first, and the least urgent running one is preempted first
+(the end of the list, which the step has not reached yet when it runs out of blocks).
 
 A request's progress advances when it is scheduled, not when its step returns, so the
 next step can be scheduled while this one still runs on the GPU (async scheduling, see
@@ -24,6 +27,7 @@ blocks are read into host memory in the background (``kv_stages``), then comes b
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from concurrent.futures import Future
@@ -68,7 +72,11 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         grammars: GrammarManager | None = None,
         connector: OffloadConnector | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
+        self.by_priority = policy == "priority"
         self.kv_cache = kv_cache
         # KV offload's scheduler half (kv_offload/), or None: further prefix blocks come back
         # from host memory or disk, and full blocks are saved there (as the GPU cache evicts
@@ -106,6 +114,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.sampling_params.priority != 0 and not self.by_priority:
+            raise ValueError("a request priority other than 0 needs the priority scheduling policy")
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             if self.grammars is None:
@@ -113,7 +123,10 @@ class Scheduler:
             request.grammar = self.grammars.grammar_for(constraint,
                                                         request.sampling_params.structured_outputs_after_token_id)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_urgency)
+        else:
+            self.waiting.append(request)
         if request.sampling_params.needs_host_tokens:
             self.num_needing_host_tokens += 1
 
@@ -243,7 +256,10 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
-            self.running.append(req)
+            if self.by_priority:
+                bisect.insort(self.running, req, key=_urgency)
+            else:
+                self.running.append(req)
             if prefetch:
                 self._prefetching.add(req.request_id)
                 continue
@@ -344,7 +360,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._requeue([req])
         out.preempted_request_ids.append(req.request_id)
 
     def update_from_output(
@@ -408,8 +424,17 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
                 req.num_computed_tokens = 0
                 undone.append(req)
-        self.waiting.extendleft(reversed(undone))
+        self._requeue(undone)
         return {r.request_id for r in undone}
+
+    def _requeue(self, requests: list[Request]) -> None:
+        """Requests taken back from running: to the front of the queue (they arrived before
+        those waiting), or under the priority policy to their place in it."""
+        if self.by_priority:
+            for req in requests:
+                bisect.insort(self.waiting, req, key=_urgency)
+        else:
+            self.waiting.extendleft(reversed(requests))
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -460,3 +485,8 @@ class Scheduler:
         if req.sampling_params.needs_host_tokens:
             self.num_needing_host_tokens -= 1
         self._finished_ids.append(req.request_id)
+
+
+def _urgency(req: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority value first, then earlier arrival (vLLM's)."""
+    return req.sampling_params.priority, req.arrival_time

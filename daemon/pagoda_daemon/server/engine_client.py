@@ -368,7 +368,8 @@ class EngineClient:
             numa_nodes=sorted({n for e in engines for n in e.numa_nodes}),
             startup_seconds=max(e.startup_seconds for e in engines))
         info = self.ready_info
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, info.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, info.max_model_len,
+                                              self.config.scheduling_policy)
         if self.metrics is not None:
             self.metrics.set_placement(info.gpus, info.numa_nodes, info.expert_parallel_size)
             self.metrics.set_cache_config(info.block_size, info.num_kv_blocks, self.config.enable_prefix_caching)

@@ -31,6 +31,7 @@ from pydantic import (
 
 from pagoda_daemon.sampling_params import (
     INT64_MAX,
+    INT64_MIN,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
@@ -269,7 +270,7 @@ class _Common(BaseModel):
     cache_salt: Identifier | None = None
     # vLLM's extra fields
     request_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]+$")] | None = None
-    priority: int = 0
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0  # refused unless --scheduling-policy priority
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
@@ -298,9 +299,6 @@ class _Common(BaseModel):
             IGNORED_FIELDS.note(ignored)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if self.priority != 0:  # as vLLM without --scheduling-policy priority
-            raise bad_request("priority scheduling is not enabled on this server: priority must be 0",
-                              param="priority", code="unsupported_parameter")
         return self
 
     @property
@@ -374,6 +372,7 @@ class _Common(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 allowed_token_ids=self.allowed_token_ids,
+                priority=self.priority,
                 logit_bias=None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()},
                 structured_outputs=None if constraint is None else constraint[1],
             )
