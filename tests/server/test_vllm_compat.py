@@ -187,6 +187,18 @@ def test_chat_extras(server):
     resp = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
                                                  "chat_template_kwargs": {"enable_thinking": False}})
     assert resp.json()["usage"]["prompt_tokens"] == think.json()["count"]
+    # OpenAI's reasoning_effort, as vLLM maps it: "none" turns thinking off, other levels leave it on,
+    # an explicit enable_thinking wins; on completions it is an ignored unknown field, as in vLLM
+    effort = {level: post(server, "/tokenize", {"messages": msgs, "reasoning_effort": level}).json()["count"]
+              for level in ("none", "low", "high")}
+    assert effort == {"none": think.json()["count"], "low": plain.json()["count"], "high": plain.json()["count"]}
+    kept_on = post(server, "/tokenize", {"messages": msgs, "reasoning_effort": "none",
+                                         "chat_template_kwargs": {"enable_thinking": True}})
+    assert kept_on.json()["count"] == plain.json()["count"]
+    chat = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "reasoning_effort": "none"})
+    assert chat.json()["usage"]["prompt_tokens"] == think.json()["count"]
+    assert post(server, "/v1/chat/completions", {"messages": msgs, "reasoning_effort": "extreme"}).status_code == 400
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "reasoning_effort": "low"}).status_code == 200
     cont = [*msgs, {"role": "assistant", "content": "Paris is"}]
     body = post(server, "/v1/chat/completions", {"messages": cont, "max_tokens": 3, "echo": True,
                                                  "continue_final_message": True,

@@ -1,6 +1,6 @@
 """A chat conversation through the model's chat template: one place for the chat endpoint and
 /tokenize, with vLLM's request options (``add_generation_prompt``, ``continue_final_message``,
-``chat_template_kwargs``, ``documents``, ``tools``)."""
+``chat_template_kwargs``, ``documents``, ``tools``, ``reasoning_effort``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def render_chat(tokenizer, req: ChatTemplateFields) -> str:
     tools = req.template_tools()
     if tools is not None:
         extra["tools"] = tools
+    if req.reasoning_effort is not None:  # vLLM's mapping: templates without these variables ignore them
+        extra["reasoning_effort"] = req.reasoning_effort
+        extra.setdefault("enable_thinking", req.reasoning_effort != "none")
     try:
         return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt,

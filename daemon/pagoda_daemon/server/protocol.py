@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 # field, as vLLM's server ignores them.
 UNSUPPORTED = (
     "functions", "function_call",  # OpenAI's deprecated form of tools
-    "suffix", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+    "suffix", "audio", "modalities", "prediction", "web_search_options",
     "chat_template", "use_beam_search", "length_penalty",
     "guided_whitespace_pattern", "logits_processors", "prompt_embeds", "mm_processor_kwargs", "lora_request",
 )
@@ -562,6 +562,9 @@ class ChatTemplateFields(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = None
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    # OpenAI's, as vLLM passes it: to the template as a variable, and "none" turns thinking off
+    # (enable_thinking false, unless chat_template_kwargs sets it), any other value on
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates read them (OpenAI's shape, unset fields left out)."""

@@ -47,7 +47,7 @@ class RunnerRequestState:
     num_blocks: int = 0
     generator: torch.Generator | None = None
     # the request's logit_bias as (token ids, biases) CPU tensors, built at its first sampled step
-    # and reused at every later one (a vocabulary-sized bias is converted once, not per step)
+    # and reused at every later one (up to 65,536 entries converted once, not at every step)
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_blocks(self, block_ids: list[int]) -> None:
