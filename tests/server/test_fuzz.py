@@ -88,7 +88,7 @@ chat_fields = {**optional_fields, "logprobs": st.booleans(), "top_logprobs": st.
                "max_completion_tokens": st.integers(2, 6), "add_generation_prompt": st.booleans(),
                "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), st.booleans()),
                "documents": st.lists(st.fixed_dictionaries({"title": text, "text": text}), max_size=2),
-               "echo": st.booleans(), "continue_final_message": st.just(False),
+               "echo": st.booleans(), "continue_final_message": st.just(False), "modalities": st.just(["text"]),
                "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"]),
                **tool_fields}
 message = st.fixed_dictionaries(

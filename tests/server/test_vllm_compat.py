@@ -124,8 +124,13 @@ def test_unknown_fields_are_ignored_and_logged_once(server):
     assert server.log_path.read_text().count(name) == 1
     # OpenAI's bookkeeping fields change nothing generated: accepted, as vLLM's server accepts them
     chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                  "store": False, "metadata": {"team": "eval"}, "service_tier": "auto"})
+                                                  "store": False, "metadata": {"team": "eval"}, "service_tier": "auto",
+                                                  "modalities": ["text"],
+                                                  "prediction": {"type": "content", "content": "a guess"}})
     assert chat.status_code == 200, chat.text
+    audio = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                   "modalities": ["text", "audio"]})
+    assert audio.status_code == 400 and audio.json()["error"]["param"].startswith("modalities"), audio.text
 
 
 def test_request_ids_name_the_response(server):

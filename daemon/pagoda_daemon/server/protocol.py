@@ -60,11 +60,12 @@ log = logging.getLogger(__name__)
 
 # Parameters (OpenAI's and vLLM's) that change what is generated and that Pagoda does not
 # implement yet: a 400 names them rather than serving something else than was asked. OpenAI's
-# bookkeeping fields that do not (store, metadata, service_tier) are ignored like any unknown
-# field, as vLLM's server ignores them.
+# fields that do not (store, metadata, service_tier; prediction, which only speeds up a reply the
+# caller can guess) are ignored like any unknown field, as vLLM's server ignores them; modalities
+# is declared on the chat endpoint: ["text"] is what it serves.
 UNSUPPORTED = (
     "functions", "function_call",  # OpenAI's deprecated form of tools
-    "suffix", "audio", "modalities", "prediction", "web_search_options",
+    "suffix", "audio", "web_search_options",
     "chat_template", "use_beam_search", "length_penalty",
     "guided_whitespace_pattern", "logits_processors", "prompt_embeds", "mm_processor_kwargs", "lora_request",
 )
@@ -594,6 +595,7 @@ class ChatCompletionRequest(_Common, ChatTemplateFields):
     echo: bool = False  # prefix the reply with the last message's content when it is the assistant's
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None  # no audio out
 
     @model_validator(mode="after")
     def _check(self):
