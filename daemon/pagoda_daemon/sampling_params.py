@@ -24,13 +24,13 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids: a whole large vocabulary's worth
 MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 64  # one bad word's token sequence
 # logit_bias entries: each costs the runner 20 bytes a step while its request runs (row, token id,
 # bias, copied to the device), so a request cannot make every step move megabytes; a larger set of
 # tokens is what allowed_token_ids is for. Values are clamped to OpenAI's [-100, 100] as vLLM
 # clamps them (-100 or 100 is in effect a ban or a forced choice).
 MAX_LOGIT_BIAS = 1 << 16
 LOGIT_BIAS_LIMIT = 100.0
-MAX_BAD_WORD_TOKENS = 64  # one bad word's token sequence
 MAX_REPETITION_PENALTY = 100.0
 # Like vLLM: a positive temperature below this is raised to it (smaller ones overflow the softmax).
 MIN_POSITIVE_TEMPERATURE = 1e-2
