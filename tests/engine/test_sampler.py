@@ -185,9 +185,9 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny_models, llm):
     first = plain[0].outputs[0].token_ids
     # ban the tokens plain greedy chose first, favour a few random ones mildly
     gen = torch.Generator().manual_seed(24)
+    favoured = [t for t in torch.randperm(vocab, generator=gen).tolist() if t not in first[:3]][:6]
     bias = {t: -100.0 for t in first[:3]}
-    bias.update({int(t): float(b) for t, b in zip(torch.randint(3, vocab, (6,), generator=gen),
-                                                  torch.empty(6).uniform_(0.5, 3.0, generator=gen))})
+    bias.update({t: float(b) for t, b in zip(favoured, torch.empty(6).uniform_(0.5, 3.0, generator=gen))})
     biased = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias=bias)
     mixed = llm.generate(prompts, [biased, greedy])
     hf = hf_model(tiny_models["qwen3"], "float32", str(llm.engine.core.executor.worker.device))

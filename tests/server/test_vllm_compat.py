@@ -321,7 +321,8 @@ def test_logit_bias_through_the_openai_client(openai_client, offline):
         return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
 
     plain = token_ids(openai_client.completions.create(**greedy))
-    bias = {plain[0]: -100, plain[1]: -100, random.randrange(3, 500): 2.5}
+    favoured = random.choice([t for t in range(3, 500) if t not in plain[:2]])
+    bias = {plain[0]: -100, plain[1]: -100, favoured: 2.5}
     biased = token_ids(openai_client.completions.create(**greedy, logit_bias={str(t): b for t, b in bias.items()}))
     offline_out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                             logit_bias=bias))[0].outputs[0].token_ids
@@ -344,28 +345,38 @@ def test_priority_scheduling_serves_the_most_urgent_waiting_request_first(start_
     srv = start_server("--scheduling-policy", "priority", "--max-num-seqs", "1")
     finished: dict[str, float] = {}
 
-    def complete(name: str, priority: int, max_tokens: int) -> int:
-        resp = post(srv, "/v1/completions", {"prompt": random_ids(8), "max_tokens": max_tokens, "ignore_eos": True,
+    def complete(name: str, priority: int) -> int:
+        resp = post(srv, "/v1/completions", {"prompt": random_ids(8), "max_tokens": 4, "ignore_eos": True,
                                              "priority": priority})
         finished[name] = time.monotonic()
         return resp.status_code
 
-    def first_token_seen() -> None:  # the long request holds the engine's only slot
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-            if any(line.startswith("vllm:num_requests_running") and not line.endswith(" 0.0")
-                   for line in metrics.splitlines()):
-                return
-            time.sleep(0.01)
-        raise AssertionError("the long request never ran")
+    def waiting() -> float:
+        lines = httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+        return float(next(ln for ln in lines if ln.startswith("vllm:num_requests_waiting")).rsplit(" ", 1)[1])
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        long = pool.submit(complete, "long", 0, 200)
-        first_token_seen()
-        lazy = pool.submit(complete, "lazy", 10, 4)
-        time.sleep(0.2)  # queued first
-        urgent = pool.submit(complete, "urgent", -10, 4)
-        assert [f.result() for f in (long, lazy, urgent)] == [200, 200, 200]
-    assert finished["long"] < finished["urgent"] < finished["lazy"], finished
+    def wait_until(predicate, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting until {what}"
+            time.sleep(0.01)
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        # a streamed request holds the engine's only slot until the test leaves its stream (the
+        # server then aborts it), so both others are queued, whatever the machine's speed
+        longest = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"] - 8
+        holder = {"prompt": random_ids(8), "max_tokens": longest, "ignore_eos": True, "stream": True, "priority": 0}
+        with httpx.stream("POST", srv.url + "/v1/completions", json={"model": MODEL_NAME, **holder}, timeout=60) as s:
+            assert s.status_code == 200
+            lines = s.iter_lines()  # kept: a dropped iterator closes the stream, and the server aborts it
+            next(line for line in lines if line.startswith("data: "))  # it runs
+            lazy = pool.submit(complete, "lazy", 10)
+            wait_until(lambda: waiting() >= 1, "the first request is queued")
+            urgent = pool.submit(complete, "urgent", -10)
+            wait_until(lambda: waiting() >= 2, "both requests are queued")
+        assert lazy.result() == urgent.result() == 200
+    finally:
+        pool.shutdown()
+    assert finished["urgent"] < finished["lazy"], finished
     assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "priority": 2**63}).status_code == 400
