@@ -13,7 +13,7 @@ from pagoda_daemon import capabilities
 from pagoda_daemon.capabilities import CAPABILITIES
 from pagoda_daemon.cli import _explicit_options, build_parser
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.options import declared
+from pagoda_daemon.options import OptionInfo, declared
 from pagoda_daemon.server import serve
 from pagoda_daemon.server.serve import resolve_options
 from pagoda_operator import builders, leader_worker_set, pod_groups, spec
@@ -50,6 +50,7 @@ FULL_SPEC = {
     "engine": {
         "maxModelLen": 4096, "blockSize": 32, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "dtype": "bfloat16",
         "kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.8, "enablePrefixCaching": False, "enforceEager": True,
+        "schedulingPolicy": "priority",
     },
     "kvOffload": {"cpuGiB": 64, "disk": {"path": "/kv", "sizeGiB": 200}, "writePolicy": "write-through"},
     "placement": {"numaPolicy": "none"},
@@ -264,9 +265,9 @@ def _crd_properties(schema: dict, path: str = "spec") -> dict[str, dict]:
     return out
 
 
-def test_every_number_the_crd_admits_the_daemon_takes():
-    """A field rendered into a daemon option has CRD bounds within the option's (one declaration
-    each, checked here): nothing the API server admits is refused by the pod it becomes."""
+def _crd_fields_of_options() -> list[tuple[str, str, dict, OptionInfo]]:
+    """(daemon option, its CRD field's path, that field's schema, the option's declaration) for
+    every CRD field rendered into a daemon option."""
     crd = yaml.safe_load((ROOT / "crds" / "inferenceservices.pagoda.dev.yaml").read_text())
     (version,) = crd["spec"]["versions"]
     fields = _crd_properties(version["schema"]["openAPIV3Schema"]["properties"]["spec"])
@@ -278,9 +279,14 @@ def test_every_number_the_crd_admits_the_daemon_takes():
         name = re.sub(r"(?<!^)(?=[A-Z])", "_", path.removeprefix("spec.engine.")).lower()
         if path.startswith("spec.engine.") and name in options:
             pairs[name] = path
+    return [(option, path, fields[path], options[option]) for option, path in pairs.items()]
+
+
+def test_every_number_the_crd_admits_the_daemon_takes():
+    """A field rendered into a daemon option has CRD bounds within the option's (one declaration
+    each, checked here): nothing the API server admits is refused by the pod it becomes."""
     checked, wider = [], []
-    for option, path in pairs.items():
-        field, info = fields[path], options[option]
+    for option, path, field, info in _crd_fields_of_options():
         if field.get("type") not in ("integer", "number"):
             continue
         low, high = field.get("minimum"), field.get("maximum")
@@ -293,6 +299,21 @@ def test_every_number_the_crd_admits_the_daemon_takes():
     assert not wider, wider
     assert {"spec.parallelism.data", "spec.parallelism.eplb.asyncSteps", "spec.parallelism.eplb.stepInterval",
             "spec.engine.maxNumSeqs"} <= set(checked), checked
+
+
+def test_every_choice_the_crd_admits_the_daemon_takes():
+    """The same for fields with a list of values: each value the CRD's enum admits is one of the
+    option's choices."""
+    checked, wider = [], []
+    for option, path, field, info in _crd_fields_of_options():
+        if "enum" not in field or info.choices is None:
+            continue
+        extra = [v for v in field["enum"] if v not in info.choices]
+        if extra:
+            wider.append(f"{path}: {extra} are not {option}'s choices {info.choices}")
+        checked.append(path)
+    assert not wider, wider
+    assert {"spec.engine.dtype", "spec.engine.schedulingPolicy"} <= set(checked), checked
 
 
 @pytest.mark.parametrize("layout", ["StatefulSets", "LeaderWorkerSet"])

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from pagoda_daemon.options import check_bounds, option
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # engine/scheduler.py: the order of its queue and running list
+
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
 # engine/grammar.py implements each; the first is the default (why: engine/grammar.py)
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
@@ -57,7 +59,7 @@ class EngineConfig:
     scheduling_policy: str = option(
         "fcfs", "fcfs: requests are admitted in arrival order; priority: by each request's priority (lower "
         "first, then arrival), and a step short of KV blocks preempts the lowest-priority request",
-        choices=("fcfs", "priority"))
+        choices=SCHEDULING_POLICIES)
     gpu_memory_utilization: float = option(
         0.9, "GPU: the fraction of the memory left free after a profiling pass given to the KV cache",
         minimum=0.0, exclusive_minimum=True, maximum=1.0)

@@ -186,8 +186,8 @@ class Kube:
         query = {"watch": "true", "allowWatchBookmarks": "true", "labelSelector": selector,
                  "resourceVersion": resource_version, "timeoutSeconds": timeout_s}
         API_REQUESTS.labels("WATCH").inc()
-        resp = self.pool.request("GET", self._url(path(kind, namespace), query), headers=self._headers(None), preload_content=False,
-                                 timeout=urllib3.Timeout(connect=30.0, read=timeout_s + 30.0))
+        resp = self.pool.request("GET", self._url(path(kind, namespace), query), headers=self._headers(None),
+                                 preload_content=False, timeout=urllib3.Timeout(connect=30.0, read=timeout_s + 30.0))
         finished = False
         try:
             if resp.status >= 400:

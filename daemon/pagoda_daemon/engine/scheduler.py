@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda_daemon.config import SCHEDULING_POLICIES
 from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
 from pagoda_daemon.engine.request import Request, RequestStatus
@@ -74,7 +75,7 @@ class Scheduler:
         connector: OffloadConnector | None = None,
         policy: str = "fcfs",
     ) -> None:
-        if policy not in ("fcfs", "priority"):
+        if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.by_priority = policy == "priority"
         self.kv_cache = kv_cache
