@@ -7,6 +7,7 @@ any text in any pieces sends reasoning and content that add up to exactly what `
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -189,3 +190,27 @@ def test_constraint_starts_after_the_end_of_thinking(prompt, want):
 
 def test_no_single_end_of_thinking_token_constrains_from_the_start():
     assert constraint_start(ThinkTokenizer(single=False), [1, 2, 3]) is None
+
+
+@pytest.mark.parametrize("single_token", [True, False])
+def test_thinking_tokens_are_counted_up_to_the_one_that_closes_it(tiny_models, single_token):
+    """With `</think>` one token (Qwen3's, DeepSeek-R1's tokenizers) the count is its position;
+    spelled in pieces (the tiny tokenizer's own), the fewest tokens whose text holds it. Both
+    count the same generated tokens."""
+    from transformers import AutoTokenizer
+
+    from pagoda_daemon.server.responses import thinking_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    if single_token:
+        tokenizer.add_tokens(["</think>"])
+    close = tokenizer.encode("</think>", add_special_tokens=False)
+    assert (len(close) == 1) == single_token
+    rng = random.Random()
+    thought = " ".join(rng.choice(["plan", "weather", "2+2", "東京", "so"]) for _ in range(rng.randint(1, 12)))
+    head = tokenizer.encode(f"<think>\n{thought}\n</think>", add_special_tokens=False)
+    ids = head + tokenizer.encode("\n\nThe answer.", add_special_tokens=False)
+    close_id = close[0] if single_token else None
+    assert thinking_tokens(tokenizer, ids, close_id) == len(head)
+    assert thinking_tokens(tokenizer, head[:-1], close_id) == len(head) - 1  # not closed yet: every token
+    assert thinking_tokens(tokenizer, [], close_id) == 0

@@ -3,17 +3,21 @@
 One builder per request. It sees each generation's outputs (by choice index; ``n`` choices per
 prompt) and writes what OpenAI's API and vLLM's server return: logprobs with ``text_offset``,
 ``echo`` (the prompt, and its logprobs, before the completion), vLLM's ``prompt_logprobs``,
-usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens read from the prefix cache),
-and usage on every chunk with ``stream_options.continuous_usage_stats``.
+usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens read from the prefix cache)
+and, with a reasoning parser, ``completion_tokens_details.reasoning_tokens`` (the generated
+tokens up to and including the one that closes the thinking), and usage on every chunk with
+``stream_options.continuous_usage_stats``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda_daemon.outputs import Logprobs, RequestOutput
 from pagoda_daemon.server.chat_reply import ReplyShape, ReplyStreamer, message_fields
+from pagoda_daemon.server.reasoning import THINK_CLOSE
 
 Prompt = tuple[str | None, list[int]]  # (prompt text or None, token ids)
 
@@ -66,6 +70,10 @@ class _Choice:
     text_offset: int = 0  # where the next token's text starts (the tokens' strings so far, summed)
     cached_tokens: int = 0
     reply: ReplyStreamer | None = None  # chat replies that are not plain content
+    thinks: bool = False  # some reasoning was sent
+    thinking_ids: list[int] = field(default_factory=list)  # generated so far, while the thinking lasts
+    thinking_text: str = ""
+    thinking_tokens: int | None = None  # once the thinking has closed: its tokens, the closing one included
 
 
 class CompletionBuilder:
@@ -236,8 +244,41 @@ class CompletionBuilder:
         return ",".join(out.outputs[0].finish_reason or "" for _, out in sorted(finals.items()))
 
 
+def thinking_tokens(tokenizer, token_ids: Sequence[int], close_id: int | None) -> int:
+    """How many of these generated tokens think: up to and including the one that completes
+    `</think>` (all of them when it has not come). Without a single closing token (`close_id`
+    None), the fewest tokens whose text holds the tag (a binary search over decoded prefixes)."""
+    if close_id is not None:
+        for i, token in enumerate(token_ids):
+            if token == close_id:
+                return i + 1
+        return len(token_ids)
+    if THINK_CLOSE not in tokenizer.decode(list(token_ids)):
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if THINK_CLOSE in tokenizer.decode(list(token_ids[:mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 class ChatBuilder(CompletionBuilder):
     object_name = "chat.completion.chunk"
+
+    def __init__(self, options: ResponseOptions, tokenizer, prompts: list[Prompt]) -> None:
+        super().__init__(options, tokenizer, prompts)
+        self.close_id: int | None = None  # the token that ends the thinking, with a reasoning parser
+        if options.reply.reasoning is not None:
+            ids = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+            self.close_id = ids[0] if len(ids) == 1 else None
+
+    def _with_reasoning_tokens(self, body: dict[str, Any], count: int) -> dict[str, Any]:
+        if self.o.reply.reasoning is not None:
+            body["usage"]["completion_tokens_details"] = {"reasoning_tokens": count}
+        return body
 
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         text = self.token_str(token_id)
@@ -267,6 +308,11 @@ class ChatBuilder(CompletionBuilder):
     def full(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         body = super().full(finals)
         body["object"] = "chat.completion"
+        if self.o.reply.reasoning is not None:
+            outputs = [out.outputs[0] for out in finals.values()]
+            self._with_reasoning_tokens(body, sum(
+                thinking_tokens(self.tokenizer, c.token_ids, self.close_id)
+                for c in outputs if self.o.reply.whole(c.text).reasoning is not None))
         if self.o.prompt_logprobs:  # vLLM puts the (one) prompt's on the response
             body["prompt_logprobs"] = self._prompt_logprobs_field(finals[min(finals)])
         return body
@@ -293,6 +339,7 @@ class ChatBuilder(CompletionBuilder):
         c = out.outputs[0]
         state.cached_tokens = out.num_cached_tokens
         state.completion_tokens += len(c.token_ids)
+        self._count_thinking(state, c.token_ids, c.text)
         pieces = state.reply.feed(c.text)
         finish = None
         if c.finish_reason is not None:
@@ -300,6 +347,7 @@ class ChatBuilder(CompletionBuilder):
             finish = self.o.reply.finish_reason(c.finish_reason, state.reply.called)
             if not pieces:
                 pieces = [{}]
+        state.thinks = state.thinks or any(piece.get("reasoning_content") for piece in pieces)
         lp = None if c.logprobs is None else self._logprobs(c.token_ids, list(c.logprobs), 0)
         if not pieces and lp is not None:
             pieces = [{}]
@@ -310,6 +358,22 @@ class ChatBuilder(CompletionBuilder):
                       "finish_reason": finish if last else None, "stop_reason": c.stop_reason if last else None}
             chunks.append(self.envelope([choice], **self._chunk_usage(index, state)))
         return chunks
+
+    def _count_thinking(self, state: _Choice, token_ids: Sequence[int], text: str) -> None:
+        """Keeps a streamed choice's tokens until its thinking closes, then counts them once."""
+        if self.o.reply.reasoning is None or state.thinking_tokens is not None:
+            return
+        state.thinking_ids += token_ids
+        state.thinking_text += text
+        if THINK_CLOSE in state.thinking_text:
+            state.thinking_tokens = thinking_tokens(self.tokenizer, state.thinking_ids, self.close_id)
+            state.thinking_ids, state.thinking_text = [], ""
+
+    def usage_chunk(self) -> dict[str, Any]:
+        chunk = super().usage_chunk()
+        count = sum(len(s.thinking_ids) if s.thinking_tokens is None else s.thinking_tokens
+                    for s in self.choices.values() if s.thinks)
+        return self._with_reasoning_tokens(chunk, count)
 
     def _delta_choice(self, index: int, text: str, logprobs, finish: str | None, stop_reason) -> dict[str, Any]:
         # a token whose text is held back still sends content "" (as vLLM's server does); only the
