@@ -1,6 +1,6 @@
 """Property-based fuzzing of the OpenAI API against one real `pagoda serve` on loopback.
 
-Thousands of generated requests across /v1/completions and /v1/chat/completions: valid
+Thousands of generated requests across /v1/completions, /v1/chat/completions and /v1/responses: valid
 bodies within every bound, hostile values (numbers past int64, NaN and infinities as JSON
 literals, floats for ints, lone surrogates, deep nesting, empty strings and lists, unknown
 and missing fields, malformed JSON), streamed and not, some aborted by the client. Each
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from tests.server.conftest import MODEL_NAME
 
-PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 RAW = "__raw_json__"  # a string value replaced by raw JSON text after encoding
 EXAMPLES = 450
 MIN_REQUESTS = 3000
@@ -96,6 +96,26 @@ message = st.fixed_dictionaries(
      "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
                                          min_size=1, max_size=2))},
     optional={"name": st.text(st.characters(codec="utf-8"), max_size=8)})
+# Responses: its own fields, and every sampling field the chat endpoint takes under the same name
+responses_tool = st.builds(lambda t: {"type": "function", **t["function"]}, tool)
+format_of = st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                      st.builds(lambda s: {"type": "json_schema", "name": "s", "schema": s}, schemas))
+responses_fields = {
+    **{k: v for k, v in optional_fields.items() if k != "n"},
+    "instructions": text, "include": st.just(["message.output_text.logprobs"]), "top_logprobs": st.integers(0, 20),
+    "text": st.builds(lambda f: {"format": f}, format_of),
+    "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "low", "high"]),
+                                                     "summary": st.just("auto")}),
+    "tools": st.lists(responses_tool, min_size=1, max_size=3, unique_by=lambda t: t["name"]),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]), "parallel_tool_calls": st.booleans(),
+    "store": st.booleans(), "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+    "truncation": st.sampled_from(["auto", "disabled"]), "max_tool_calls": st.integers(1, 4),
+}
+input_item = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+     "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("input_text"), "text": text}),
+                                         min_size=1, max_size=2))},
+    optional={"type": st.just("message")})
 
 
 def body_of(required: dict, optional: dict) -> st.SearchStrategy[dict]:
@@ -108,6 +128,9 @@ valid_completion = body_of(
      "max_tokens": st.integers(1, 6)}, completion_fields)
 valid_chat = body_of({"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": st.integers(1, 6)},
                      chat_fields)
+valid_responses = body_of({"input": st.one_of(text, st.lists(input_item, min_size=1, max_size=3)),
+                           "max_output_tokens": st.integers(1, 6)}, responses_fields)
+VALID = {"completion": valid_completion, "chat": valid_chat, "responses": valid_responses}
 
 # ---- hostile values -------------------------------------------------------------------------------
 
@@ -126,7 +149,9 @@ hostile_value = st.one_of(
     st.sampled_from([RAW + "1e309", RAW + "-1e400", RAW + "NaN", RAW + "-Infinity", RAW + "1" * 5000,
                      RAW + "[" * 5000 + "]" * 5000, RAW + "{" * 3000 + "}" * 3000, RAW + "0.0000001e-400"]),
 )
-field_names = st.sampled_from(sorted({*completion_fields, *chat_fields, *constraint_fields, "prompt", "messages", "model", "stream",
+field_names = st.sampled_from(sorted({*completion_fields, *chat_fields, *constraint_fields, *responses_fields,
+                                      "input", "max_output_tokens", "previous_response_id", "background",
+                                      "prompt", "messages", "model", "stream",
                                       "stream_options", "echo", "best_of", "tools", "logit_bias", "suffix",
                                       "chat_template", "bogus", ""}))
 
@@ -171,24 +196,28 @@ class Case:
 
 @st.composite
 def case(draw) -> Case:
-    kind = draw(st.sampled_from(["completion", "chat"]))
-    valid_strategy = valid_completion if kind == "completion" else valid_chat
+    kind = draw(st.sampled_from(["completion", "chat", "responses"]))
+    valid_strategy = VALID[kind]
     valid = draw(st.integers(0, 9)) < 4
     body = dict(draw(valid_strategy)) if valid else draw(hostile_body(valid_strategy))
     if draw(st.integers(0, 2)) == 0:  # an output constraint in a third of the bodies
-        name = draw(st.sampled_from(sorted(constraint_fields)))
+        # (Responses asks for a format in text.format: response_format is the chat endpoint's)
+        name = draw(st.sampled_from(sorted(set(constraint_fields) - ({"response_format"} if kind == "responses"
+                                                                     else set()))))
         body[name] = draw(constraint_fields[name])
     stream = draw(st.booleans())
     if stream and "stream" not in body:
         body["stream"] = True
         if draw(st.booleans()):
-            body["stream_options"] = {"include_usage": True}
+            body["stream_options"] = ({"include_obfuscation": draw(st.booleans())} if kind == "responses"
+                                      else {"include_usage": True})
     if draw(st.integers(0, 29)) == 0:  # malformed JSON text
         data = draw(st.sampled_from([b"{", b'{"model": }', b"\xff\xfe\x00", b"[]", b"null", b"", b'"x"']))
         return Case(kind, data, False, False, False)
     abort = draw(st.integers(0, 5)) == 0
     if abort and valid:  # long enough to be cut off mid-generation
-        body.update({"max_tokens": 300, "ignore_eos": True, "min_tokens": 0})
+        body.update({"max_output_tokens" if kind == "responses" else "max_tokens": 300, "ignore_eos": True,
+                     "min_tokens": 0})
         body.pop("max_completion_tokens", None)
     return Case(kind, encode(body), body.get("stream") is True, abort, valid)
 
@@ -223,6 +252,10 @@ async def send(client: httpx.AsyncClient, url: str, c: Case, seen: Counter) -> N
     if resp.status_code == 400:
         check_error(resp.json())
         return
+    if c.kind == "responses":
+        check_response(resp.json() if not c.stream else resp.text)
+        seen["stream-ok" if c.stream else "responses-ok"] += 1
+        return
     if not c.stream:
         body = resp.json()
         # abort: an output constraint that meets allowed_token_ids, bad_words or min_tokens in no token
@@ -236,6 +269,22 @@ async def send(client: httpx.AsyncClient, url: str, c: Case, seen: Counter) -> N
         event = json.loads(ln.removeprefix("data: "))
         assert "error" not in event, event  # an error event means the engine failed the request
     seen["stream-ok"] += 1
+
+
+def check_response(answer: dict | str) -> None:
+    """A Responses answer: whole, or the events of a stream ending in its final response."""
+    if isinstance(answer, str):
+        events = [json.loads(ln.removeprefix("data: ")) for ln in answer.split("\n") if ln.startswith("data: ")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert all(e["type"] != "error" for e in events), events  # an error event: the engine failed the request
+        assert events[0]["type"] == "response.created", events[:2]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed"), events[-1]
+        answer = events[-1]["response"]
+    assert answer["object"] == "response" and answer["status"] in ("completed", "incomplete", "failed"), answer
+    # failed: an output constraint that meets allowed_token_ids, bad_words or min_tokens in no token
+    assert answer["status"] != "failed" or "output constraint" in answer["error"]["message"], answer
+    usage = answer["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
 async def send_all(url: str, cases: list[Case], seen: Counter) -> None:
@@ -283,6 +332,7 @@ def test_fuzzed_requests_never_break_the_server(server):
 def test_the_fuzzed_fields_cover_every_request_field():
     """The valid-body strategies draw every field the request models define (so a new field is fuzzed)."""
     from pagoda_daemon.server.protocol import ChatCompletionRequest, CompletionRequest
+    from pagoda_daemon.server.responses_request import ResponsesRequest
 
     set_by_case = {"model", "stream", "stream_options"}
     refused_unless_default = {"best_of"}  # unsupported values: the hostile strategies send them
@@ -290,3 +340,6 @@ def test_the_fuzzed_fields_cover_every_request_field():
                                                    *set_by_case, *refused_unless_default}
     assert set(ChatCompletionRequest.model_fields) == {*chat_fields, *constraint_fields, "messages", "max_tokens",
                                                        *set_by_case}
+    refused = {"previous_response_id", "background"}  # need stored responses: the hostile strategies send them
+    assert set(ResponsesRequest.model_fields) == {*responses_fields, "input", "max_output_tokens", *set_by_case,
+                                                  *refused} - set(optional_fields)

@@ -114,6 +114,15 @@ def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
     chat = both.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "w5 w6 w7"}],
                                         max_tokens=4, temperature=0.0)
     assert chat.choices[0].finish_reason in ("length", "stop")
+    # and the Responses API: the prefill instance computes the same conversation's blocks
+    hits = metric(decode.url, "vllm:external_prefix_cache_hits_total")
+    document = " ".join(f"w{j}" for j in range(80))
+    asked = dict(model=MODEL_NAME, instructions="Summarize.", input=document, max_output_tokens=6, temperature=0.0)
+    response = both.responses.create(**asked)
+    assert response.output_text == one.responses.create(**asked).output_text
+    assert metric(decode.url, "vllm:external_prefix_cache_hits_total") - hits >= 16
+    streamed = list(both.responses.create(**asked, stream=True))
+    assert streamed[-1].response.output_text == response.output_text
     assert [m.id for m in both.models.list().data] == [MODEL_NAME]
     prefill.wait_idle()
     decode.wait_idle()
@@ -206,6 +215,13 @@ def test_the_prefill_request_keeps_what_shapes_the_prompt():
             "response_format": {"type": "json_object"}, "tool_choice": "required", "min_tokens": 5}
     assert prefill_request(body) == {"model": "m", "messages": body["messages"], "tools": body["tools"],
                                      "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 1}
+    responses = {"model": "m", "instructions": "be brief", "input": [{"role": "user", "content": "hi"}],
+                 "tools": [{"type": "function", "name": "f"}], "stream": True, "max_output_tokens": 50,
+                 "text": {"format": {"type": "json_object"}}, "tool_choice": "required", "top_logprobs": 2,
+                 "include": ["message.output_text.logprobs"], "reasoning": {"effort": "low"}}
+    assert prefill_request(responses, "/v1/responses") == {
+        "model": "m", "instructions": "be brief", "input": responses["input"], "tools": responses["tools"],
+        "reasoning": {"effort": "low"}, "max_output_tokens": 1}
 
 
 def test_the_proxy_never_forwards_a_clients_source_header():

@@ -231,7 +231,7 @@ def test_tokenizer_routes_models_ping_and_not_served(server, offline):
     assert httpx.get(server.url + "/ping").status_code == 200
     assert httpx.post(server.url + "/ping").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
-    for path in ("/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions"):
+    for path in ("/v1/embeddings", "/v1/images/generations", "/v1/audio/transcriptions"):
         resp = post(server, path, {"input": "x"})
         assert resp.status_code == 404 and "does not serve" in resp.json()["error"]["message"]
 

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
@@ -41,6 +41,8 @@ from pagoda_daemon.server.protocol import (
 )
 from pagoda_daemon.server.reasoning import THINK_OPEN, constraint_start, reasoning_parser_for
 from pagoda_daemon.server.responses import ChatBuilder, CompletionBuilder, ResponseOptions
+from pagoda_daemon.server.responses_output import ResponseEvents, ResponseHeader, response_body, sse_event
+from pagoda_daemon.server.responses_request import ResponsesRequest
 from pagoda_daemon.server.tool_parsers import parser_for
 
 log = logging.getLogger(__name__)
@@ -165,6 +167,24 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
     async def chat_completions(raw: Request):
         req = await parse(ChatCompletionRequest, raw)
         _check_model(req.model, settings)
+        return await _serve_chat(raw, req)
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request):
+        """OpenAI's Responses API, served as the chat request it amounts to (responses_request.py)."""
+        request = await parse(ResponsesRequest, raw)
+        req = request.to_chat(settings.served_model_name)
+        _check_model(req.model, settings)
+        return await _serve_chat(raw, req, request)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_response(response_id: str):
+        shown = response_id if len(response_id) <= 100 else response_id[:100] + "..."
+        raise APIError(f"response '{shown}' not found: this server stores no responses", 404,
+                       param="response_id", code="not_found")
+
+    async def _serve_chat(raw: Request, req: ChatCompletionRequest, responses: ResponsesRequest | None = None):
         constraint = req.constraint()
         params = req.sampling_params(constraint=constraint)
         _check_batch_fits(client, settings, params.n)
@@ -181,7 +201,8 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         named = req.named_tool()
         shape = ReplyShape(req.tool_mode, tool_parser, None if named is None else named[1].name,
                            req.parallel_tool_calls, reasoning)
-        return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer, reply=shape)
+        return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer, reply=shape,
+                            responses=responses)
 
     tokens.add_routes(app, client, settings.served_model_name, parse)
     admin.add_routes(app, client, admin_keys or APIKeys((), frozenset()), parse)
@@ -191,7 +212,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
 
 # OpenAI routes this server does not serve: a 404 that says so, in the OpenAI error shape.
-NOT_SERVED = ("/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions", "/v1/audio/translations",
+NOT_SERVED = ("/v1/embeddings", "/v1/audio/transcriptions", "/v1/audio/translations",
               "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/rerank", "/v1/score",
               "/pooling", "/classify")
 
@@ -342,7 +363,10 @@ def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams
 
 
 async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, req, prompts: Processed,
-                 params: SamplingParams, chat: bool, tracer=None, reply: ReplyShape | None = None):
+                 params: SamplingParams, chat: bool, tracer=None, reply: ReplyShape | None = None,
+                 responses: ResponsesRequest | None = None):
+    """Submit every generation of the request and answer: whole, or streamed as it comes (as a
+    Responses reply when `responses` is the request the chat request `req` was made from)."""
     limit = _capacity(client, settings)
     n_new = len(prompts) * params.n
     if client.num_in_flight + n_new > limit:
@@ -350,7 +374,7 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     # The response id is the caller's (request_id field, else X-Request-Id); the engine's ids add
     # a random part, so a caller reusing an id never collides with a request in flight.
     name = req.request_id or raw.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
-    base_id = ("chatcmpl-" if chat else "cmpl-") + name
+    base_id = ("resp_" if responses is not None else "chatcmpl-" if chat else "cmpl-") + name
     engine_id = f"{base_id}-{uuid.uuid4().hex[:8]}"
     created = int(time.time())
     arrival = time.monotonic()
@@ -390,11 +414,14 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     builder = (ChatBuilder if chat else CompletionBuilder)(options, client.tokenizer, prompts)
     answer_header = None if kv_headers is None else kv_headers.answer_header()
     headers = {SOURCE_HEADER: answer_header} if answer_header else None  # where this prompt's KV can be fetched
+    header = None if responses is None else ResponseHeader(base_id, created, responses, req)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(streams, builder, include_usage, span, raw.state),
-                                 media_type="text/event-stream", headers=headers)
-    response = await _collect(raw, streams, builder, span)
+        chunks = _chunks(streams, builder, include_usage, span, raw.state)
+        body = (_chat_sse(chunks) if header is None else
+                _responses_sse(chunks, ResponseEvents(header, responses is not None and responses.output_logprobs)))
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    response = await _collect(raw, streams, builder, span, header)
     if headers:
         response.headers.update(headers)
     return response
@@ -457,7 +484,8 @@ def _span_events(span, out: RequestOutput) -> None:
         span.event("first_token", timestamp=_wall(m.first_token_time))
 
 
-async def _collect(raw: Request, streams, builder: CompletionBuilder, span) -> JSONResponse:
+async def _collect(raw: Request, streams, builder: CompletionBuilder, span,
+                   header: ResponseHeader | None = None) -> JSONResponse:
     finals: dict[int, RequestOutput] = {}
 
     async def gather():
@@ -488,20 +516,22 @@ async def _collect(raw: Request, streams, builder: CompletionBuilder, span) -> J
     raw.state.usage = (u["prompt_tokens"], u["completion_tokens"])  # the access line
     if span is not None:
         span.end(builder.finish_reasons(finals), u["prompt_tokens"], u["completion_tokens"])
-    return JSONResponse(body)
+    return JSONResponse(body if header is None else response_body(header, body))
 
 
-async def _stream(streams, builder: CompletionBuilder, include_usage: bool, span, state) -> AsyncIterator[str]:
-    """Stream DELTA outputs: each carries only the text, tokens and logprobs new since the last
-    (all of them since the previous one when this handler fell behind: output_collector.py),
-    its chunks in one write."""
+async def _chunks(streams, builder: CompletionBuilder, include_usage: bool, span,
+                  state) -> AsyncGenerator[list[dict], None]:
+    """The chunks of DELTA outputs, those of one output together: each output carries only the
+    text, tokens and logprobs new since the last (all of them since the previous one when this
+    handler fell behind: output_collector.py). Then the usage chunk, if asked for; an error body
+    if the engine dies."""
     reasons = []
     try:
         async for index, out in _merge(streams):
             chunks = builder.first_chunks(index, out) if index not in builder.choices else []
             chunks += builder.deltas(index, out)
             if chunks:
-                yield "".join(_sse(chunk) for chunk in chunks)
+                yield chunks
             c = out.outputs[0]
             if c.finish_reason is not None:
                 reasons.append(c.finish_reason)
@@ -510,14 +540,33 @@ async def _stream(streams, builder: CompletionBuilder, include_usage: bool, span
         final = builder.usage_chunk()
         state.usage = (final["usage"]["prompt_tokens"], final["usage"]["completion_tokens"])  # the access line
         if include_usage:
-            yield _sse(final)
+            yield [final]
         if span is not None:
             span.end(",".join(reasons), final["usage"]["prompt_tokens"], final["usage"]["completion_tokens"])
     except EngineDeadError as e:
         if span is not None:
             span.end(None, 0, 0, error=str(e))
-        yield _sse(e.api_error().body())
+        yield [e.api_error().body()]
+
+
+async def _chat_sse(chunks: AsyncGenerator[list[dict], None]) -> AsyncIterator[str]:
+    """Chat and completion streams: the chunks of one output in one write, then [DONE]. Closed
+    early (the client left), it closes `chunks` at once, which aborts the generations."""
+    async with contextlib.aclosing(chunks):
+        async for group in chunks:
+            yield "".join(_sse(chunk) for chunk in group)
     yield "data: [DONE]\n\n"
+
+
+async def _responses_sse(chunks: AsyncGenerator[list[dict], None], events: ResponseEvents) -> AsyncIterator[str]:
+    """A Responses stream: its opening events, those of each output in one write, its last event."""
+    yield "".join(map(sse_event, events.start()))
+    async with contextlib.aclosing(chunks):
+        async for group in chunks:
+            sent = [event for chunk in group for event in events.chunk(chunk)]
+            if sent:
+                yield "".join(map(sse_event, sent))
+    yield "".join(map(sse_event, events.finish()))
 
 
 def _sse(obj: dict) -> str:

@@ -48,19 +48,25 @@ from pagoda_daemon.server.errors import APIError, bad_request
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+RESPONSES_ROUTE = "/v1/responses"
+ROUTES = ("/v1/completions", "/v1/chat/completions", RESPONSES_ROUTE)
 FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
 # What the prefill request must not carry: it generates one token, unstreamed, once, with no
 # grammar. Whatever shapes the prompt (messages, tools, chat_template_kwargs) stays, so that the
 # prefill instance computes the very blocks the decode instance will look for.
 _NOT_FOR_PREFILL = ("stream", "stream_options", "n", "best_of", "min_tokens", "max_completion_tokens",
                     "response_format", "structured_outputs", "tool_choice")
+_NOT_FOR_RESPONSES_PREFILL = ("text", "include", "top_logprobs")  # its output format and logprobs
 
 
-def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_request(body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
     """The request the prefill instance gets: the same prompt, one token, no stream."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    out["max_tokens"] = 1
+    if path == RESPONSES_ROUTE:
+        out = {k: v for k, v in out.items() if k not in _NOT_FOR_RESPONSES_PREFILL}
+        out["max_output_tokens"] = 1
+    else:
+        out["max_tokens"] = 1
     return out
 
 
@@ -267,7 +273,7 @@ def build_app(prefill_urls: str | list[str], decode_urls: str | list[str], timeo
         for instance in prefills.by_load():
             instance.in_flight += 1
             try:
-                answer = await client.post(instance.url + path, json=prefill_request(body), headers=headers)
+                answer = await client.post(instance.url + path, json=prefill_request(body, path), headers=headers)
             except httpx.HTTPError:
                 count(instance, "failed")
                 continue
