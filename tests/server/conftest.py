@@ -102,6 +102,21 @@ def server(tiny_models, tmp_path_factory):
         srv.stop()
 
 
+REASONING_MODEL_NAME = "tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_models, tmp_path_factory):
+    """The tiny Qwen3 with `--reasoning-parser qwen3`: <think> reasoning, hermes tool calls."""
+    srv = ServerProcess(tiny_models["qwen3"], "--max-model-len", "1024", "--reasoning-parser", "qwen3",
+                        log_dir=tmp_path_factory.mktemp("logs"), served_name=REASONING_MODEL_NAME)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="session")
 def openai_client(server):
     import openai
