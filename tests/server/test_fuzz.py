@@ -1,10 +1,11 @@
 """Property-based fuzzing of the OpenAI API against one real `pagoda serve` on loopback.
 
-Thousands of generated requests across /v1/completions, /v1/chat/completions and /v1/responses: valid
+Thousands of generated requests across /v1/completions, /v1/chat/completions, /v1/responses and
+/v1/messages: valid
 bodies within every bound, hostile values (numbers past int64, NaN and infinities as JSON
 literals, floats for ints, lone surrogates, deep nesting, empty strings and lists, unknown
 and missing fields, malformed JSON), streamed and not, some aborted by the client. Each
-answer must be a 200 of the right shape or a 400 in OpenAI's error shape, and afterwards
+answer must be a 200 of the right shape or a 400 in the API's error shape, and afterwards
 the engine must live with nothing in flight, queued or allocated, and the API's memory
 must not have grown.
 """
@@ -23,7 +24,8 @@ from hypothesis import strategies as st
 
 from tests.server.conftest import MODEL_NAME
 
-PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses",
+         "messages": "/v1/messages"}
 RAW = "__raw_json__"  # a string value replaced by raw JSON text after encoding
 EXAMPLES = 450
 MIN_REQUESTS = 3000
@@ -116,6 +118,26 @@ input_item = st.fixed_dictionaries(
      "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("input_text"), "text": text}),
                                          min_size=1, max_size=2))},
     optional={"type": st.just("message")})
+# Anthropic's Messages: its own fields, and the chat sampling fields under their own names
+anthropic_tool = st.builds(lambda t: {"name": t["function"]["name"], "input_schema": t["function"].get(
+    "parameters", {"type": "object", "properties": {}})}, tool)
+messages_fields = {
+    **{k: v for k, v in optional_fields.items() if k not in ("n", "stop")},
+    "system": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2)),
+    "stop_sequences": st.lists(text, max_size=4),
+    "tools": st.lists(anthropic_tool, min_size=1, max_size=3, unique_by=lambda t: t["name"]),
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none"])},
+                                         optional={"disable_parallel_tool_use": st.booleans()}),
+    "thinking": st.one_of(st.just({"type": "disabled"}), st.just({"type": "adaptive"}),
+                          st.builds(lambda b: {"type": "enabled", "budget_tokens": b}, st.integers(1024, 4096))),
+    "output_config": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high", "max"])}),
+    "metadata": st.fixed_dictionaries({}, optional={"user_id": st.text(max_size=8)}),
+    "service_tier": st.sampled_from(["auto", "standard_only"]),
+}
+anthropic_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]),
+     "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+                                         min_size=1, max_size=2))})
 
 
 def body_of(required: dict, optional: dict) -> st.SearchStrategy[dict]:
@@ -130,7 +152,9 @@ valid_chat = body_of({"messages": st.lists(message, min_size=1, max_size=3), "ma
                      chat_fields)
 valid_responses = body_of({"input": st.one_of(text, st.lists(input_item, min_size=1, max_size=3)),
                            "max_output_tokens": st.integers(1, 6)}, responses_fields)
-VALID = {"completion": valid_completion, "chat": valid_chat, "responses": valid_responses}
+valid_messages = body_of({"messages": st.lists(anthropic_message, min_size=1, max_size=3),
+                          "max_tokens": st.integers(1, 6)}, messages_fields)
+VALID = {"completion": valid_completion, "chat": valid_chat, "responses": valid_responses, "messages": valid_messages}
 
 # ---- hostile values -------------------------------------------------------------------------------
 
@@ -150,6 +174,7 @@ hostile_value = st.one_of(
                      RAW + "[" * 5000 + "]" * 5000, RAW + "{" * 3000 + "}" * 3000, RAW + "0.0000001e-400"]),
 )
 field_names = st.sampled_from(sorted({*completion_fields, *chat_fields, *constraint_fields, *responses_fields,
+                                      *messages_fields,
                                       "input", "max_output_tokens", "previous_response_id", "background",
                                       "prompt", "messages", "model", "stream",
                                       "stream_options", "echo", "best_of", "tools", "logit_bias", "suffix",
@@ -196,19 +221,19 @@ class Case:
 
 @st.composite
 def case(draw) -> Case:
-    kind = draw(st.sampled_from(["completion", "chat", "responses"]))
+    kind = draw(st.sampled_from(["completion", "chat", "responses", "messages"]))
     valid_strategy = VALID[kind]
     valid = draw(st.integers(0, 9)) < 4
     body = dict(draw(valid_strategy)) if valid else draw(hostile_body(valid_strategy))
     if draw(st.integers(0, 2)) == 0:  # an output constraint in a third of the bodies
         # (Responses asks for a format in text.format: response_format is the chat endpoint's)
-        name = draw(st.sampled_from(sorted(set(constraint_fields) - ({"response_format"} if kind == "responses"
-                                                                     else set()))))
+        name = draw(st.sampled_from(sorted(set(constraint_fields) - ({"response_format"} if kind in (
+            "responses", "messages") else set()))))
         body[name] = draw(constraint_fields[name])
     stream = draw(st.booleans())
     if stream and "stream" not in body:
         body["stream"] = True
-        if draw(st.booleans()):
+        if draw(st.booleans()) and kind != "messages":
             body["stream_options"] = ({"include_obfuscation": draw(st.booleans())} if kind == "responses"
                                       else {"include_usage": True})
     if draw(st.integers(0, 29)) == 0:  # malformed JSON text
@@ -218,6 +243,8 @@ def case(draw) -> Case:
     if abort and valid:  # long enough to be cut off mid-generation
         body.update({"max_output_tokens" if kind == "responses" else "max_tokens": 300, "ignore_eos": True,
                      "min_tokens": 0})
+        if kind == "messages":
+            body.pop("thinking", None)  # enabled thinking's budget is at least 1,024, more than max_tokens
         body.pop("max_completion_tokens", None)
     return Case(kind, encode(body), body.get("stream") is True, abort, valid)
 
@@ -250,7 +277,11 @@ async def send(client: httpx.AsyncClient, url: str, c: Case, seen: Counter) -> N
     seen["requests"] += 1
     assert resp.status_code in (200, 400), (resp.status_code, resp.text[:500], c.body[:500])
     if resp.status_code == 400:
-        check_error(resp.json())
+        (check_anthropic_error if c.kind == "messages" else check_error)(resp.json())
+        return
+    if c.kind == "messages":
+        check_message(resp.json() if not c.stream else resp.text)
+        seen["stream-ok" if c.stream else "messages-ok"] += 1
         return
     if c.kind == "responses":
         check_response(resp.json() if not c.stream else resp.text)
@@ -285,6 +316,30 @@ def check_response(answer: dict | str) -> None:
     assert answer["status"] != "failed" or "output constraint" in answer["error"]["message"], answer
     usage = answer["usage"]
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def check_anthropic_error(body: dict) -> None:
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == "invalid_request_error" and isinstance(body["error"]["message"], str)
+
+
+def check_message(answer: dict | str) -> None:
+    """An Anthropic answer: a message, or a stream's events from message_start to message_stop."""
+    if isinstance(answer, str):
+        events = [json.loads(ln.removeprefix("data: ")) for ln in answer.split("\n") if ln.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        if "error" in kinds:  # only an output constraint that meets allowed_token_ids, bad_words or min_tokens
+            error = events[-1]["error"]
+            assert kinds[-1] == "error" and error["type"] == "invalid_request_error", events
+            assert "output constraint" in error["message"], events
+            return
+        assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+        assert kinds.count("content_block_start") == kinds.count("content_block_stop")
+        assert events[-2]["delta"]["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+        return
+    assert answer["type"] == "message" and answer["role"] == "assistant", answer
+    assert answer["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use"), answer
+    assert answer["usage"]["input_tokens"] + answer["usage"]["cache_read_input_tokens"] > 0
 
 
 async def send_all(url: str, cases: list[Case], seen: Counter) -> None:
@@ -340,6 +395,10 @@ def test_the_fuzzed_fields_cover_every_request_field():
                                                    *set_by_case, *refused_unless_default}
     assert set(ChatCompletionRequest.model_fields) == {*chat_fields, *constraint_fields, "messages", "max_tokens",
                                                        *set_by_case}
+    from pagoda_daemon.server.anthropic_request import MessagesRequest
+
+    assert set(MessagesRequest.model_fields) == {*messages_fields, "messages", "max_tokens", "model",
+                                                 "stream"} - set(optional_fields)
     refused = {"previous_response_id", "background"}  # need stored responses: the hostile strategies send them
     assert set(ResponsesRequest.model_fields) == {*responses_fields, "input", "max_output_tokens", *set_by_case,
                                                   *refused} - set(optional_fields)

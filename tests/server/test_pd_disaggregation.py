@@ -123,6 +123,16 @@ def test_answers_through_prefill_then_decode_equal_one_instance(pd, server):
     assert metric(decode.url, "vllm:external_prefix_cache_hits_total") - hits >= 16
     streamed = list(both.responses.create(**asked, stream=True))
     assert streamed[-1].response.output_text == response.output_text
+    # and Anthropic's Messages API
+    import anthropic
+
+    conversation = dict(model=MODEL_NAME, max_tokens=6, system="Summarize.", extra_body={"temperature": 0.0},
+                        messages=[{"role": "user", "content": " ".join(f"v{j}" for j in range(80))}])
+    hits = metric(decode.url, "vllm:external_prefix_cache_hits_total")
+    message = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages.create(**conversation)
+    direct = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0).messages.create(**conversation)
+    assert [b.model_dump() for b in message.content] == [b.model_dump() for b in direct.content]
+    assert metric(decode.url, "vllm:external_prefix_cache_hits_total") - hits >= 16
     assert [m.id for m in both.models.list().data] == [MODEL_NAME]
     prefill.wait_idle()
     decode.wait_idle()
@@ -219,6 +229,12 @@ def test_the_prefill_request_keeps_what_shapes_the_prompt():
                  "tools": [{"type": "function", "name": "f"}], "stream": True, "max_output_tokens": 50,
                  "text": {"format": {"type": "json_object"}}, "tool_choice": "required", "top_logprobs": 2,
                  "include": ["message.output_text.logprobs"], "reasoning": {"effort": "low"}}
+    messages = {"model": "m", "system": "be brief", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 50, "stream": True, "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
+                "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": {}}}}
+    assert prefill_request(messages, "/v1/messages") == {
+        "model": "m", "system": "be brief", "messages": messages["messages"], "thinking": {"type": "disabled"},
+        "output_config": {"effort": "low"}, "max_tokens": 1}
     assert prefill_request(responses, "/v1/responses") == {
         "model": "m", "instructions": "be brief", "input": responses["input"], "tools": responses["tools"],
         "reasoning": {"effort": "low"}, "max_output_tokens": 1}

@@ -24,6 +24,8 @@ from pagoda_daemon.kv_offload.transfer_auth import SOURCE_HEADER, SourceHeaders
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server import admin, tokens
+from pagoda_daemon.server.anthropic_output import AnthropicFormat, anthropic_error
+from pagoda_daemon.server.anthropic_request import CountTokensRequest, MessagesRequest
 from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.chat_reply import ReplyShape
 from pagoda_daemon.server.chat_template import render_chat
@@ -40,8 +42,9 @@ from pagoda_daemon.server.protocol import (
     validation_error,
 )
 from pagoda_daemon.server.reasoning import THINK_OPEN, constraint_start, reasoning_parser_for
+from pagoda_daemon.server.reply_format import EventWriter, ReplyFormat, sse_event
 from pagoda_daemon.server.responses import ChatBuilder, CompletionBuilder, ResponseOptions
-from pagoda_daemon.server.responses_output import ResponseEvents, ResponseHeader, response_body, sse_event
+from pagoda_daemon.server.responses_output import ResponsesFormat
 from pagoda_daemon.server.responses_request import ResponsesRequest
 from pagoda_daemon.server.tool_parsers import parser_for
 
@@ -175,7 +178,32 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         request = await parse(ResponsesRequest, raw)
         req = request.to_chat(settings.served_model_name)
         _check_model(req.model, settings)
-        return await _serve_chat(raw, req, request)
+        return await _serve_chat(raw, req, ResponsesFormat(request, req))
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(raw: Request):
+        """Anthropic's Messages API, served as the chat request it amounts to (anthropic_request.py);
+        its errors in Anthropic's shape, which its SDKs read."""
+        try:
+            request = await parse(MessagesRequest, raw)
+            req = request.to_chat()
+            _check_model(req.model, settings)
+            return await _serve_chat(raw, req, AnthropicFormat(request, req))
+        except APIError as e:
+            return anthropic_error(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(raw: Request):
+        """The prompt's tokens for a Messages request (no max_tokens needed), through the chat template."""
+        try:
+            req = (await parse(CountTokensRequest, raw)).to_chat()
+            _check_model(req.model, settings)
+            _ensure_ready(client)
+            text = await asyncio.to_thread(render_chat, client.tokenizer, req)
+            ids = await asyncio.to_thread(client.tokenizer.encode, text, add_special_tokens=req.add_special_tokens)
+            return {"input_tokens": len(ids)}
+        except APIError as e:
+            return anthropic_error(e)
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     @app.post("/v1/responses/{response_id}/cancel")
@@ -184,7 +212,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         raise APIError(f"response '{shown}' not found: this server stores no responses", 404,
                        param="response_id", code="not_found")
 
-    async def _serve_chat(raw: Request, req: ChatCompletionRequest, responses: ResponsesRequest | None = None):
+    async def _serve_chat(raw: Request, req: ChatCompletionRequest, reply_format: ReplyFormat | None = None):
         constraint = req.constraint()
         params = req.sampling_params(constraint=constraint)
         _check_batch_fits(client, settings, params.n)
@@ -202,7 +230,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         shape = ReplyShape(req.tool_mode, tool_parser, None if named is None else named[1].name,
                            req.parallel_tool_calls, reasoning)
         return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer, reply=shape,
-                            responses=responses)
+                            reply_format=reply_format)
 
     tokens.add_routes(app, client, settings.served_model_name, parse)
     admin.add_routes(app, client, admin_keys or APIKeys((), frozenset()), parse)
@@ -364,9 +392,9 @@ def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams
 
 async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, req, prompts: Processed,
                  params: SamplingParams, chat: bool, tracer=None, reply: ReplyShape | None = None,
-                 responses: ResponsesRequest | None = None):
-    """Submit every generation of the request and answer: whole, or streamed as it comes (as a
-    Responses reply when `responses` is the request the chat request `req` was made from)."""
+                 reply_format: ReplyFormat | None = None):
+    """Submit every generation of the request and answer: whole, or streamed as it comes (in
+    `reply_format`'s shape when the chat request `req` was made from another API's request)."""
     limit = _capacity(client, settings)
     n_new = len(prompts) * params.n
     if client.num_in_flight + n_new > limit:
@@ -374,7 +402,8 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     # The response id is the caller's (request_id field, else X-Request-Id); the engine's ids add
     # a random part, so a caller reusing an id never collides with a request in flight.
     name = req.request_id or raw.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
-    base_id = ("resp_" if responses is not None else "chatcmpl-" if chat else "cmpl-") + name
+    prefix = reply_format.id_prefix if reply_format is not None else "chatcmpl-" if chat else "cmpl-"
+    base_id = prefix + name
     engine_id = f"{base_id}-{uuid.uuid4().hex[:8]}"
     created = int(time.time())
     arrival = time.monotonic()
@@ -414,14 +443,13 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
     builder = (ChatBuilder if chat else CompletionBuilder)(options, client.tokenizer, prompts)
     answer_header = None if kv_headers is None else kv_headers.answer_header()
     headers = {SOURCE_HEADER: answer_header} if answer_header else None  # where this prompt's KV can be fetched
-    header = None if responses is None else ResponseHeader(base_id, created, responses, req)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunks = _chunks(streams, builder, include_usage, span, raw.state)
-        body = (_chat_sse(chunks) if header is None else
-                _responses_sse(chunks, ResponseEvents(header, responses is not None and responses.output_logprobs)))
+        body = (_chat_sse(chunks) if reply_format is None else
+                _event_sse(chunks, reply_format.events(base_id, created, sum(len(ids) for _, ids in prompts))))
         return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-    response = await _collect(raw, streams, builder, span, header)
+    response = await _collect(raw, streams, builder, span, reply_format, base_id, created)
     if headers:
         response.headers.update(headers)
     return response
@@ -484,8 +512,8 @@ def _span_events(span, out: RequestOutput) -> None:
         span.event("first_token", timestamp=_wall(m.first_token_time))
 
 
-async def _collect(raw: Request, streams, builder: CompletionBuilder, span,
-                   header: ResponseHeader | None = None) -> JSONResponse:
+async def _collect(raw: Request, streams, builder: CompletionBuilder, span, reply_format: ReplyFormat | None = None,
+                   reply_id: str = "", created: int = 0) -> JSONResponse:
     finals: dict[int, RequestOutput] = {}
 
     async def gather():
@@ -516,7 +544,7 @@ async def _collect(raw: Request, streams, builder: CompletionBuilder, span,
     raw.state.usage = (u["prompt_tokens"], u["completion_tokens"])  # the access line
     if span is not None:
         span.end(builder.finish_reasons(finals), u["prompt_tokens"], u["completion_tokens"])
-    return JSONResponse(body if header is None else response_body(header, body))
+    return JSONResponse(body if reply_format is None else reply_format.body(reply_id, created, body))
 
 
 async def _chunks(streams, builder: CompletionBuilder, include_usage: bool, span,
@@ -558,8 +586,9 @@ async def _chat_sse(chunks: AsyncGenerator[list[dict], None]) -> AsyncIterator[s
     yield "data: [DONE]\n\n"
 
 
-async def _responses_sse(chunks: AsyncGenerator[list[dict], None], events: ResponseEvents) -> AsyncIterator[str]:
-    """A Responses stream: its opening events, those of each output in one write, its last event."""
+async def _event_sse(chunks: AsyncGenerator[list[dict], None], events: EventWriter) -> AsyncIterator[str]:
+    """Another API's stream (`reply_format.py`): its opening events, those of each output in one
+    write, its closing events."""
     yield "".join(map(sse_event, events.start()))
     async with contextlib.aclosing(chunks):
         async for group in chunks:

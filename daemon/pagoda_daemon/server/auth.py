@@ -1,4 +1,5 @@
-"""API keys: `--api-key` / `PAGODA_API_KEY`, checked like vLLM (`Authorization: Bearer KEY`).
+"""API keys: `--api-key` / `PAGODA_API_KEY`, checked like vLLM (`Authorization: Bearer KEY`); on
+Anthropic's Messages routes also as Anthropic's clients send it (`x-api-key: KEY`).
 
 Every configured key is compared with `hmac.compare_digest`, all of them every time, so
 the time a refusal takes says nothing about how close a guess was. The keys never reach
@@ -18,6 +19,7 @@ DEFAULT_EXEMPT_PATHS = ("/health", "/ready", "/metrics")  # probes and Prometheu
 # The admin routes (server/admin.py) take the admin key instead, never a user's.
 ADMIN_API_KEY_ENV = "PAGODA_ADMIN_API_KEY"
 ADMIN_PATHS = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/elastic_ep")
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # where x-api-key is read too
 
 
 def split_list(value: str | None) -> list[str]:
@@ -53,10 +55,15 @@ class APIKeys:
         """None when the request may go on; else the 401 to answer."""
         if not self.keys or path in self.exempt_paths:
             return None
+        headers = list(headers)
         authorization = [value for name, value in headers if name.lower() == b"authorization"]
         if len(authorization) == 1:
             scheme, _, token = authorization[0].strip().partition(b" ")
             if scheme.lower() == b"bearer" and self.presented_key_matches(token.strip()):
+                return None
+        if path in ANTHROPIC_PATHS:
+            api_key = [value for name, value in headers if name.lower() == b"x-api-key"]
+            if len(api_key) == 1 and self.presented_key_matches(api_key[0].strip()):
                 return None
         return APIError("a valid API key is required: send 'Authorization: Bearer <key>'", 401,
                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -49,7 +49,8 @@ from pagoda_daemon.server.errors import APIError, bad_request
 log = logging.getLogger(__name__)
 
 RESPONSES_ROUTE = "/v1/responses"
-ROUTES = ("/v1/completions", "/v1/chat/completions", RESPONSES_ROUTE)
+MESSAGES_ROUTE = "/v1/messages"  # Anthropic's
+ROUTES = ("/v1/completions", "/v1/chat/completions", RESPONSES_ROUTE, MESSAGES_ROUTE)
 FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
 # What the prefill request must not carry: it generates one token, unstreamed, once, with no
 # grammar. Whatever shapes the prompt (messages, tools, chat_template_kwargs) stays, so that the
@@ -65,8 +66,10 @@ def prefill_request(body: dict[str, Any], path: str = "/v1/chat/completions") ->
     if path == RESPONSES_ROUTE:
         out = {k: v for k, v in out.items() if k not in _NOT_FOR_RESPONSES_PREFILL}
         out["max_output_tokens"] = 1
-    else:
-        out["max_tokens"] = 1
+        return out
+    if path == MESSAGES_ROUTE and isinstance(out.get("output_config"), dict):  # its effort shapes the prompt
+        out["output_config"] = {k: v for k, v in out["output_config"].items() if k != "format"}
+    out["max_tokens"] = 1
     return out
 
 

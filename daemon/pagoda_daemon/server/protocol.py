@@ -156,6 +156,27 @@ def parse_request(model: Any, data: bytes):
         raise validation_error(e.errors()) from e
 
 
+def refuse_renamed(extra: dict[str, Any], renamed: dict[str, str | None], api: str) -> None:
+    """A 400 for a field another API names otherwise (`renamed`: its name here, or None when it has none)."""
+    for name, use in renamed.items():
+        if name in extra:
+            hint = f"; use {use}" if use else ""
+            raise bad_request(f"'{name}' is not a field of {api}{hint}", param=name)
+
+
+def validate_at(model: Any, value: Any, where: str) -> Any:
+    """One part of a request (an item, a block) checked against its model; errors name their place."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        ctx_error = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, APIError):
+            raise ctx_error from e
+        loc = ".".join(str(x) for x in (where, *err.get("loc", ())))
+        raise bad_request(f"{loc}: {err.get('msg')}", param=loc) from e
+
+
 def _is_union_tag(part: object) -> bool:
     """pydantic names the union member it tried in error locations ('list[int]', 'str'): not a field."""
     return isinstance(part, str) and (not part.isidentifier() or part in ("str", "int", "float", "bool"))

@@ -14,12 +14,12 @@ carries a `sequence_number`; the final response's items are the streamed ones, i
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda_daemon.server.protocol import ChatCompletionRequest
+from pagoda_daemon.server.reply_format import ChatServed, ChunkReader
 from pagoda_daemon.server.responses_request import ResponsesRequest
 
 
@@ -138,19 +138,17 @@ class _OpenItem:
     call_index: int | None = None  # the chat tool call's index
 
 
-class ResponseEvents:
+class ResponseEvents(ChunkReader):
     """One streamed reply: chat chunks in, Responses events out (each with its sequence number)."""
 
     def __init__(self, header: ResponseHeader, logprobs: bool) -> None:
+        super().__init__()
         self.header = header
         self.logprobs = logprobs
         self.output: list[dict[str, Any]] = []
         self.sequence = 0
         self.open: _OpenItem | None = None
         self.pending_logprobs: list[dict[str, Any]] = []  # not yet sent with a text delta
-        self.finish_reason: str | None = None
-        self.stop_reason: Any = None
-        self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -169,22 +167,17 @@ class ResponseEvents:
             self.error = chunk["error"]
             return [*self._close(cut=True), self._event("error", code=self.error.get("code"), message=self.error.get("message", ""),
                                 param=self.error.get("param"))]
-        if chunk.get("usage") is not None and not chunk["choices"]:
-            self.usage = response_usage(chunk["usage"])
-        events: list[dict[str, Any]] = []
-        for choice in chunk["choices"]:
-            if self.logprobs and choice.get("logprobs"):
-                self.pending_logprobs.extend(choice["logprobs"]["content"])
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._text("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                events += self._text("message", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                events += self._call(call)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
-        return events
+        return self.read(chunk)
+
+    def on_choice(self, choice: dict[str, Any]) -> None:
+        if self.logprobs and choice.get("logprobs"):
+            self.pending_logprobs.extend(choice["logprobs"]["content"])
+
+    def on_reasoning(self, text: str) -> list[dict[str, Any]]:
+        return self._text("reasoning", text)
+
+    def on_content(self, text: str) -> list[dict[str, Any]]:
+        return self._text("message", text)
 
     def finish(self) -> list[dict[str, Any]]:
         events = self._close()
@@ -193,11 +186,12 @@ class ResponseEvents:
         if self.error is not None:
             # the response's error codes are OpenAI's list; the error event before it has the server's own
             error = {"code": "server_error", "message": self.error.get("message", "")}
-            response = self.header.envelope("failed", self.output, self.usage, error=error)
+            response = self.header.envelope("failed", self.output, response_usage(self.usage), error=error)
             return [*events, self._event("response.failed", response=response)]
         status, incomplete = status_of(self.finish_reason)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
-        response = self.header.envelope(status, self.output, self.usage, incomplete, failure(status, self.stop_reason))
+        response = self.header.envelope(status, self.output, response_usage(self.usage), incomplete,
+                                        failure(status, self.stop_reason))
         return [*events, self._event(kind, response=response)]
 
     # ---- items -------------------------------------------------------------------------------
@@ -230,7 +224,7 @@ class ResponseEvents:
             events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=logprobs))
         return events
 
-    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def on_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         function = call.get("function") or {}
         if "id" in call:  # a call's first delta: its id and name
@@ -273,6 +267,13 @@ class ResponseEvents:
         return events
 
 
-def sse_event(event: dict[str, Any]) -> str:
-    """One event as OpenAI streams it: its type as the SSE event name, then the JSON."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+class ResponsesFormat(ChatServed[ResponsesRequest]):
+    """The `ReplyFormat` of /v1/responses."""
+
+    id_prefix = "resp_"
+
+    def body(self, reply_id: str, created: int, chat_body: dict[str, Any]) -> dict[str, Any]:
+        return response_body(ResponseHeader(reply_id, created, self.request, self.chat), chat_body)
+
+    def events(self, reply_id: str, created: int, prompt_tokens: int) -> ResponseEvents:
+        return ResponseEvents(ResponseHeader(reply_id, created, self.request, self.chat), self.request.output_logprobs)

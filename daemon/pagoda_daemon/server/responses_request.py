@@ -33,6 +33,8 @@ from pagoda_daemon.server.protocol import (
     FunctionName,
     Identifier,
     JsonSchemaFormat,
+    refuse_renamed,
+    validate_at,
     validation_error,
 )
 
@@ -45,7 +47,7 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
 # Chat fields with a Responses name of their own: a 400 that names the one to use
-CHAT_ONLY = {
+CHAT_ONLY: dict[str, str | None] = {
     "messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format", "reasoning_effort": "reasoning.effort",
     "logprobs": 'include ["message.output_text.logprobs"]', "n": None, "echo": None,
@@ -182,10 +184,7 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="after")
     def _check(self):
         extra = self.model_extra or {}
-        for name, use in CHAT_ONLY.items():
-            if name in extra:
-                hint = f"; use {use}" if use else ""
-                raise bad_request(f"'{name}' is a chat completions field, not a Responses one{hint}", param=name)
+        refuse_renamed(extra, CHAT_ONLY, "the Responses API (it is the chat endpoint's)")
         if self.previous_response_id is not None:
             raise bad_request(f"previous response '{self.previous_response_id}' not found: this server stores no "
                               "responses (send the conversation in input)", param="previous_response_id",
@@ -214,7 +213,7 @@ class ResponsesRequest(BaseModel):
                 raise bad_request(f"tools.{index}: tools of type {str(kind)[:40]!r} are not served: this server "
                                   "runs no tools itself and serves function tools", param=f"tools.{index}.type",
                                   code="unsupported_parameter")
-            tools.append(_validate(FunctionTool, tool, f"tools.{index}"))
+            tools.append(validate_at(FunctionTool, tool, f"tools.{index}"))
         return tools
 
     def chat_tool_choice(self) -> str | dict[str, Any] | None:
@@ -224,7 +223,7 @@ class ResponsesRequest(BaseModel):
         if choice.get("type") != "function":
             raise bad_request(f"tool_choice of type {str(choice.get('type'))[:40]!r} is not served (function tools "
                               "only)", param="tool_choice.type", code="unsupported_parameter")
-        named = _validate(NamedFunctionChoice, choice, "tool_choice")
+        named = validate_at(NamedFunctionChoice, choice, "tool_choice")
         return {"type": "function", "function": {"name": named.name}}
 
     def messages(self) -> list[dict[str, Any]]:
@@ -243,7 +242,7 @@ class ResponsesRequest(BaseModel):
                 raise bad_request(f"input.{index}: items of type {str(kind)[:40]!r} are not served (message, "
                                   "function_call, function_call_output and reasoning are)",
                                   param=f"input.{index}.type", code="unsupported_parameter")
-            item = _validate(model, raw, f"input.{index}")
+            item = validate_at(model, raw, f"input.{index}")
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": _text(item.content, f"input.{index}.content")})
             elif isinstance(item, FunctionCallItem):
@@ -291,16 +290,6 @@ class ResponsesRequest(BaseModel):
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise validation_error(e.errors()) from e
-
-
-def _validate(model: type[BaseModel], value: dict[str, Any], where: str) -> Any:
-    """One item checked against its model; errors name their place in the request."""
-    try:
-        return model.model_validate(value)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in (where, *err.get("loc", ())))
-        raise bad_request(f"{loc}: {err.get('msg')}", param=loc) from e
 
 
 def _text(content: str | list[ContentPart], where: str) -> str:
