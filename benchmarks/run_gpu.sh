@@ -8,7 +8,7 @@
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|kv-load-bandwidth|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               prefill-profile|kernels-prefill|kernels-moe|
-#                                               all-reduce|dp|eplb] ...
+#                                               all-reduce|dp|eplb|api-compat] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -604,6 +604,45 @@ if has serve-sweep; then
     measure vllm 18001 /health $!
   fi
   tar czf "$OUT/sweep-points.tgz" -C "$OUT" sweep  # the points lie deeper than the device tool brings back
+fi
+if has api-compat; then
+  # The Responses and Anthropic Messages APIs: the same requests to `pagoda serve` and then `vllm serve`
+  # (0.26.0) on the Qwen3-0.6B shape (random weights, the word-level tokenizer with a small chat
+  # template), each answer's status and JSON shape or streamed event order side by side
+  # (benchmarks/api_compat.py). Needs the vLLM kit as for `vllm` (a `vllm-stash` call first), with
+  # .vllm_b/sowhl (lm-format-enforcer, interegular) for vLLM's tool requests, and xgrammar in .whl.
+  step "API shapes: /v1/responses and /v1/messages from pagoda serve, then vllm serve"
+  unpack_vllm || status=1
+  if [ -d .vllm_b/sowhl ] && [ ! -d /tmp/vsite/lmformatenforcer ]; then  # vLLM checks tool schemas with it
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite .vllm_b/sowhl/*.whl 2>&1 | grep -v -i warn
+  fi
+  q06_model
+  cat > $M/chat_template.jinja <<'TEMPLATE'
+{%- if tools %}<|tools|>{{ tools | tojson }}
+{% endif %}{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] if m['content'] is string else '' }}
+{%- for c in m.get('tool_calls') or [] %}<call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</call>{% endfor %}
+{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}
+TEMPLATE
+  rm -f "$OUT/api-compat.json"
+  # (xgrammar from .whl: the tools and JSON-schema requests need a grammar backend; hermes: tool_choice auto)
+  python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 4096 --port 18000 --served-model-name m \
+    --device cuda --dtype bfloat16 --seed 0 --structured-outputs-backend xgrammar --tool-call-parser hermes \
+    > "$OUT/pagoda-serve.log" 2>&1 &
+  pid=$!
+  if wait_ready 18000 /ready $pid; then
+    python3 -m benchmarks.api_compat --server pagoda=http://127.0.0.1:18000 --model m --out "$OUT/api-compat.json" || status=1
+  else status=1; tail -20 "$OUT/pagoda-serve.log"; fi
+  kill -TERM $pid; wait $pid
+  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
+    PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server \
+    --model $M --load-format dummy --max-model-len 4096 --port 18001 --served-model-name m \
+    --generation-config vllm --seed 0 --enable-auto-tool-choice --tool-call-parser hermes > "$OUT/vllm-serve.log" 2>&1 &
+  pid=$!
+  if wait_ready 18001 /health $pid; then
+    python3 -m benchmarks.api_compat --server vllm=http://127.0.0.1:18001 --model m --out "$OUT/api-compat.json" \
+      | tee "$OUT/api-compat.txt" || status=1
+  else status=1; tail -20 "$OUT/vllm-serve.log"; fi
+  kill -TERM $pid; wait $pid
 fi
 if has eplb; then
   # Issue #17: what EPLB costs at EP = 2 (2+ GPUs), Qwen3-30B-A3B shape, the nano-vllm workload, one

@@ -385,9 +385,11 @@ class Scheduler:
             token = sampled[req.request_id]
             if req.grammar is not None and not req.grammar.accept(token):
                 # The mask left nothing to sample (the constraint meets allowed_token_ids, bad_words or
-                # min_tokens with no token in common): the sampled token is noise and is dropped.
-                self._fail(req, "the output constraint left no token to sample together with this request's "
-                                "allowed_token_ids, bad_words or min_tokens", report=False)
+                # min_tokens with no token in common, or no token of the vocabulary spells what it
+                # needs next): the sampled token is noise and is dropped.
+                self._fail(req, "the output constraint left no token to sample: no token of the vocabulary "
+                                "continues it, or none together with this request's allowed_token_ids, bad_words "
+                                "or min_tokens", report=False)
                 finished.append(req)
                 continue
             # A request preempted while this step ran keeps its token: it is a real output.

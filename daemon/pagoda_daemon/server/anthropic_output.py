@@ -32,8 +32,8 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 
 def anthropic_error(error: APIError) -> JSONResponse:
     """An API error as Anthropic's API answers it (its status kept, the field named in the message)."""
-    message = error.message if error.param is None or error.param in error.message else \
-        f"{error.param}: {error.message}"
+    named = error.param is None or error.param.split(".")[0] in error.message
+    message = error.message if named else f"{error.param}: {error.message}"
     return JSONResponse(anthropic_error_body(error.status, message), status_code=error.status, headers=error.headers)
 
 
