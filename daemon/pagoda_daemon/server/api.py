@@ -213,6 +213,8 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
                        param="response_id", code="not_found")
 
     async def _serve_chat(raw: Request, req: ChatCompletionRequest, reply_format: ReplyFormat | None = None):
+        """The chat path: the chat endpoint's, and the Responses and Messages endpoints' as the chat
+        request theirs amounts to (their reply written by `reply_format`)."""
         constraint = req.constraint()
         params = req.sampling_params(constraint=constraint)
         _check_batch_fits(client, settings, params.n)
