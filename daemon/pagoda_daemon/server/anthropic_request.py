@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagoda_daemon.sampling_params import INT64_MAX, MAX_STOP_STRINGS
 from pagoda_daemon.server.errors import bad_request
@@ -35,7 +35,6 @@ from pagoda_daemon.server.protocol import (
     StopString,
     refuse_renamed,
     validate_at,
-    validation_error,
 )
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
@@ -259,10 +258,7 @@ class MessagesRequest(BaseModel):
                     "name": "output", "schema": self.output_config.format.json_schema}}
         if self.metadata is not None and self.metadata.user_id is not None:
             body.setdefault("user", self.metadata.user_id)
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from e
+        return validate_at(ChatCompletionRequest, body)
 
 
 class CountTokensRequest(MessagesRequest):

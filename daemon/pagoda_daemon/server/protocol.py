@@ -150,10 +150,7 @@ def _reject_lone_surrogates(body: dict) -> None:
 
 def parse_request(model: Any, data: bytes):
     """Parse and validate a request body (CPU work: the API runs it off the event loop)."""
-    try:
-        return model.model_validate(parse_body(data))
-    except ValidationError as e:
-        raise validation_error(e.errors()) from e
+    return validate_at(model, parse_body(data))
 
 
 def refuse_renamed(extra: dict[str, Any], renamed: dict[str, str | None], api: str) -> None:
@@ -164,17 +161,13 @@ def refuse_renamed(extra: dict[str, Any], renamed: dict[str, str | None], api: s
             raise bad_request(f"'{name}' is not a field of {api}{hint}", param=name)
 
 
-def validate_at(model: Any, value: Any, where: str) -> Any:
-    """One part of a request (an item, a block) checked against its model; errors name their place."""
+def validate_at(model: Any, value: Any, where: str = "") -> Any:
+    """A request, or a part of one (an item, a block) at `where`, checked against its model; a
+    400 names the failing field's place in the request."""
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        err = e.errors()[0]
-        ctx_error = (err.get("ctx") or {}).get("error")
-        if isinstance(ctx_error, APIError):
-            raise ctx_error from e
-        loc = ".".join(str(x) for x in (where, *err.get("loc", ())))
-        raise bad_request(f"{loc}: {err.get('msg')}", param=loc) from e
+        raise validation_error(e.errors(), where) from e
 
 
 def _is_union_tag(part: object) -> bool:
@@ -182,13 +175,15 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (not part.isidentifier() or part in ("str", "int", "float", "bool"))
 
 
-def validation_error(errors) -> APIError:
-    """The first pydantic error as an OpenAI 400 whose param is the field's dotted path."""
+def validation_error(errors, where: str = "") -> APIError:
+    """The first pydantic error as an OpenAI 400 whose param is the field's dotted path (below
+    `where`, the place in the request of the part that was checked)."""
     err = errors[0]
     ctx_error = (err.get("ctx") or {}).get("error")
     if isinstance(ctx_error, APIError):
         return ctx_error
-    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
+    loc = [where] if where else []
+    loc += [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
     param = ".".join(loc) or None
     return bad_request(f"{param or 'body'}: {err.get('msg')}", param=param)
 

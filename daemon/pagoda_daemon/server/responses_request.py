@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagoda_daemon.sampling_params import INT64_MAX, MAX_LOGPROBS
 from pagoda_daemon.server.errors import bad_request
@@ -35,7 +35,6 @@ from pagoda_daemon.server.protocol import (
     JsonSchemaFormat,
     refuse_renamed,
     validate_at,
-    validation_error,
 )
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True)
@@ -286,10 +285,7 @@ class ResponsesRequest(BaseModel):
                 "type": "json_schema", "json_schema": fmt.model_dump(exclude={"type"}, exclude_none=True, by_alias=True)}
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from e
+        return validate_at(ChatCompletionRequest, body)
 
 
 def _text(content: str | list[ContentPart], where: str) -> str:
