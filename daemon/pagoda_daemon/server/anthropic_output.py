@@ -13,14 +13,14 @@ prefix cache), as Anthropic's API and vLLM's server count them. Errors are Anthr
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from pagoda_daemon.server.anthropic_request import MessagesRequest
 from pagoda_daemon.server.errors import APIError
-from pagoda_daemon.server.reply_format import ChatServed, ChunkReader
+from pagoda_daemon.server.reply_format import ChatServed, ChunkReader, aborted_message, cached_tokens
+from pagoda_daemon.server.tool_parsers import decode_json
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -39,13 +39,13 @@ def anthropic_error(error: APIError) -> JSONResponse:
 
 def aborted(stop_reason: Any) -> APIError:
     """The engine stopped the generation: the request's output constraint left no token to sample."""
-    return APIError(f"the generation was aborted: {stop_reason or 'no reason given'}", 400)
+    return APIError(aborted_message(stop_reason), 400)
 
 
 def message_usage(chat_usage: dict[str, Any] | None) -> dict[str, int]:
     if chat_usage is None:
         return {"input_tokens": 0, "output_tokens": 0}
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    cached = cached_tokens(chat_usage)
     return {"input_tokens": chat_usage["prompt_tokens"] - cached, "output_tokens": chat_usage["completion_tokens"],
             "cache_read_input_tokens": cached}
 
@@ -62,11 +62,9 @@ def stop_of(finish_reason: str | None, stop_reason: Any, called: bool) -> tuple[
 
 
 def call_input(arguments: str) -> dict[str, Any] | None:
-    """A call's arguments as the object a tool_use block holds (None: not a whole object)."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return None
+    """A call's arguments as the object a tool_use block holds (None: not a whole object, or
+    nested past what the decoder takes)."""
+    value = decode_json(arguments)
     return value if isinstance(value, dict) else None
 
 

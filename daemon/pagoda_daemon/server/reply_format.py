@@ -88,6 +88,16 @@ class ChunkReader:
         raise NotImplementedError
 
 
+def cached_tokens(chat_usage: dict[str, Any]) -> int:
+    """The prompt tokens a chat usage says were read from the prefix cache."""
+    return (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def aborted_message(stop_reason: Any) -> str:
+    """Why the engine stopped a generation (its output constraint left no token to sample)."""
+    return f"the generation was aborted: {stop_reason or 'no reason given'}"
+
+
 def sse_event(event: dict[str, Any]) -> str:
     """One event as OpenAI's and Anthropic's streams send it: its type as the SSE event name, then the JSON."""
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"

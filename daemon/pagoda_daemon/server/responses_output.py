@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda_daemon.server.protocol import ChatCompletionRequest
-from pagoda_daemon.server.reply_format import ChatServed, ChunkReader
+from pagoda_daemon.server.reply_format import ChatServed, ChunkReader, aborted_message, cached_tokens
 from pagoda_daemon.server.responses_request import ResponsesRequest
 
 
@@ -31,7 +31,7 @@ def response_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     """Chat usage in the Responses names."""
     if chat_usage is None:
         return None
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    cached = cached_tokens(chat_usage)
     reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat_usage["completion_tokens"],
@@ -52,7 +52,7 @@ def failure(status: str, stop_reason: Any) -> dict[str, str] | None:
     """A failed response's error (its codes are OpenAI's list: the reason goes in the message)."""
     if status != "failed":
         return None
-    return {"code": "server_error", "message": f"the generation was aborted: {stop_reason or 'no reason given'}"}
+    return {"code": "server_error", "message": aborted_message(stop_reason)}
 
 
 @dataclass
