@@ -83,7 +83,7 @@ class ResponseHeader:
             "reasoning": reasoning, "store": False,
             "temperature": 1.0 if chat.temperature is None else chat.temperature, "text": text,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": [tool.model_dump(exclude_none=True) for tool in req.function_tools()],
+            "tools": [tool.model_dump(exclude_none=True) for tool in req.function_tools],
             "top_logprobs": req.top_logprobs or 0, "top_p": 1.0 if chat.top_p is None else chat.top_p,
             "truncation": req.truncation or "disabled", "usage": usage, "user": chat.user,
             "metadata": req.metadata or {},

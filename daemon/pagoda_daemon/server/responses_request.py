@@ -18,6 +18,7 @@ itself.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -204,7 +205,9 @@ class ResponsesRequest(BaseModel):
         """Logprobs of the output text, when `include` asks for them (top_logprobs alone does not)."""
         return OUTPUT_LOGPROBS in (self.include or ())
 
+    @cached_property
     def function_tools(self) -> list[FunctionTool]:
+        """The tools, checked once (the chat request and every response object of a stream show them)."""
         tools = []
         for index, tool in enumerate(self.tools or []):
             kind = tool.get("type")
@@ -267,7 +270,7 @@ class ResponsesRequest(BaseModel):
                     parallel_tool_calls=self.parallel_tool_calls)
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # the final event carries the usage
-        tools = self.function_tools()
+        tools = self.function_tools
         if tools:
             body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                              for tool in tools]
