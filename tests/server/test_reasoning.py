@@ -214,3 +214,39 @@ def test_thinking_tokens_are_counted_up_to_the_one_that_closes_it(tiny_models, s
     assert thinking_tokens(tokenizer, ids, close_id) == len(head)
     assert thinking_tokens(tokenizer, head[:-1], close_id) == len(head) - 1  # not closed yet: every token
     assert thinking_tokens(tokenizer, [], close_id) == 0
+
+
+@pytest.mark.parametrize("single_token", [True, False])
+def test_a_streamed_reply_counts_the_thinking_tokens_the_whole_one_does(tiny_models, single_token):
+    """ChatBuilder's count, fed the reply's tokens in random pieces, equals its count of the whole reply."""
+    from transformers import AutoTokenizer
+
+    from pagoda_daemon.outputs import CompletionOutput, RequestOutput
+    from pagoda_daemon.server.chat_reply import ReplyShape
+    from pagoda_daemon.server.responses import ChatBuilder, ResponseOptions
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    if single_token:
+        tokenizer.add_tokens(["</think>"])
+    rng = random.Random()
+    thought = " ".join(rng.choice(["plan", "2+2", "東京", "so"]) for _ in range(rng.randint(1, 12)))
+    ids = tokenizer.encode(f"<think>\n{thought}\n</think>\n\nIt is 4.", add_special_tokens=False)
+    options = ResponseOptions("chatcmpl-x", 0, "m", 1, None, reply=ReplyShape(reasoning=reasoning_parser_for("qwen3")))
+
+    def output(token_ids: list[int], finish: str | None) -> RequestOutput:
+        text = tokenizer.decode(token_ids)
+        return RequestOutput("r", None, [1], [CompletionOutput(0, text, token_ids, finish)], finished=bool(finish))
+
+    whole = ChatBuilder(options, tokenizer, [(None, [1])]).full({0: output(ids, "stop")})
+    streamed = ChatBuilder(options, tokenizer, [(None, [1])])
+    start = 0
+    while start < len(ids):
+        end = min(len(ids), start + rng.randint(1, 3))
+        piece = output(ids[start:end], "stop" if end == len(ids) else None)
+        if start == 0:
+            streamed.first_chunks(0, piece)
+        streamed.deltas(0, piece)
+        start = end
+    count = whole["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert streamed.usage_chunk()["usage"]["completion_tokens_details"]["reasoning_tokens"] == count
+    assert 0 < count < len(ids)

@@ -12,6 +12,7 @@ that never thinks is content exactly as generated.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,6 +22,14 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 
+@functools.lru_cache(maxsize=8)
+def single_token_id(tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer spells it as one token, else None (asked for every
+    reasoning request with the server's one tokenizer: cached)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
 def constraint_start(tokenizer, prompt_token_ids: list[int]) -> int | None:
     """The token a structured-output constraint should start after when a reasoning parser is on:
     the id of `</think>`, so that the model thinks freely and its answer is constrained (vLLM's
@@ -28,12 +37,10 @@ def constraint_start(tokenizer, prompt_token_ids: list[int]) -> int | None:
     token, when the tokenizer has no single `</think>` token or when the prompt has already closed
     the thinking (its last think tag is `</think>`, as Qwen3's template writes with
     enable_thinking false)."""
-    ids = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
-    opens = tokenizer.encode(THINK_OPEN, add_special_tokens=False)
-    if len(ids) != 1:
+    close = single_token_id(tokenizer, THINK_CLOSE)
+    if close is None:
         return None
-    close = ids[0]
-    open_ = opens[0] if len(opens) == 1 else None
+    open_ = single_token_id(tokenizer, THINK_OPEN)
     for token in reversed(prompt_token_ids):
         if token == close:
             return None

@@ -17,7 +17,7 @@ from typing import Any
 
 from pagoda_daemon.outputs import Logprobs, RequestOutput
 from pagoda_daemon.server.chat_reply import ReplyShape, ReplyStreamer, message_fields
-from pagoda_daemon.server.reasoning import THINK_CLOSE
+from pagoda_daemon.server.reasoning import THINK_CLOSE, single_token_id
 
 Prompt = tuple[str | None, list[int]]  # (prompt text or None, token ids)
 
@@ -71,8 +71,9 @@ class _Choice:
     cached_tokens: int = 0
     reply: ReplyStreamer | None = None  # chat replies that are not plain content
     thinks: bool = False  # some reasoning was sent
-    thinking_ids: list[int] = field(default_factory=list)  # generated so far, while the thinking lasts
-    thinking_text: str = ""
+    thought: int = 0  # tokens generated while the thinking lasts
+    thought_ids: list[int] = field(default_factory=list)  # those tokens, when `</think>` is not one token
+    thought_tail: str = ""  # the text's last characters, where a `</think>` split across outputs begins
     thinking_tokens: int | None = None  # once the thinking has closed: its tokens, the closing one included
 
 
@@ -270,10 +271,8 @@ class ChatBuilder(CompletionBuilder):
 
     def __init__(self, options: ResponseOptions, tokenizer, prompts: list[Prompt]) -> None:
         super().__init__(options, tokenizer, prompts)
-        self.close_id: int | None = None  # the token that ends the thinking, with a reasoning parser
-        if options.reply.reasoning is not None:
-            ids = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
-            self.close_id = ids[0] if len(ids) == 1 else None
+        # the token that ends the thinking, with a reasoning parser (None: spelled in pieces)
+        self.close_id = None if options.reply.reasoning is None else single_token_id(tokenizer, THINK_CLOSE)
 
     def _with_reasoning_tokens(self, body: dict[str, Any], count: int) -> dict[str, Any]:
         if self.o.reply.reasoning is not None:
@@ -308,11 +307,12 @@ class ChatBuilder(CompletionBuilder):
     def full(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         body = super().full(finals)
         body["object"] = "chat.completion"
-        if self.o.reply.reasoning is not None:
+        parser = self.o.reply.reasoning
+        if parser is not None:  # (the reasoning split alone: `whole` would parse tool calls again)
             outputs = [out.outputs[0] for out in finals.values()]
             self._with_reasoning_tokens(body, sum(
                 thinking_tokens(self.tokenizer, c.token_ids, self.close_id)
-                for c in outputs if self.o.reply.whole(c.text).reasoning is not None))
+                for c in outputs if parser.split(c.text).reasoning is not None))
         if self.o.prompt_logprobs:  # vLLM puts the (one) prompt's on the response
             body["prompt_logprobs"] = self._prompt_logprobs_field(finals[min(finals)])
         return body
@@ -360,18 +360,28 @@ class ChatBuilder(CompletionBuilder):
         return chunks
 
     def _count_thinking(self, state: _Choice, token_ids: Sequence[int], text: str) -> None:
-        """Keeps a streamed choice's tokens until its thinking closes, then counts them once."""
+        """Counts a streamed choice's tokens until its thinking closes: by the closing token when
+        `</think>` is one, else by looking for the tag where this output's text meets the last's
+        (then the kept tokens say which completed it)."""
         if self.o.reply.reasoning is None or state.thinking_tokens is not None:
             return
-        state.thinking_ids += token_ids
-        state.thinking_text += text
-        if THINK_CLOSE in state.thinking_text:
-            state.thinking_tokens = thinking_tokens(self.tokenizer, state.thinking_ids, self.close_id)
-            state.thinking_ids, state.thinking_text = [], ""
+        if self.close_id is not None:
+            state.thought += thinking_tokens(self.tokenizer, token_ids, self.close_id)
+            if self.close_id in token_ids:
+                state.thinking_tokens = state.thought
+            return
+        state.thought += len(token_ids)
+        state.thought_ids += token_ids
+        window = state.thought_tail + text
+        if THINK_CLOSE in window:
+            state.thinking_tokens = thinking_tokens(self.tokenizer, state.thought_ids, None)
+            state.thought_ids = []
+        else:
+            state.thought_tail = window[-(len(THINK_CLOSE) - 1):]
 
     def usage_chunk(self) -> dict[str, Any]:
         chunk = super().usage_chunk()
-        count = sum(len(s.thinking_ids) if s.thinking_tokens is None else s.thinking_tokens
+        count = sum(s.thought if s.thinking_tokens is None else s.thinking_tokens
                     for s in self.choices.values() if s.thinks)
         return self._with_reasoning_tokens(chunk, count)
 
