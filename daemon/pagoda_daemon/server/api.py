@@ -199,9 +199,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
             req = (await parse(CountTokensRequest, raw)).to_chat()
             _check_model(req.model, settings)
             _ensure_ready(client)
-            text = await asyncio.to_thread(render_chat, client.tokenizer, req)
-            ids = await asyncio.to_thread(client.tokenizer.encode, text, add_special_tokens=req.add_special_tokens)
-            return {"input_tokens": len(ids)}
+            return {"input_tokens": len(await asyncio.to_thread(tokens.prompt_ids, client.tokenizer, req))}
         except APIError as e:
             return anthropic_error(e)
 

@@ -13,6 +13,7 @@ from pagoda_daemon.server.chat_template import render_chat
 from pagoda_daemon.server.engine_client import EngineClient
 from pagoda_daemon.server.errors import APIError, bad_request
 from pagoda_daemon.server.protocol import (
+    ChatTemplateFields,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -27,10 +28,15 @@ def _check_model(name: str | None, served: str) -> None:
                        code="model_not_found")
 
 
+def prompt_ids(tokenizer, req: TokenizeCompletionRequest | ChatTemplateFields) -> list[int]:
+    """A prompt's token ids, a conversation's through the chat template (/tokenize, Anthropic's count_tokens)."""
+    text = req.prompt if isinstance(req, TokenizeCompletionRequest) else render_chat(tokenizer, req)
+    return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+
 def tokenize(client: EngineClient, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
     tokenizer = client.tokenizer
-    text = req.prompt if isinstance(req, TokenizeCompletionRequest) else render_chat(tokenizer, req)
-    ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    ids = prompt_ids(tokenizer, req)
     info = client.ready_info
     return {"count": len(ids), "max_model_len": info.max_model_len if info is not None else None, "tokens": ids,
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
