@@ -92,9 +92,10 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="session")
-def server(tiny_models, tmp_path_factory):
-    srv = ServerProcess(tiny_models["llama"], "--max-model-len", "512", log_dir=tmp_path_factory.mktemp("logs"))
+@contextlib.contextmanager
+def running(model: str, *extra: str, log_dir: Path, served_name: str = MODEL_NAME) -> Iterator[ServerProcess]:
+    """A server of `model`, ready; stopped on exit."""
+    srv = ServerProcess(model, *extra, log_dir=log_dir, served_name=served_name)
     try:
         srv.wait_ready()
         yield srv
@@ -102,19 +103,22 @@ def server(tiny_models, tmp_path_factory):
         srv.stop()
 
 
+@pytest.fixture(scope="session")
+def server(tiny_models, tmp_path_factory):
+    with running(tiny_models["llama"], "--max-model-len", "512", log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
+
+
 REASONING_MODEL_NAME = "tiny-qwen3"
+REASONING_SERVER_ARGS = ("--max-model-len", "1024", "--reasoning-parser", "qwen3")
 
 
 @pytest.fixture(scope="module")
 def reasoning_server(tiny_models, tmp_path_factory):
     """The tiny Qwen3 with `--reasoning-parser qwen3`: <think> reasoning, hermes tool calls."""
-    srv = ServerProcess(tiny_models["qwen3"], "--max-model-len", "1024", "--reasoning-parser", "qwen3",
-                        log_dir=tmp_path_factory.mktemp("logs"), served_name=REASONING_MODEL_NAME)
-    try:
-        srv.wait_ready()
+    with running(tiny_models["qwen3"], *REASONING_SERVER_ARGS, log_dir=tmp_path_factory.mktemp("logs"),
+                 served_name=REASONING_MODEL_NAME) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")

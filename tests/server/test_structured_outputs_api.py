@@ -20,9 +20,9 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import REASONING_MODEL_NAME, REASONING_SERVER_ARGS, ServerProcess, running
 
-NAME = "tiny-qwen3"
+NAME = REASONING_MODEL_NAME
 WEATHER = {
     "type": "function",
     "function": {
@@ -42,14 +42,9 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
 
 @pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
 def server(tiny_models, tmp_path_factory, request):
-    srv = ServerProcess(tiny_models["qwen3"], "--max-model-len", "1024", "--reasoning-parser", "qwen3",
-                        "--structured-outputs-backend", request.param,
-                        log_dir=tmp_path_factory.mktemp("logs"), served_name=NAME)
-    try:
-        srv.wait_ready()
+    with running(tiny_models["qwen3"], *REASONING_SERVER_ARGS, "--structured-outputs-backend", request.param,
+                 log_dir=tmp_path_factory.mktemp("logs"), served_name=NAME) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
