@@ -175,6 +175,15 @@ class EngineConfig:
     kv_transfer_host: str | None = option(
         None, "with kv_transfer_port: the address decode instances reach this instance at, which its answers name "
         "in their signed x-pagoda-kv-source header (default: this host's address)")
+    enable_lora: bool = option(False, "serve LoRA adapters beside the base model; a request names one as its model")
+    max_loras: int = option(
+        1, "with enable_lora: adapters one step may use, each in a GPU slot (every slot's product is computed for "
+        "every token: docs/lora.md)", minimum=1, maximum=64)
+    max_lora_rank: int = option(16, "with enable_lora: the largest adapter rank served (the slots' width)",
+                                minimum=1, maximum=512)
+    lora_modules: str | None = option(
+        None, "with enable_lora: adapters served from the start, each NAME=PATH (a PEFT adapter directory) or "
+        'JSON {"name": NAME, "path": PATH}; several values, one per adapter', many=True)
 
     @property
     def kv_offload_host_gib(self) -> float:
@@ -233,6 +242,11 @@ class EngineConfig:
             raise ValueError("eplb_async_steps needs enable_eplb")
         if self.elastic_ep or self.elastic_ep_min_size:
             self._check_elastic()
+        if not self.enable_lora and (self.lora_modules or self.max_loras != 1 or self.max_lora_rank != 16):
+            raise ValueError("lora_modules, max_loras and max_lora_rank need enable_lora")
+        if self.enable_lora and self.elastic_ep:
+            raise ValueError("enable_lora does not combine with elastic expert parallelism: a joining rank would "
+                             "start without the adapters the others hold")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

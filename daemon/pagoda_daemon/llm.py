@@ -10,6 +10,7 @@ from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.input_processor import PromptType
 from pagoda_daemon.engine.llm_engine import LLMEngine
 from pagoda_daemon.engine.messages import EngineStats
+from pagoda_daemon.lora.request import LoRARequest
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SamplingParams
 
@@ -29,16 +30,29 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def lora(self, name: str, path: str) -> LoRARequest:
+        """A PEFT adapter directory, read and checked against this model (ValueError naming what
+        is wrong), for ``generate(..., lora_request=...)``; needs ``enable_lora=True``."""
+        from pagoda_daemon.lora.adapter import read_adapter
+        from pagoda_daemon.lora.names import check_name
+
+        config = self.engine.config
+        if not config.enable_lora:
+            raise ValueError("serving adapters needs enable_lora=True")
+        return read_adapter(check_name(name), path, self.engine.model_config, config.max_lora_rank).request()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
         `priority` (one per prompt, as vLLM's LLM takes it) sets each request's
-        SamplingParams.priority; it needs scheduling_policy="priority". All prompts are
+        SamplingParams.priority; it needs scheduling_policy="priority". `lora_request` (one for
+        all, or one per prompt; from `lora()`) runs prompts under an adapter. All prompts are
         validated before any is queued, so a bad one raises ValueError and nothing is left
         half-submitted.
         """
@@ -60,10 +74,17 @@ class LLM:
             params = [dataclasses.replace(p, priority=level) for p, level in zip(params, priority)]
         if any(p.n != 1 for p in params):
             raise ValueError("LLM.generate supports n=1 per prompt; repeat the prompt for more samples")
+        loras = (list(lora_request) if isinstance(lora_request, Sequence) and not isinstance(lora_request, LoRARequest)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
+        if any(lora is not None for lora in loras) and not self.engine.config.enable_lora:
+            raise ValueError("lora_request needs enable_lora=True")
         processed = [self.engine.input_processor.process(prompt, p) for prompt, p in zip(prompts, params)]
 
-        ids = [self.engine.add_processed_request(text, token_ids, p, output_kind=RequestOutputKind.FINAL_ONLY)
-               for (text, token_ids), p in zip(processed, params)]
+        ids = [self.engine.add_processed_request(text, token_ids, p, output_kind=RequestOutputKind.FINAL_ONLY,
+                                                 lora=lora)
+               for (text, token_ids), p, lora in zip(processed, params, loras)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             if not self.engine.has_unfinished_requests():

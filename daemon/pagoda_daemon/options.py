@@ -37,13 +37,14 @@ class OptionInfo:
     maximum: float | None = None
     cli: bool = True  # False: set by the program, not a flag (the model path, derived options)
     needs: str | None = None  # a capability that any value other than the default needs
+    many: bool = False  # a string flag that takes several values (and may repeat): one line each
 
 
 def option(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, minimum: float | None = None,
            exclusive_minimum: bool = False, maximum: float | None = None, cli: bool = True,
-           needs: str | None = None) -> Any:
+           needs: str | None = None, many: bool = False) -> Any:
     """A dataclass field that is also a declared option."""
-    info = OptionInfo(help, choices, minimum, exclusive_minimum, maximum, cli, needs)
+    info = OptionInfo(help, choices, minimum, exclusive_minimum, maximum, cli, needs, many)
     return dataclasses.field(default=default, metadata={_KEY: info})
 
 
@@ -93,9 +94,20 @@ def add_cli_args(group: argparse._ActionsContainer, cls: type) -> None:
         if d.type is bool:
             group.add_argument(d.flag, action=argparse.BooleanOptionalAction, default=d.default,
                                help=d.info.help + shown)
+        elif d.info.many:
+            group.add_argument(d.flag, nargs="+", action=_JoinLines, default=d.default, help=d.info.help + shown)
         else:
             group.add_argument(d.flag, type=_parser_for(d), default=d.default, choices=d.info.choices,
                                help=d.info.help + shown)
+
+
+class _JoinLines(argparse.Action):
+    """``--flag A B --flag C``: the string "A\\nB\\nC" (one line per value, as in a config file)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        lines = ([earlier] if earlier and earlier != self.default else []) + list(values or [])
+        setattr(namespace, self.dest, "\n".join(lines))
 
 
 def _parser_for(d: Declared) -> Callable[[str], Any]:

@@ -117,6 +117,7 @@ class EngineCore:
                            _eos_ids(self.model_config), config.structured_outputs_backend),
             self.connector,
             config.scheduling_policy,
+            config.max_loras if config.enable_lora else 0,
         )
         self.elastic = (ElasticStats(config.expert_parallel_size, config.elastic_ep_min_size,
                                      config.elastic_ep_max_size) if config.elastic_ep else None)
@@ -401,6 +402,7 @@ class EngineCore:
             structured_outputs=None if self.scheduler.grammars is None else self.scheduler.grammars.make_stats(),
             kv_offload=self._offload_stats(),
             elastic=self._take_elastic_stats(),
+            lora=self.scheduler.lora_stats(),
         )
 
     def take_kv_events(self) -> list:

@@ -19,6 +19,7 @@ from pagoda_daemon.engine.input_processor import (
 from pagoda_daemon.engine.messages import EngineStats
 from pagoda_daemon.engine.output_processor import OutputProcessor
 from pagoda_daemon.engine.request import Request
+from pagoda_daemon.lora.request import LoRARequest
 from pagoda_daemon.models import loader
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SamplingParams
@@ -49,20 +50,22 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    lora: LoRARequest | None = None) -> str:
         """Validate and enqueue; raises ValueError on bad input without touching other requests."""
         text, token_ids = self.input_processor.process(prompt, params)
-        return self.add_processed_request(text, token_ids, params, request_id, cache_salt, output_kind)
+        return self.add_processed_request(text, token_ids, params, request_id, cache_salt, output_kind, lora)
 
     def add_processed_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
                               request_id: str | None = None, cache_salt: str | None = None,
-                              output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+                              output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                              lora: LoRARequest | None = None) -> str:
         """Enqueue a prompt that InputProcessor.process already accepted."""
         if params.n != 1:
             raise ValueError("n > 1 is served by fanning out into n requests; pass n=1 to the engine")
         rid = request_id if request_id is not None else str(next(self._ids))
         request = Request(rid, token_ids, params, self.eos_token_id, self.config.block_size,
-                          cache_salt_keys(cache_salt))
+                          cache_salt_keys(cache_salt), lora=lora)
         self.core.add_request(request)
         self.output_processor.add_request(rid, text, token_ids, params, output_kind)
         return rid

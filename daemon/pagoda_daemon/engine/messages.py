@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from pagoda_daemon.lora.request import LoRARequest
+
 # ---- frontend -> engine core ----------------------------------------------------------------
 
 
@@ -27,6 +29,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
     extra_keys: list[list[Any]]  # block-hash extra keys (cache_salt), as lists
     arrival_time: float
     kv_source: str | None = None  # the prefill instance holding the prompt's KV (kv_offload/transfer.py)
+    lora: LoRARequest | None = None  # the adapter it runs with (its digest is among extra_keys)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
@@ -190,6 +193,15 @@ class ElasticStats(msgspec.Struct, array_like=True, gc=False):
                                        bytes_moved=self.bytes_moved + later.bytes_moved)
 
 
+class LoRAStats(msgspec.Struct, array_like=True, gc=False):
+    """With LoRA on: the adapters (names) of the running and of the waiting requests, and the
+    slots; vLLM's vllm:lora_requests_info, which LoRA-aware routers read."""
+
+    max_loras: int
+    running: list[str] = msgspec.field(default_factory=list)
+    waiting: list[str] = msgspec.field(default_factory=list)
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     """Gauges (running, waiting, KV usage, blocks) and counters (steps, preemptions, prefix-cache
     tokens). From ``EngineCore.make_stats()`` the counters are those since the previous call;
@@ -208,6 +220,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     structured_outputs: StructuredOutputStats | None = None  # once a request asked for a grammar
     kv_offload: KVOffloadStats | None = None  # with KV offload on
     elastic: ElasticStats | None = None  # with elastic expert parallelism on
+    lora: LoRAStats | None = None  # with LoRA on (a gauge: the latest)
 
     def add_counters(self, later: EngineStats) -> EngineStats:
         """These counters plus a later snapshot's, with the later gauges (and the later
@@ -223,6 +236,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
             else self.structured_outputs.add(later.structured_outputs),
             later.kv_offload if self.kv_offload is None else self.kv_offload.add(later.kv_offload),
             later.elastic if self.elastic is None else self.elastic.add(later.elastic),
+            later.lora,
         )
 
     def with_gauges_of(self, engines: list[EngineStats]) -> EngineStats:

@@ -7,10 +7,12 @@ import time
 from typing import TYPE_CHECKING
 
 from pagoda_daemon.engine.block_hash import BlockHash, hash_block_tokens
+from pagoda_daemon.lora.request import lora_cache_keys
 from pagoda_daemon.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda_daemon.engine.grammar import RequestGrammar
+    from pagoda_daemon.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +45,7 @@ class Request:
         extra_keys: tuple = (),
         arrival_time: float | None = None,
         kv_source: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -50,11 +53,12 @@ class Request:
         self.eos_token_id = eos_token_id
         self.block_size = block_size
         # Part of every block hash, so a different adapter or salt never shares cache.
-        self.extra_keys = extra_keys
+        self.extra_keys = extra_keys + lora_cache_keys(lora)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # the prefill instance holding this prompt's KV (tcp://HOST:PORT, verified by the API:
         # kv_offload/transfer.py), when the decode instance fetches from the one each request names
         self.kv_source = kv_source
+        self.lora = lora  # the adapter it runs with (its digest is among extra_keys), or None: the base model
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

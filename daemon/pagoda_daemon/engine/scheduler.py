@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from pagoda_daemon.config import SCHEDULING_POLICIES
 from pagoda_daemon.engine.grammar import GrammarManager
 from pagoda_daemon.engine.kv_cache_manager import KVCacheManager
+from pagoda_daemon.engine.messages import LoRAStats
 from pagoda_daemon.engine.request import Request, RequestStatus
 from pagoda_daemon.engine.scheduler_output import (
     SAVES_FROM_GPU,
@@ -44,6 +45,7 @@ from pagoda_daemon.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagoda_daemon.lora.slots import SlotTable
 
 if TYPE_CHECKING:
     from pagoda_daemon.engine.block_hash import BlockHash
@@ -74,10 +76,15 @@ class Scheduler:
         grammars: GrammarManager | None = None,
         connector: OffloadConnector | None = None,
         policy: str = "fcfs",
+        max_loras: int = 0,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.by_priority = policy == "priority"
+        # LoRA: at most max_loras adapters among the running requests, hence in any step; each
+        # step's adapters are given GPU slots (0: adapters are refused)
+        self.max_loras = max_loras
+        self.lora_slots = SlotTable(max_loras) if max_loras else None
         self.kv_cache = kv_cache
         # KV offload's scheduler half (kv_offload/), or None: further prefix blocks come back
         # from host memory or disk, and full blocks are saved there (as the GPU cache evicts
@@ -105,6 +112,14 @@ class Scheduler:
         # finished by the scheduler itself (a grammar that failed to compile): the engine reports them
         self.failed: list[Request] = []
 
+    def lora_stats(self) -> LoRAStats | None:
+        """The adapters of the running and of the waiting requests (names, each once), with LoRA on."""
+        if self.lora_slots is None:
+            return None
+        def names(requests) -> list[str]:
+            return sorted({r.lora.name for r in requests if r.lora is not None})
+        return LoRAStats(self.max_loras, names(self.running), names(self.waiting))
+
     def make_stats(self) -> SchedulerStats:
         """Steps and preemptions since the previous call (get and reset)."""
         stats, self.stats = self.stats, SchedulerStats()
@@ -117,6 +132,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.sampling_params.priority != 0 and not self.by_priority:
             raise ValueError("a request priority other than 0 needs the priority scheduling policy")
+        if request.lora is not None and self.lora_slots is None:
+            raise ValueError(f"adapter {request.lora.name!r}: this engine serves no LoRA adapters (--enable-lora)")
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             if self.grammars is None:
@@ -193,6 +210,7 @@ class Scheduler:
         # still compiling, or whose prompt's KV is still arriving from another instance, keeps
         # its place and lets those behind it go first.
         held_back: deque[Request] = deque()
+        adapters = {r.lora.digest for r in self.running if r.lora is not None}
         prefetched_blocks: set[int] = set()  # GPU blocks this step's prefetches fill
         step_loaded_blocks = 0  # host-memory blocks this step loads for itself, beside its forward pass
         while self.waiting and budget > 0 and not out.preempted_request_ids:
@@ -204,6 +222,9 @@ class Scheduler:
                 continue
             if req.grammar is not None and req.grammar.error is not None:
                 self._fail(req, f"structured output could not be compiled: {req.grammar.error}")
+                continue
+            if req.lora is not None and req.lora.digest not in adapters and len(adapters) >= self.max_loras:
+                held_back.append(self.waiting.popleft())  # its adapter waits for a running one to finish
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(req)
             if prefetched_blocks and any(b.block_id in prefetched_blocks for b in computed_blocks):
@@ -257,6 +278,8 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
+            if req.lora is not None:
+                adapters.add(req.lora.digest)
             if self.by_priority:
                 bisect.insort(self.running, req, key=_urgency)
             else:
@@ -274,6 +297,10 @@ class Scheduler:
             out.kv_stages = self.connector.take_stages()  # read after the saves (which free their slots)
 
         out.samples_under_grammar = any(s.samples and s.request.grammar is not None for s in out.scheduled)
+        if self.lora_slots is not None:
+            loras = [s.request.lora for s in out.scheduled if s.request.lora is not None]
+            if loras:
+                out.lora_slots, out.lora_loads = self.lora_slots.assign(loras)
 
         out.num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.stats.num_steps += 1

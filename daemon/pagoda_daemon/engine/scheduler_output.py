@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
+from pagoda_daemon.lora.slots import SlotLoad
+
 if TYPE_CHECKING:
     from pagoda_daemon.engine.request import Request
 
@@ -103,6 +105,10 @@ class SchedulerOutput:
     eplb_layers_held: int | None = None
     # Data-parallel attention: the step every engine runs (None: this engine steps on its own)
     lockstep: StepAgreement | None = None
+    # LoRA (lora/slots.py): the GPU slot of each adapter the step uses (by digest), and the
+    # adapters to copy into their slots before the forward pass
+    lora_slots: dict[str, int] = field(default_factory=dict)
+    lora_loads: list[SlotLoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

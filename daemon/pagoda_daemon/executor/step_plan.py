@@ -22,6 +22,8 @@ from pagoda_daemon.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagoda_daemon.lora.request import LoRARequest
+from pagoda_daemon.lora.slots import SlotLoad
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -29,6 +31,7 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: dict[str, Any]
+    lora: LoRARequest | None = None
 
 
 class ScheduledDelta(msgspec.Struct, array_like=True, gc=False):
@@ -55,6 +58,8 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
     eplb_layers_held: int | None = None  # EPLB in the background: layers every rank has received
     kv_prefetch: list[KVTransfer] = []  # beside the forward pass, for the next step
     kv_stages: list[KVTransfer] = []  # disk -> host memory in the background, after the saves
+    lora_slots: dict[str, int] = {}  # LoRA: each adapter of the step's slot, and the loads before it
+    lora_loads: list[SlotLoad] = []
 
 
 class SampleTokens(msgspec.Struct, tag="sample", array_like=True, gc=False):
@@ -126,7 +131,8 @@ class PlanWriter:
             req = s.request
             rid = req.request_id
             if rid not in self._sent:
-                new_requests.append(NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params)))
+                new_requests.append(NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params),
+                                               req.lora))
                 self._sent[rid] = req.num_prompt_tokens
             appended = req.all_token_ids[self._sent[rid]:]
             self._sent[rid] = req.num_tokens
@@ -135,7 +141,7 @@ class PlanWriter:
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
                         sched.samples_under_grammar, list(sched.kv_loads), list(sched.kv_saves),
                         list(sched.kv_evicted), sched.eplb_layers_held, list(sched.kv_prefetch),
-                        list(sched.kv_stages))
+                        list(sched.kv_stages), dict(sched.lora_slots), list(sched.lora_loads))
 
     def rank_state(self, requests: dict[str, Request], runner, kv_block_ids: list[int]) -> RankState:
         """The requests the ranks know of, as a joining rank must know them: each with the
@@ -147,7 +153,7 @@ class PlanWriter:
                 continue
             blocks, generator = runner.request_state(rid)
             mirrored.append(MirroredRequest(
-                NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params)),
+                NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params), req.lora),
                 req.all_token_ids[req.num_prompt_tokens:sent], blocks, generator))
         return RankState(mirrored, runner.random_states(), kv_block_ids)
 
@@ -169,7 +175,7 @@ class RequestMirrors:
         for new in plan.new_requests:
             # no prefix-cache hashing here: only rank 0 schedules
             req = Request(new.request_id, new.prompt_token_ids, SamplingParams(**new.sampling_params), None,
-                          self.block_size)
+                          self.block_size, lora=new.lora)
             req.block_hashes.clear()
             self.requests[new.request_id] = req
         scheduled = []
@@ -182,7 +188,8 @@ class RequestMirrors:
                                plan.samples_under_grammar, kv_evicted=list(plan.kv_evicted),
                                kv_loads=list(plan.kv_loads), kv_saves=list(plan.kv_saves),
                                kv_prefetch=list(plan.kv_prefetch), kv_stages=list(plan.kv_stages),
-                               eplb_layers_held=plan.eplb_layers_held)
+                               eplb_layers_held=plan.eplb_layers_held, lora_slots=dict(plan.lora_slots),
+                               lora_loads=list(plan.lora_loads))
 
     def adopt(self, state: RankState, runner) -> None:
         """A joining rank: take over rank 0's requests and random state."""

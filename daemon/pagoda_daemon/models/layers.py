@@ -9,6 +9,7 @@ what the GPU path uses; the torch code stays as the CPU path and the reference.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,11 @@ class SiluAndMul(nn.Module):
 class Linear(nn.Module):
     """x @ W^T (+ b). With kernels, one 16-bit row on the GPU (batch-1 decode; the logits of one
     sequence) goes through `pagoda_kernels.gemv`, which streams the weights nearer the copy
-    rate than the split-K kernels cuBLAS picks at that shape (docs/kernels.md)."""
+    rate than the split-K kernels cuBLAS picks at that shape (docs/kernels.md). With LoRA
+    enabled, a decoder layer's projections carry adapter slots (``lora``, lora/layers.py) whose
+    per-token product is added to the output."""
+
+    lora: Any = None  # LoRASlots, set by lora.layers.LoRAModelManager
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, kernels: bool = False) -> None:
         super().__init__()
@@ -83,12 +88,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny(x):
             return self._gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.with_lora(F.linear(x, self.weight, self.bias), x)
+
+    def with_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (this projection of x) plus the adapters' product, where adapters are enabled."""
+        return out if self.lora is None else self.lora.add_delta(out, x)
 
     def skinny(self, x: torch.Tensor) -> bool:
         """The shape the kernel wins everywhere: at two rows it led on an H100 but not on an H200,
-        at four cuBLAS is faster (docs/benchmarks/2026-11-22-batch1-matmuls-and-final-figures-h100.md)."""
-        return (self._gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
+        at four cuBLAS is faster (docs/benchmarks/2026-11-22-batch1-matmuls-and-final-figures-h100.md).
+        Not with adapter slots: their product needs the input the fused activation never writes."""
+        return (self._gemv is not None and self.lora is None and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
                 and x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16)
                 and x.stride(-1) == 1)
 
@@ -151,7 +161,7 @@ class RowParallelLinear(Linear):
             out = torch.mm(x, self.weight.t(), out=target)
         else:
             out = F.linear(x, self.weight)
-        return self._unsummed(out)
+        return self._unsummed(self.with_lora(out, x))  # this rank's share of the delta, summed with it
 
     def partial_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | Unsummed:
         if not self.tp.enabled:

@@ -11,6 +11,7 @@ exposes them. All methods are thread-safe (prometheus_client locks per value).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,12 @@ class EngineMetrics:
         self._kv_usage = Gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r
         ).labels(model_name)
+        # vLLM's LoRA gauge, read by LoRA-aware routers: one series, its labels the adapters (comma-separated
+        # names) of the running and the waiting requests, its value the time of the latest stats
+        self._lora_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r,
+        )
 
         # Counters (declared without `_total`; prometheus_client appends it).
         self._prefix_queries = Counter(
@@ -354,6 +361,10 @@ class EngineMetrics:
         """The engine core's gauges, and its counters since its previous stats (added here)."""
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting)
+        if stats.lora is not None:
+            self._lora_info.clear()
+            self._lora_info.labels(str(stats.lora.max_loras), ",".join(stats.lora.running),
+                                   ",".join(stats.lora.waiting)).set(time.time())
         # the fraction (0..1) of blocks held by live requests
         self._kv_usage.set(min(max(stats.kv_cache_usage, 0.0), 1.0))
         if stats.prefix_cache.queries:

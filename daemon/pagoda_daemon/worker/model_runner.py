@@ -11,6 +11,7 @@ schedule the next step while this one runs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ import torch
 from pagoda_daemon.attention.backend import AttentionMetadata, KVCacheSpec
 from pagoda_daemon.engine.request import Request
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput, StepAgreement
+from pagoda_daemon.lora.layers import LoRAModelManager
 from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker import step_shapes
 from pagoda_daemon.worker.cuda_graphs import CudaGraphRunner
@@ -198,6 +200,10 @@ class ModelRunner:
         self.lm_head_sizes = step_shapes.lm_head_sizes(self.max_num_seqs) if self.pads_eager_steps else []
         self.piecewise: PiecewiseGraphRunner | None = None
         self.max_piecewise_tokens = engine_config.max_piecewise_graph_tokens
+        self.lora: LoRAModelManager | None = None  # adapter slots in the projections (--enable-lora)
+        if engine_config.enable_lora:
+            self.lora = LoRAModelManager(model, model_config, engine_config.max_loras, engine_config.max_lora_rank,
+                                         self.max_num_tokens, device)
 
     # ---- KV cache --------------------------------------------------------------------
 
@@ -368,6 +374,8 @@ class ModelRunner:
         ids_np[t:padded_t] = 0
         pos_np[t:padded_t] = 0
         slot_np[t:padded_t] = -1  # where the piecewise graphs write the pad rows' K/V: nowhere
+        if self.lora is not None:
+            self._set_lora_rows(sched, np.diff(qsl_np[: num_seqs + 1]), padded_t)
         input_ids = b.input_ids.to_device(padded_t)
         if pending_dst:
             dst = b.pending_dst.fill(pending_dst)
@@ -400,6 +408,17 @@ class ModelRunner:
             is_prefill_only=bool((starts == 0).all()),
         )
         return StepInputs(logits_indices, sample_rows, input_ids, positions, meta, lm_head_indices)
+
+    def _set_lora_rows(self, sched: SchedulerOutput, q_lens: np.ndarray, rows: int) -> None:
+        """Each token row's adapter slot (-1: the base model, and every padding row)."""
+        assert self.lora is not None
+        buf = self.buffers.lora_slots
+        seq_slots = [sched.lora_slots[s.request.lora.digest] if s.request.lora is not None else -1
+                     for s in sched.scheduled]
+        t = int(q_lens.sum())
+        buf.np[:t] = np.repeat(np.asarray(seq_slots, dtype=np.int64), q_lens)
+        buf.np[t:rows] = -1
+        self.lora.set_token_slots(buf.to_device(rows))
 
     def _sampling_batch(self, sched: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         reqs = [sched.scheduled[i].request for i in rows]
@@ -509,6 +528,14 @@ class ModelRunner:
             # nothing to wait for: no staging buffer is read, and waiting for the device here would
             # hold the next agreement, hence the other engines' next steps, until this one has run
             return LaunchedStep.empty()
+        if sched.lora_loads:
+            assert self.lora is not None, "adapter loads for an engine without --enable-lora"
+            with phase("pagoda.lora_load"):
+                for load in sched.lora_loads:
+                    started = time.perf_counter()
+                    self.lora.load(load.slot, load.lora)
+                    log.info("LoRA adapter %r into slot %d in %.1f ms", load.lora.name, load.slot,
+                             (time.perf_counter() - started) * 1e3)
         with phase("pagoda.prepare_inputs"):
             graph_size = self.graph_size(sched)
             inputs = self.prepare_inputs(sched, graph_size)

@@ -85,6 +85,8 @@ class StagingBuffers:
         self.presence_penalty = make(max_seqs, torch.float32)
         self.frequency_penalty = make(max_seqs, torch.float32)
         self.repetition_penalty = make(max_seqs, torch.float32)
+        # LoRA: each token row's adapter slot (-1: the base model); lora/layers.py
+        self.lora_slots = make(max_tokens, torch.int64)
         # decode rows whose input token is the previous step's sample, still on the device
         self.pending_dst = make(max_seqs, torch.int64)
         self.pending_src = make(max_seqs, torch.int64)
