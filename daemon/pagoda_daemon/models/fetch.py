@@ -45,7 +45,11 @@ NEEDED_FILES = (
     "vocab.json", "merges.txt", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "*.jinja", "additional_chat_templates/*.jinja",
     "*.safetensors", "model.safetensors.index.json",
+    "adapter_config.json",  # a LoRA adapter's (lora/adapter.py): its weights are adapter_model.safetensors
 )
+# The file without which a fetched directory is not what was asked for, by kind.
+MODEL_CONFIG = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"
 INDEX = "model.safetensors.index.json"
 COMPLETE_MARKER = ".pagoda-complete.json"
 DEFAULT_CACHE_DIR = "~/.cache/pagoda/models"
@@ -123,15 +127,16 @@ def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
 
 def resolve_model(reference: str, cache_dir: str | Path | None = None, *,
                   env: Mapping[str, str] | None = None,
-                  on_progress: Callable[[FetchProgress], None] | None = None) -> str:
+                  on_progress: Callable[[FetchProgress], None] | None = None, required: str = MODEL_CONFIG) -> str:
     """The local directory to load ``reference`` from: a path as it is, an hf:// or s3:// URI
-    fetched into the cache first. ``pvc://`` and malformed references raise ValueError (the
-    operator mounts claims and passes their path; the daemon cannot mount anything)."""
+    fetched into the cache first (``required``: the file it must hold, a model's config.json or
+    a LoRA adapter's adapter_config.json). ``pvc://`` and malformed references raise ValueError
+    (the operator mounts claims and passes their path; the daemon cannot mount anything)."""
     uri = check_reference(reference)
     if uri is None:
         return reference
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir(env)
-    return str(fetch(uri, cache, env=env, on_progress=on_progress))
+    return str(fetch(uri, cache, env=env, on_progress=on_progress, required=required))
 
 
 def fetched_from(model_dir: str | Path) -> tuple[str, str] | None:
@@ -160,19 +165,20 @@ def check_reference(reference: str) -> ModelUri | None:
 
 
 def fetch(uri: ModelUri, cache_dir: Path, *, env: Mapping[str, str] | None = None,
-          on_progress: Callable[[FetchProgress], None] | None = None, retry: Retry | None = None) -> Path:
-    """Fetch the model's needed files into the node cache (once per node and revision) and return
-    its local directory."""
+          on_progress: Callable[[FetchProgress], None] | None = None, retry: Retry | None = None,
+          required: str = MODEL_CONFIG) -> Path:
+    """Fetch the model's (or adapter's) needed files into the node cache (once per node and
+    revision) and return its local directory."""
     if not uri.remote:
         raise ValueError(f"{uri} is not fetched: only hf:// and s3:// models are")
     try:
-        return _fetch(uri, cache_dir, env, on_progress, retry)
+        return _fetch(uri, cache_dir, env, on_progress, retry, required)
     except OSError as e:  # the node's disk: full, read-only, not ours
         raise ModelFetchError(f"{uri}: {e}") from e
 
 
 def _fetch(uri: ModelUri, cache_dir: Path, env: Mapping[str, str] | None,
-           on_progress: Callable[[FetchProgress], None] | None, retry: Retry | None) -> Path:
+           on_progress: Callable[[FetchProgress], None] | None, retry: Retry | None, required: str) -> Path:
     env = os.environ if env is None else env
     retry = retry or Retry()
     source: _Source = _HfSource(uri, env, retry) if uri.scheme == "hf" else _S3Source(uri, env, retry)
@@ -189,8 +195,9 @@ def _fetch(uri: ModelUri, cache_dir: Path, env: Mapping[str, str] | None,
             raise
         log.warning("%s: %s; using the cached revision %s", uri, e, cached.name)
         return _used(cached)
-    if not any(f.name == "config.json" for f in files):
-        raise ModelFetchError(f"{uri}: no config.json among the model's files (is it a Hugging Face-format model?)")
+    if not any(f.name == required for f in files):
+        what = "a Hugging Face-format model" if required == MODEL_CONFIG else "a PEFT LoRA adapter"
+        raise ModelFetchError(f"{uri}: no {required} among its files (is it {what}?)")
     entry = base / revision
     log.info("%s: resolved revision %s (%.2f s)", uri, revision, time.monotonic() - started)
     if (entry / COMPLETE_MARKER).is_file():

@@ -21,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda_daemon import __version__
 from pagoda_daemon.engine.input_processor import InvalidInput, bad_words_token_ids
 from pagoda_daemon.kv_offload.transfer_auth import SOURCE_HEADER, SourceHeaders
+from pagoda_daemon.lora.registry import AdapterRegistry
+from pagoda_daemon.lora.request import LoRARequest
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server import admin, tokens
@@ -68,6 +70,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # None: the one the model's chat template shows
     reasoning_parser: str | None = None  # None: thinking stays in the content, as in vLLM
     kv_source_headers: SourceHeaders | None = None  # prefill/decode between hosts (kv_offload/transfer.py)
+    adapters: AdapterRegistry | None = None  # LoRA adapters requests may name as their model (--enable-lora)
 
 
 def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, keys: APIKeys | None = None,
@@ -132,7 +135,9 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(settings, client)]}
+        adapters = settings.adapters.names() if settings.adapters is not None else []
+        return {"object": "list", "data": [_model_card(settings, client)]
+                + [_adapter_card(settings, client, name) for name in adapters]}
 
     @app.get("/metrics")
     async def metrics():
@@ -143,8 +148,8 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != settings.served_model_name:
-            raise _no_such_model(model_id, settings, status=404)
+        if _check_model(model_id, settings, status=404) is not None:
+            return _adapter_card(settings, client, model_id)
         return _model_card(settings, client)
 
     @app.api_route("/ping", methods=["GET", "POST"])
@@ -232,8 +237,8 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         return await _serve(raw, client, settings, req, processed, params, chat=True, tracer=tracer, reply=shape,
                             reply_format=reply_format)
 
-    tokens.add_routes(app, client, settings.served_model_name, parse)
-    admin.add_routes(app, client, admin_keys or APIKeys((), frozenset()), parse)
+    tokens.add_routes(app, client, lambda name: _check_model(name, settings, status=404), parse)
+    admin.add_routes(app, client, admin_keys or APIKeys((), frozenset()), parse, settings.adapters)
     for path in NOT_SERVED:
         app.add_api_route(path, _not_served(path), methods=["GET", "POST"], include_in_schema=False)
     return app
@@ -255,15 +260,18 @@ def _not_served(path: str):
 # ---- request handling ------------------------------------------------------------------
 
 
-def _no_such_model(name: str, settings: ServerSettings, status: int = 400) -> APIError:
+def _check_model(name: str, settings: ServerSettings, status: int = 400) -> LoRARequest | None:
+    """The adapter a request's model names, or None for the base model; else a 400 (404 on the
+    routes that look a model up)."""
+    if name == settings.served_model_name:
+        return None
+    lora = settings.adapters.get(name) if settings.adapters is not None else None
+    if lora is not None:
+        return lora
     shown = name if len(name) <= 100 else name[:100] + "..."
-    return APIError(f"the model '{shown}' does not exist; this server serves '{settings.served_model_name}'",
-                    status, param="model", code="model_not_found")
-
-
-def _check_model(name: str, settings: ServerSettings) -> None:
-    if name != settings.served_model_name:
-        raise _no_such_model(name, settings)
+    adapters = " or one of its LoRA adapters (GET /v1/models)" if settings.adapters is not None else ""
+    raise APIError(f"the model '{shown}' does not exist; this server serves '{settings.served_model_name}'{adapters}",
+                   status, param="model", code="model_not_found")
 
 
 def _capacity(client: EngineClient, settings: ServerSettings) -> int:
@@ -363,7 +371,13 @@ def _process_chat(client: EngineClient, req: ChatCompletionRequest, params: Samp
 def _model_card(settings: ServerSettings, client: EngineClient) -> dict:
     info = client.ready_info
     return {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "pagoda",
+            "root": settings.served_model_name, "parent": None,
             "max_model_len": info.max_model_len if info is not None else None}
+
+
+def _adapter_card(settings: ServerSettings, client: EngineClient, name: str) -> dict:
+    """An adapter as vLLM lists one: its parent is the base model (its path on the server is not shown)."""
+    return {**_model_card(settings, client), "id": name, "root": name, "parent": settings.served_model_name}
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -376,7 +390,8 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams, cache_salt: str | None,
-             arrival: float, kv_source: str | None = None) -> list[tuple[int, PreparedRequest]]:
+             arrival: float, kv_source: str | None = None,
+             lora: LoRARequest | None = None) -> list[tuple[int, PreparedRequest]]:
     """Every generation of the request (by choice index) encoded, before any is registered: all or nothing."""
     prepared = []
     for p_index, (text, ids) in enumerate(prompts):
@@ -384,7 +399,7 @@ def _prepare(client: EngineClient, base_id: str, prompts, params: SamplingParams
             index = p_index * params.n + i
             try:
                 prepared.append((index, client.prepare(f"{base_id}-{index}", text, ids, _child_params(params, i),
-                                                       cache_salt, arrival, kv_source)))
+                                                       cache_salt, arrival, kv_source, lora)))
             except ValueError as e:
                 raise bad_request(str(e)) from e
     return prepared
@@ -412,7 +427,9 @@ async def _serve(raw: Request, client: EngineClient, settings: ServerSettings, r
         kv_source = None if kv_headers is None else kv_headers.source_of(raw.headers.get(SOURCE_HEADER))
     except ValueError as e:
         raise bad_request(str(e), param=SOURCE_HEADER) from e
-    prepared = _prepare(client, engine_id, prompts, params, getattr(req, "cache_salt", None), arrival, kv_source)
+    lora = _check_model(req.model, settings)  # (checked by the route already; an adapter unloaded since is a 400)
+    prepared = _prepare(client, engine_id, prompts, params, getattr(req, "cache_salt", None), arrival, kv_source,
+                        lora)
     # No await from here to the last submit: the engine cannot be found dead half way through.
     _ensure_ready(client)
     # streamed: each output carries only what is new; otherwise one complete output at the end

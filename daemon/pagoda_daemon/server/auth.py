@@ -18,7 +18,8 @@ API_KEY_ENV = "PAGODA_API_KEY"
 DEFAULT_EXEMPT_PATHS = ("/health", "/ready", "/metrics")  # probes and Prometheus scrape without a key
 # The admin routes (server/admin.py) take the admin key instead, never a user's.
 ADMIN_API_KEY_ENV = "PAGODA_ADMIN_API_KEY"
-ADMIN_PATHS = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/elastic_ep")
+ADMIN_PATHS = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/elastic_ep", "/v1/load_lora_adapter",
+               "/v1/unload_lora_adapter")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # where x-api-key is read too
 
 

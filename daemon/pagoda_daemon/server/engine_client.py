@@ -47,6 +47,7 @@ from pagoda_daemon.engine.messages import (
     WakeUp,
 )
 from pagoda_daemon.engine.output_processor import OutputProcessor
+from pagoda_daemon.lora.request import LoRARequest, lora_cache_keys
 from pagoda_daemon.models import loader
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.sampling_params import SamplingParams
@@ -265,13 +266,15 @@ class EngineClient:
 
     def prepare(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                 cache_salt: str | None = None, arrival: float | None = None,
-                kv_source: str | None = None) -> PreparedRequest:
+                kv_source: str | None = None, lora: LoRARequest | None = None) -> PreparedRequest:
         """Encode one (validated) request for the core; ValueError when it cannot be. Nothing is
         registered yet, so a failure here leaves nothing behind."""
         arrival = time.monotonic() if arrival is None else arrival
         salt = cache_salt_keys(cache_salt)
-        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, salt, arrival, kv_source)
-        return PreparedRequest(request_id, prompt_text, prompt_ids, params, arrival, frame, salt)
+        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, salt, arrival, kv_source, lora)
+        # the keys the core's block hashes take (the adapter's added by Request), for routing by prefix
+        return PreparedRequest(request_id, prompt_text, prompt_ids, params, arrival, frame,
+                               salt + lora_cache_keys(lora))
 
     def submit(self, request: PreparedRequest,
                output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:

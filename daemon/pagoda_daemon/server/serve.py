@@ -244,17 +244,23 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         if config.data_parallel_size > 1:
             _check_data_parallel(config, options["kv_events_endpoint"])
         kv_source_headers = SourceHeaders.from_config(config)
+        name = options["served_model_name"] or Path(options["model"]).resolve().name
+        adapters = None
+        if config.enable_lora and config.node_rank == 0:  # each read and checked against the model now
+            from pagoda_daemon.lora.registry import AdapterRegistry
+
+            adapters = AdapterRegistry.from_modules(config.lora_modules, model_config, config.max_lora_rank, name,
+                                                    config.model_cache_dir)
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return EXIT_REFUSED
-    name = options["served_model_name"] or Path(options["model"]).resolve().name
     max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 32768
     if config.node_rank > 0:  # a worker pod of a group: its ranks only, no API server
         from pagoda_daemon.executor.multiproc import run_node
 
         return run_node(config, model_config, max_len, options["node_ready_port"])
     return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len,
-                              kv_source_headers))
+                              kv_source_headers, adapters))
 
 
 def _check_data_parallel(config: EngineConfig, kv_events_endpoint: str | None) -> None:
@@ -284,7 +290,7 @@ def _keys(options: dict) -> tuple[APIKeys, APIKeys]:
 
 
 async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int,
-                 kv_source_headers=None) -> int:
+                 kv_source_headers=None, adapters=None) -> int:
     import uvicorn
 
     from pagoda_daemon.server.api import ServerSettings, build_app
@@ -307,7 +313,8 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
                           stats_log_interval=0.0 if options["disable_log_stats"] else options["log_stats_interval"],
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
     settings = ServerSettings(served_name, options["max_waiting_requests"], tool_call_parser=options["tool_call_parser"],
-                              reasoning_parser=options["reasoning_parser"], kv_source_headers=kv_source_headers)
+                              reasoning_parser=options["reasoning_parser"], kv_source_headers=kv_source_headers,
+                              adapters=adapters)
     app = build_app(client, settings, tracer, keys=keys, admin_keys=admin_keys,
                     limits=RequestLimits(options["max_request_body_bytes"]), api_docs=options["enable_fastapi_docs"])
     await client.start()

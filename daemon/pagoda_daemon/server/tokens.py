@@ -5,13 +5,14 @@ llm-d's router); they run no model and cost one tokenizer call."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 
 from pagoda_daemon.server.chat_template import render_chat
 from pagoda_daemon.server.engine_client import EngineClient
-from pagoda_daemon.server.errors import APIError, bad_request
+from pagoda_daemon.server.errors import bad_request
 from pagoda_daemon.server.protocol import (
     ChatTemplateFields,
     DetokenizeRequest,
@@ -19,13 +20,6 @@ from pagoda_daemon.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeRequest,
 )
-
-
-def _check_model(name: str | None, served: str) -> None:
-    if name is not None and name != served:
-        shown = name if len(name) <= 100 else name[:100] + "..."
-        raise APIError(f"the model '{shown}' does not exist; this server serves '{served}'", 404, param="model",
-                       code="model_not_found")
 
 
 def prompt_ids(tokenizer, req: TokenizeCompletionRequest | ChatTemplateFields) -> list[int]:
@@ -62,19 +56,22 @@ def tokenizer_info(client: EngineClient) -> dict[str, Any]:
     }
 
 
-def add_routes(app: FastAPI, client: EngineClient, served_model_name: str, parse) -> None:
-    """parse(model, raw request): the app's bounded, off-loop body parser."""
+def add_routes(app: FastAPI, client: EngineClient, check_model: Callable[[str], object], parse) -> None:
+    """parse(model, raw request): the app's bounded, off-loop body parser; check_model(name): an
+    APIError unless the server serves that model (the base or an adapter, which share the tokenizer)."""
 
     @app.post("/tokenize")
     async def tokenize_route(raw: Request):
         req = await parse(TokenizeRequest, raw)
-        _check_model(req.model, served_model_name)
+        if req.model is not None:
+            check_model(req.model)
         return await asyncio.to_thread(tokenize, client, req)
 
     @app.post("/detokenize")
     async def detokenize_route(raw: Request):
         req = await parse(DetokenizeRequest, raw)
-        _check_model(req.model, served_model_name)
+        if req.model is not None:
+            check_model(req.model)
         return await asyncio.to_thread(detokenize, client, req)
 
     @app.get("/tokenizer_info")
