@@ -274,7 +274,8 @@ def _crd_fields_of_options() -> list[tuple[str, str, dict, OptionInfo]]:
     options = {d.name: d.info for d in declared(EngineConfig)}
     pairs = {**spec.CRD_FIELD_OF_OPTION, **spec.CRD_FIELD_OF_LAYOUT_OPTION,
              "eplb_step_interval": "spec.parallelism.eplb.stepInterval",
-             "elastic_ep_min_size": "spec.parallelism.elastic.minExpert"}
+             "elastic_ep_min_size": "spec.parallelism.elastic.minExpert",
+             "max_loras": "spec.lora.maxLoras", "max_lora_rank": "spec.lora.maxRank"}
     for path in fields:  # spec.engine.<camelCase> is option <snake_case>
         name = re.sub(r"(?<!^)(?=[A-Z])", "_", path.removeprefix("spec.engine.")).lower()
         if path.startswith("spec.engine.") and name in options:

@@ -231,6 +231,8 @@ def _env(spec: ServiceSpec, settings: Settings) -> list[dict[str, Any]]:
     if spec.model.source == "uri":
         env.append({"name": "PAGODA_CACHE_DIR", "value": MODEL_CACHE_DIR if settings.node_model_cache else CACHE_DIR})
         env += model_source_env(spec)
+    elif spec.lora is not None and spec.lora.adapters:  # fetched adapters land in the writable cache volume
+        env.append({"name": "PAGODA_CACHE_DIR", "value": CACHE_DIR})
     key = spec.api_key_secret
     if key is not None:
         env.append(

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 # capabilities, so both sides refuse the same things.
 from pagoda_daemon import capabilities, model_uri
 from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.lora.names import AdapterError, check_name
 from pagoda_daemon.options import declared, refusals
 
 Supports = Callable[[str], bool]  # capability name -> whether to accept it
@@ -145,6 +146,26 @@ class Engine:
 
 
 @dataclass(frozen=True)
+class LoraAdapter:
+    name: str  # what requests send as their model
+    uri: str  # hf:// or s3://, fetched by each pod into its model cache
+
+
+@dataclass(frozen=True)
+class Lora:
+    """spec.lora: LoRA adapters served beside the model (docs/lora.md), each pod fetching them
+    from their source as it fetches a remote model; the slots and the largest rank."""
+
+    adapters: tuple[LoraAdapter, ...] = ()
+    max_loras: int = 1
+    max_rank: int = 16
+
+
+# spec.lora.adapters at most (the CRD's maxItems): each is fetched and read at every pod's start.
+MAX_LORA_ADAPTERS = 256
+
+
+@dataclass(frozen=True)
 class KVOffload:
     cpu_gib: float | None = None
     disk_path: str | None = None
@@ -263,6 +284,7 @@ class ServiceSpec:
     # spec.server.apiKeySecretRef: the daemon's API key (PAGODA_API_KEY); None serves without one.
     api_key_secret: SecretKeyRef | None = None
     disaggregation: Disaggregation | None = None
+    lora: Lora | None = None
 
     @property
     def device(self) -> str:
@@ -439,9 +461,61 @@ def parse(
         pod=pod,
         api_key_secret=api_key_secret,
         disaggregation=parse_disaggregation(spec.get("disaggregation")),
+        lora=parse_lora(spec.get("lora")),
     )
     validate(parsed, supports)
     return parsed
+
+
+def parse_lora(lo: Mapping[str, Any] | None) -> Lora | None:
+    if not lo:
+        return None
+    adapters = tuple(LoraAdapter(str(_get(a, "name", "")), str(_get(a, "uri", ""))) for a in _get(lo, "adapters", []))
+    return Lora(adapters, int(_get(lo, "maxLoras", 1)), int(_get(lo, "maxRank", 16)))
+
+
+def lora_errors(s: ServiceSpec) -> list[str]:
+    """spec.lora: names as the daemon takes them, each once and not the model's; sources it can
+    fetch; slots and rank within the daemon's bounds; what it does not combine with yet."""
+    lo = s.lora
+    if lo is None:
+        return []
+    errors = []
+    for option, value, where in (("max_loras", lo.max_loras, "maxLoras"), ("max_lora_rank", lo.max_rank, "maxRank")):
+        low, high = _option_bounds(option)
+        if not low <= value <= high:
+            errors.append(f"lora.{where} ({value}) must be {low:g} to {high:g}")
+    if len(lo.adapters) > MAX_LORA_ADAPTERS:
+        errors.append(f"lora.adapters lists {len(lo.adapters)} adapters; at most {MAX_LORA_ADAPTERS}")
+    names = [a.name for a in lo.adapters]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        errors.append(f"lora.adapters names {dup!r} twice")
+    for i, a in enumerate(lo.adapters):
+        try:
+            check_name(a.name, s.model.name)
+        except AdapterError as e:
+            errors.append(f"lora.adapters[{i}].name: {e}")
+        try:
+            ref = model_uri.parse(a.uri)
+        except model_uri.InvalidModelUri as e:
+            errors.append(f"lora.adapters[{i}].uri: {e}")
+            continue
+        if not ref.remote:
+            errors.append(f"lora.adapters[{i}].uri {a.uri!r}: an adapter comes from hf:// or s3:// (each pod fetches "
+                          "it); pvc:// is not read for adapters")
+    if s.parallelism.elastic is not None:
+        errors.append("lora does not combine with parallelism.elastic: a rank that joins would start without the "
+                      "adapters the others hold")
+    if s.disaggregation is not None:
+        errors.append("lora does not combine with spec.disaggregation yet")
+    return errors
+
+
+def _option_bounds(name: str) -> tuple[float, float]:
+    """The daemon's declared bounds of one of its options (one declaration: options.py)."""
+    info = next(d.info for d in declared(EngineConfig) if d.name == name)
+    assert info.minimum is not None and info.maximum is not None
+    return info.minimum, info.maximum
 
 
 def _bounded_int(value: Any, name: str, low: int, high: int, errors: list[str]) -> int | None:
@@ -813,6 +887,9 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         optional["all2all_backend"] = p.all2all_backend
     if p.elastic is not None:
         optional.update(elastic_ep_min_size=p.elastic.min_expert, elastic_ep_max_size=p.elastic.max_expert)
+    if spec.lora is not None:  # each NAME=URI a line of lora_modules; the pod fetches them as it starts
+        optional.update(enable_lora=True, max_loras=spec.lora.max_loras, max_lora_rank=spec.lora.max_rank,
+                        lora_modules="\n".join(f"{a.name}={a.uri}" for a in spec.lora.adapters) or None)
     cfg.update({k: v for k, v in optional.items() if v is not None})
     return cfg
 
@@ -884,6 +961,7 @@ def validate(s: ServiceSpec, supports: Supports = capabilities.supported) -> Non
     errors += _field_errors(s)
     errors += capability_errors(s, supports)
     errors += disaggregation_errors(s, supports)
+    errors += lora_errors(s)
     par = s.parallelism
     ranks = par.tensor * par.expert * par.data
     if par.data > 1 and s.disaggregation:
