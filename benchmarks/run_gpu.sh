@@ -8,7 +8,7 @@
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|kv-load-bandwidth|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               prefill-profile|kernels-prefill|kernels-moe|
-#                                               all-reduce|dp|eplb|api-compat] ...
+#                                               all-reduce|dp|eplb|api-compat|lora-tests|lora-bench|lora-vllm] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -604,6 +604,40 @@ if has serve-sweep; then
     measure vllm 18001 /health $!
   fi
   tar czf "$OUT/sweep-points.tgz" -C "$OUT" sweep  # the points lie deeper than the device tool brings back
+fi
+if has lora-tests; then
+  # Needs peft, accelerate and psutil (and msgspec) in .whl: the GPU image has none of them.
+  step "LoRA: parity with PEFT on CUDA (float32; CUDA graphs, chunked prefill, eager)"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py 2>&1 | tail -15 | tee "$OUT/lora-pytest.txt" || status=1
+fi
+if has lora-bench; then
+  # The same workload without --enable-lora, with it and no adapter used, and under adapters
+  # (LORA_ADAPTERS of them, round robin, in LORA_SLOTS slots of rank LORA_RANK): one process each.
+  step "LoRA: what adapters cost (Qwen3-0.6B shape, random weights, bf16)"
+  for mode in base no-lora lora; do
+    python3 -m benchmarks.lora_bench benchmarks/configs/qwen3-0.6b --mode $mode --max-loras "${LORA_SLOTS:-4}" \
+      --rank "${LORA_RANK:-16}" --adapters "${LORA_ADAPTERS:-4}" --num-seqs 256 --min-input-len 100 \
+      --max-input-len 1024 --min-output-len 100 --max-output-len 512 | grep '^RESULT\|^ROUND' \
+      | tee -a "$OUT/lora.jsonl" || status=1
+  done
+fi
+if has lora-vllm; then
+  # vLLM 0.26.0's LoRA beside Pagoda's on the same workload, model and adapters (benchmarks/vllm_lora.py,
+  # benchmarks/lora_bench.py), vLLM first, each mode in a process of its own. Needs the vLLM kit as for
+  # `vllm` (a `vllm-stash` call right before) and .whl as for lora-bench.
+  step "LoRA beside vLLM: modes ${LORA_MODES:-base lora}, ${LORA_ADAPTERS:-4} adapters of rank ${LORA_RANK:-16} in ${LORA_SLOTS:-4} slots"
+  unpack_vllm || status=1
+  LORA_ARGS=(--max-loras "${LORA_SLOTS:-4}" --rank "${LORA_RANK:-16}" --adapters "${LORA_ADAPTERS:-4}" --num-seqs 256
+             --min-input-len 100 --max-input-len 1024 --min-output-len 100 --max-output-len 512)
+  for mode in ${LORA_MODES:-base lora}; do
+    PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_NO_USAGE_STATS=1 timeout 300 python3 -m benchmarks.vllm_lora \
+      benchmarks/configs/qwen3-0.6b --mode $mode "${LORA_ARGS[@]}" 2>&1 | grep -E '^RESULT|^ROUND|Error' \
+      | tee -a "$OUT/lora-vllm.jsonl" || status=1
+  done
+  for mode in ${LORA_MODES:-base lora}; do
+    python3 -m benchmarks.lora_bench benchmarks/configs/qwen3-0.6b --mode $mode "${LORA_ARGS[@]}" \
+      | grep -E '^RESULT|^ROUND' | tee -a "$OUT/lora-vllm.jsonl" || status=1
+  done
 fi
 if has api-compat; then
   # The Responses and Anthropic Messages APIs: the same requests to `pagoda serve` and then `vllm serve`
