@@ -247,6 +247,9 @@ class EngineConfig:
         if self.enable_lora and self.elastic_ep:
             raise ValueError("enable_lora does not combine with elastic expert parallelism: a joining rank would "
                              "start without the adapters the others hold")
+        if self.enable_lora and self.nnodes > 1:
+            raise ValueError("enable_lora does not combine with nnodes above 1 yet: each rank reads an adapter from "
+                             "the path node 0 registered it at, which the other nodes do not have")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -508,6 +508,8 @@ def lora_errors(s: ServiceSpec) -> list[str]:
                       "adapters the others hold")
     if s.disaggregation is not None:
         errors.append("lora does not combine with spec.disaggregation yet")
+    if s.pods_per_replica > 1:
+        errors.append("lora does not combine with resources.podsPerReplica above 1 yet (the daemon's nnodes)")
     return errors
 
 

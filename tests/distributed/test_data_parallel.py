@@ -20,7 +20,7 @@ import zmq
 
 from benchmarks.parity import random_prompts
 from pagoda_daemon.config import EngineConfig
-from pagoda_daemon.engine.messages import EngineStats
+from pagoda_daemon.engine.messages import EngineStats, LoRAStats
 from pagoda_daemon.server.engine_router import MIN_SLACK, EngineRouter, block_hashes
 from pagoda_daemon.telemetry.kv_events import offset_endpoint
 
@@ -70,6 +70,10 @@ def test_the_engines_gauges_together_are_the_replicas():
     assert (both.num_running, both.num_waiting, both.num_kv_blocks, both.num_free_kv_blocks) == (5, 1, 400, 275)
     assert both.kv_cache_usage == pytest.approx((50 + 75) / 400) and both.num_steps == 7  # counters: a's own
     assert a.with_gauges_of([a]) is a
+    assert both.lora is None
+    a.lora, b.lora = LoRAStats(4, ["sql"], ["chat"]), LoRAStats(4, ["chat", "sql"], [])
+    lora = a.with_gauges_of([a, b]).lora  # vllm:lora_requests_info: the adapters of any engine
+    assert lora is not None and (lora.max_loras, lora.running, lora.waiting) == (4, ["chat", "sql"], ["chat"])
 
 
 def test_a_conversation_stays_on_the_engine_that_holds_its_prefix():

@@ -53,3 +53,33 @@ def test_defaults_are_valid_and_every_option_is_declared():
 def test_more_than_64_ranks_in_all_are_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size × expert_parallel_size = 128 ranks; at most 64"):
         EngineConfig(model="/m", tensor_parallel_size=16, expert_parallel_size=8)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"lora_modules": "a=/x"}, "need enable_lora"),
+    ({"max_loras": 2}, "need enable_lora"),
+    ({"max_lora_rank": 8}, "need enable_lora"),
+    ({"enable_lora": True, "max_loras": 0}, "at least 1"),
+    ({"enable_lora": True, "max_loras": 65}, "at most 64"),
+    ({"enable_lora": True, "max_lora_rank": 0}, "at least 1"),
+    ({"enable_lora": True, "max_lora_rank": 513}, "at most 512"),
+    ({"enable_lora": True, "nnodes": 2, "tensor_parallel_size": 2}, "nnodes above 1"),
+    ({"enable_lora": True, "expert_parallel_size": 2, "elastic_ep_min_size": 1, "elastic_ep_max_size": 2,
+      "enable_eplb": True},
+     "elastic expert parallelism"),
+])
+def test_lora_options_are_refused_where_they_cannot_serve(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="/m", **fields)
+
+
+def test_lora_modules_take_several_values_and_repeat():
+    import argparse
+
+    from pagoda_daemon.options import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser, EngineConfig)
+    args = parser.parse_args(["--lora-modules", "a=/x", '{"name": "b", "path": "/y"}', "--lora-modules", "c=/z"])
+    assert args.lora_modules == 'a=/x\n{"name": "b", "path": "/y"}\nc=/z'
+    assert parser.parse_args([]).lora_modules is None

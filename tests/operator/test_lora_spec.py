@@ -78,6 +78,12 @@ def test_lora_does_not_combine_with_elastic_ep():
                   parallelism={"expert": 2, "elastic": {"minExpert": 1, "maxExpert": 2}})
 
 
+def test_lora_does_not_combine_with_a_replica_over_several_pods():
+    with pytest.raises(InvalidSpec, match="podsPerReplica above 1"):
+        lora_spec({"adapters": ADAPTERS}, resources={"gpusPerReplica": 2, "podsPerReplica": 2},
+                  parallelism={"tensor": 2})
+
+
 def test_the_crd_name_pattern_is_the_daemons_rule():
     """The CRD refuses at the API server what check_name refuses (whitespace, '='), nothing more."""
     import re

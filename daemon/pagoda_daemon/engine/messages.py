@@ -241,14 +241,18 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
 
     def with_gauges_of(self, engines: list[EngineStats]) -> EngineStats:
         """These counters with the gauges of several engines together (data parallelism, the
-        engines' latest stats): requests and blocks summed, KV usage over all their blocks."""
+        engines' latest stats): requests and blocks summed, KV usage over all their blocks, the
+        adapters of any engine's running and waiting requests."""
         if len(engines) <= 1:
             return self
         blocks = sum(e.num_kv_blocks for e in engines)
+        loras = [e.lora for e in engines if e.lora is not None]
+        lora = None if not loras else LoRAStats(loras[0].max_loras, sorted({n for x in loras for n in x.running}),
+                                                sorted({n for x in loras for n in x.waiting}))
         return msgspec.structs.replace(
             self, num_running=sum(e.num_running for e in engines), num_waiting=sum(e.num_waiting for e in engines),
             kv_cache_usage=sum(e.kv_cache_usage * e.num_kv_blocks for e in engines) / blocks if blocks else 0.0,
-            num_kv_blocks=blocks, num_free_kv_blocks=sum(e.num_free_kv_blocks for e in engines))
+            num_kv_blocks=blocks, num_free_kv_blocks=sum(e.num_free_kv_blocks for e in engines), lora=lora)
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
