@@ -50,7 +50,7 @@ FULL_SPEC = {
     "engine": {
         "maxModelLen": 4096, "blockSize": 32, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "dtype": "bfloat16",
         "kvCacheDtype": "fp8", "gpuMemoryUtilization": 0.8, "enablePrefixCaching": False, "enforceEager": True,
-        "schedulingPolicy": "priority",
+        "schedulingPolicy": "priority", "runner": "pooling",
     },
     "kvOffload": {"cpuGiB": 64, "disk": {"path": "/kv", "sizeGiB": 200}, "writePolicy": "write-through"},
     "placement": {"numaPolicy": "none"},
@@ -314,7 +314,7 @@ def test_every_choice_the_crd_admits_the_daemon_takes():
             wider.append(f"{path}: {extra} are not {option}'s choices {info.choices}")
         checked.append(path)
     assert not wider, wider
-    assert {"spec.engine.dtype", "spec.engine.schedulingPolicy"} <= set(checked), checked
+    assert {"spec.engine.dtype", "spec.engine.schedulingPolicy", "spec.engine.runner"} <= set(checked), checked
 
 
 @pytest.mark.parametrize("layout", ["StatefulSets", "LeaderWorkerSet"])

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from pagoda_daemon.options import check_bounds, option
 
+RUNNERS = ("auto", "generate", "pooling")  # pooling.py: an engine generates text or serves embeddings
+POOLING_TYPES = ("auto", "last", "mean", "cls")  # pooling.py: the vector a pooling engine makes of a prompt
 SCHEDULING_POLICIES = ("fcfs", "priority")  # engine/scheduler.py: the order of its queue and running list
 
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
@@ -184,6 +186,18 @@ class EngineConfig:
     lora_modules: str | None = option(
         None, "with enable_lora: adapters served from the start, each NAME=PATH (a PEFT adapter directory) or "
         'JSON {"name": NAME, "path": PATH}; several values, one per adapter', many=True)
+    # Embeddings (pooling.py, docs/embeddings.md)
+    runner: str = option(
+        "auto", "generate text, or pool each prompt into one vector for /v1/embeddings (vLLM's --runner); auto: "
+        "pooling for a model body without its head (Qwen3Model, ...) or a sentence-transformers directory "
+        "(modules.json), else generate", choices=RUNNERS)
+    pooling_type: str = option(
+        "auto", "with runner pooling, the vector a prompt becomes: the last token's final hidden state, the mean of "
+        "them all, or the first token's; auto: what the model's sentence-transformers Pooling config says, else last",
+        choices=POOLING_TYPES)
+    pooling_normalize: bool | None = option(
+        None, "with runner pooling, scale vectors to unit length unless a request says otherwise; unset: as the "
+        "model's sentence-transformers modules say (a Normalize module), else yes")
 
     @property
     def kv_offload_host_gib(self) -> float:
@@ -250,6 +264,8 @@ class EngineConfig:
         if self.enable_lora and self.nnodes > 1:
             raise ValueError("enable_lora does not combine with nnodes above 1 yet: each rank reads an adapter from "
                              "the path node 0 registered it at, which the other nodes do not have")
+        if self.runner == "generate" and (self.pooling_type != "auto" or self.pooling_normalize is not None):
+            raise ValueError("pooling_type and pooling_normalize need runner pooling (or auto)")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -11,7 +11,8 @@ from pagoda_daemon.engine.input_processor import PromptType
 from pagoda_daemon.engine.llm_engine import LLMEngine
 from pagoda_daemon.engine.messages import EngineStats
 from pagoda_daemon.lora.request import LoRARequest
-from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
+from pagoda_daemon.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, RequestOutputKind
+from pagoda_daemon.pooling import NOTHING_SAMPLED
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -80,11 +81,50 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
         if any(lora is not None for lora in loras) and not self.engine.config.enable_lora:
             raise ValueError("lora_request needs enable_lora=True")
+        if self.engine.pooling is not None:
+            raise ValueError("this model is served for embeddings (runner pooling): use LLM.embed")
         processed = [self.engine.input_processor.process(prompt, p) for prompt, p in zip(prompts, params)]
 
         ids = [self.engine.add_processed_request(text, token_ids, p, output_kind=RequestOutputKind.FINAL_ONLY,
                                                  lora=lora)
                for (text, token_ids), p, lora in zip(processed, params, loras)]
+        return self._run(ids)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, normalize: bool | None = None,
+              dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, in prompt order, from an engine with ``runner="pooling"`` (or a
+        model that pools by default: docs/embeddings.md). ``normalize`` (None: the model's
+        default) and ``dimensions`` (Matryoshka models) as the API's fields; every prompt is
+        checked before any is queued."""
+        pooling = self.engine.pooling
+        if pooling is None:
+            raise ValueError("this engine generates text: embeddings need runner='pooling'")
+        if lora_request is not None and not self.engine.config.enable_lora:
+            raise ValueError("lora_request needs enable_lora=True")
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        params = pooling.params(normalize, dimensions)
+        processed = [self.engine.input_processor.process(p, NOTHING_SAMPLED, pooling=True,
+                                                         truncate_prompt_tokens=truncate_prompt_tokens)
+                     for p in prompts]
+        ids = [self.engine.add_processed_request(text, token_ids, NOTHING_SAMPLED,
+                                                 output_kind=RequestOutputKind.FINAL_ONLY, lora=lora_request,
+                                                 pooling=params)
+               for text, token_ids in processed]
+        outputs = []
+        for out in self._run(ids):
+            if out.pooled is None:
+                raise RuntimeError(f"request {out.request_id} ended without its vector "
+                                   f"({out.outputs[0].finish_reason}: {out.outputs[0].stop_reason})")
+            outputs.append(EmbeddingRequestOutput(out.request_id, out.prompt_token_ids,
+                                                  EmbeddingOutput(_floats(out.pooled))))
+        return outputs
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        """Step the engine until every request of ``ids`` has finished; their outputs in that order."""
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             if not self.engine.has_unfinished_requests():
@@ -97,3 +137,10 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         return self.engine.stats()
+
+
+def _floats(pooled: bytes) -> list[float]:
+    """A vector as the engine sends it (float32, little-endian) as Python floats."""
+    import numpy as np
+
+    return np.frombuffer(pooled, dtype="<f4").tolist()

@@ -69,6 +69,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's
     # shape); with DELTA outputs only on the first output
     prompt_logprobs: list[Logprobs | None] | None = None
+    # a pooling request's vector (float32, little-endian; pooling.py), with its final output
+    pooled: bytes | None = None
 
     def absorb(self, newer: RequestOutput) -> None:
         """Fold the next DELTA output of the same request into this one: text, tokens and
@@ -85,3 +87,20 @@ class RequestOutput:
         self.metrics = newer.metrics
         if self.prompt_logprobs is None:
             self.prompt_logprobs = newer.prompt_logprobs
+        if self.pooled is None:
+            self.pooled = newer.pooled
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding, as vLLM's ``LLM.embed`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

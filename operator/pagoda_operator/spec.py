@@ -143,6 +143,7 @@ class Engine:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     scheduling_policy: str | None = None  # fcfs | priority; unset: the daemon's (fcfs)
+    runner: str | None = None  # auto | generate | pooling (embeddings); unset: the daemon's (auto)
 
 
 @dataclass(frozen=True)
@@ -401,6 +402,7 @@ def parse(
         enable_prefix_caching=bool(_get(e, "enablePrefixCaching", True)),
         enforce_eager=bool(_get(e, "enforceEager", False)),
         scheduling_policy=_get(e, "schedulingPolicy"),
+        runner=_get(e, "runner"),
     )
     kv = _get(spec, "kvOffload", {})
     disk = _get(kv, "disk", {})
@@ -508,6 +510,8 @@ def lora_errors(s: ServiceSpec) -> list[str]:
                       "adapters the others hold")
     if s.disaggregation is not None:
         errors.append("lora does not combine with spec.disaggregation yet")
+    if s.engine.runner == "pooling":
+        errors.append("lora does not combine with engine.runner pooling yet (adapters are served for generation)")
     if s.pods_per_replica > 1:
         errors.append("lora does not combine with resources.podsPerReplica above 1 yet (the daemon's nnodes)")
     return errors
@@ -749,6 +753,8 @@ def disaggregation_errors(s: ServiceSpec, supports: Supports = capabilities.supp
     if not s.engine.enable_prefix_caching:
         errors.append(f"{name} needs engine.enablePrefixCaching true: the decode engine finds the prompts' "
                       "blocks by their prefix hashes")
+    if s.engine.runner == "pooling":
+        errors.append(f"{name} serves generation: it does not combine with engine.runner pooling (embeddings)")
     return errors
 
 
@@ -872,6 +878,7 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         "max_num_batched_tokens": e.max_num_batched_tokens,
         "num_kv_blocks": e.num_kv_blocks,
         "scheduling_policy": e.scheduling_policy,  # only when set: pods without it stay as rendered
+        "runner": e.runner,  # likewise
         "otlp_traces_endpoint": spec.tracing.otlp_endpoint,
         "kv_offload_cpu_gib": kv.cpu_gib,
         "kv_offload_disk_path": kv.disk_path,
@@ -912,6 +919,8 @@ CRD_FIELD_OF_OPTION = {
 # spec.kvOffload.writePolicy's values: the daemon's option's
 WRITE_POLICIES: tuple[str, ...] = next(d.info.choices or () for d in declared(EngineConfig)
                                        if d.name == "kv_offload_write_policy")
+# spec.engine.runner's values, likewise
+RUNNERS: tuple[str, ...] = next(d.info.choices or () for d in declared(EngineConfig) if d.name == "runner")
 # spec.parallelism.all2allBackend's values, likewise
 ALL2ALL_BACKENDS: tuple[str, ...] = next(d.info.choices or () for d in declared(EngineConfig)
                                          if d.name == "all2all_backend")
@@ -1094,6 +1103,8 @@ def _field_errors(s: ServiceSpec) -> list[str]:
     policy = s.kv_offload.write_policy
     if policy is not None and policy not in WRITE_POLICIES:
         errors.append(f"kvOffload.writePolicy {policy!r} must be one of {', '.join(WRITE_POLICIES)}")
+    if s.engine.runner is not None and s.engine.runner not in RUNNERS:
+        errors.append(f"engine.runner {s.engine.runner!r} must be one of {', '.join(RUNNERS)}")
     return errors
 
 

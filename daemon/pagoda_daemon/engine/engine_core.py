@@ -31,6 +31,7 @@ from pagoda_daemon.engine.scheduler import Scheduler
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.executor.abstract import Executor
 from pagoda_daemon.models import loader
+from pagoda_daemon.pooling import engine_pooling
 from pagoda_daemon.telemetry.profiling import phase
 
 if TYPE_CHECKING:
@@ -73,8 +74,11 @@ class EngineCore:
         ``tokenizer``: the frontend's, where it shares this process (else the core loads its own
         when the first structured-output request arrives)."""
         enter = on_phase or (lambda _name: None)
-        self.config = config
         self.model_config = model_config or loader.load_config(config.model)
+        # a pooling engine (embeddings, pooling.py) or a generating one; the workers see which
+        self.pooling = engine_pooling(config, self.model_config)
+        config = dataclasses.replace(config, runner="pooling" if self.pooling is not None else "generate")
+        self.config = config
         self.max_model_len = self._max_model_len()
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -172,12 +176,13 @@ class EngineCore:
         first_len = max(1, min(bs, self.max_model_len - 4))
         first = list(range(3, 3 + first_len))
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        self.add_request(Request("__warmup_0__", first, params, None, bs))
+        pooling = self.pooling.params() if self.pooling is not None else None  # a pooling engine pools
+        self.add_request(Request("__warmup_0__", first, params, None, bs, pooling=pooling))
         self.step()  # prefill only
         # Shares the first block (a prefix-cache hit where caching is on) and prefills while
         # the first request decodes.
         second = first + list(range(200, 200 + max(0, min(8, self.max_model_len - first_len - 4))))
-        self.add_request(Request("__warmup_1__", second, params, None, bs))
+        self.add_request(Request("__warmup_1__", second, params, None, bs, pooling=pooling))
         while self.has_unfinished_requests():
             self.step()
         self.executor.synchronize()
@@ -188,6 +193,14 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        if self.pooling is None and request.pooling is not None:
+            raise ValueError("this engine generates text (runner generate): it serves no embeddings")
+        if self.pooling is not None:
+            if request.pooling is None:
+                raise ValueError("this engine serves embeddings (runner pooling): it generates no text")
+            if request.pooling.type != self.pooling.type:
+                raise ValueError(f"this engine pools by {self.pooling.type}, not {request.pooling.type}")
+            request.pooling.check(self.pooling.hidden_size)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -321,6 +334,7 @@ class EngineCore:
                     num_cached_tokens=req.num_cached_tokens,
                     queue_time=queue_time,
                     prompt_logprobs=prompt_logprobs,
+                    pooled=result.pooled.get(req.request_id),
                 )
             )
         return outputs

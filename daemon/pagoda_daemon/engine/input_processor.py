@@ -119,24 +119,35 @@ class InputProcessor:
         return InvalidInput(f"the prompt is {size} tokens long, which leaves no room to generate within "
                             f"the model's context of {self.max_model_len} tokens", code="context_length_exceeded")
 
-    def check_text_length(self, text: str) -> None:
+    def _too_long_to_pool(self, num_tokens: int, at_least: bool = False) -> InvalidInput:
+        size = f"at least {num_tokens}" if at_least else str(num_tokens)
+        return InvalidInput(f"the input is {size} tokens long, more than the model's context of {self.max_model_len} "
+                            "tokens: shorten it, or set truncate_prompt_tokens", code="context_length_exceeded")
+
+    def check_text_length(self, text: str, pooling: bool = False) -> None:
         """Refuse, without tokenizing, a text too long to fit the context whatever its tokens."""
-        if self.max_chars_per_token is not None and len(text) // self.max_chars_per_token >= self.max_model_len:
-            raise self._too_long(len(text) // self.max_chars_per_token, at_least=True)
+        if self.max_chars_per_token is None:
+            return
+        at_least = len(text) // self.max_chars_per_token
+        if pooling and at_least > self.max_model_len:
+            raise self._too_long_to_pool(at_least, at_least=True)
+        if not pooling and at_least >= self.max_model_len:
+            raise self._too_long(at_least, at_least=True)
 
     def process(self, prompt: PromptType, params: SamplingParams, *, add_special_tokens: bool = True,
-                truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+                truncate_prompt_tokens: int | None = None, pooling: bool = False) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids); raise InvalidInput (a ValueError) on bad input.
 
         add_special_tokens: let the tokenizer add its BOS and the like (off for a text that
         already holds them, e.g. a rendered chat template). truncate_prompt_tokens: keep only
         the prompt's last k tokens (vLLM's option: the text is then None, as it no longer
-        matches the ids)."""
+        matches the ids). pooling: an embedding input, which may fill the whole context (nothing
+        is generated after it); ``params`` is then not read."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInput("prompt must not be empty")
             if truncate_prompt_tokens is None:
-                self.check_text_length(prompt)
+                self.check_text_length(prompt, pooling)
             if has_lone_surrogate(prompt):
                 raise InvalidInput("prompt must be valid Unicode (it holds a lone surrogate)")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -157,6 +168,11 @@ class InputProcessor:
             text = None
         if not token_ids:
             raise InvalidInput("prompt must not be empty")
+        if pooling:
+            if len(token_ids) > self.max_model_len:
+                raise self._too_long_to_pool(len(token_ids))
+            self._check_priority(params)
+            return text, token_ids
         if len(token_ids) >= self.max_model_len:
             raise self._too_long(len(token_ids))
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
@@ -174,10 +190,7 @@ class InputProcessor:
             raise InvalidInput(f"allowed_token_ids must be in [0, {self.vocab_size})", param="allowed_token_ids")
         if any(not 0 <= t < self.vocab_size for word in params.bad_words_token_ids for t in word):
             raise InvalidInput(f"bad_words token ids must be in [0, {self.vocab_size})", param="bad_words")
-        if params.priority != 0 and self.scheduling_policy != "priority":  # as vLLM refuses it
-            raise InvalidInput(f"priority {params.priority} needs the priority scheduling policy "
-                               "(--scheduling-policy priority); this engine admits requests in arrival order",
-                               param="priority", code="unsupported_parameter")
+        self._check_priority(params)
         if params.logit_bias is not None and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise InvalidInput(f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias")
         after = params.structured_outputs_after_token_id
@@ -185,3 +198,9 @@ class InputProcessor:
             raise InvalidInput(f"structured_outputs_after_token_id must be in [0, {self.vocab_size})",
                                param="structured_outputs_after_token_id")
         return text, token_ids
+
+    def _check_priority(self, params: SamplingParams) -> None:
+        if params.priority != 0 and self.scheduling_policy != "priority":  # as vLLM refuses it
+            raise InvalidInput(f"priority {params.priority} needs the priority scheduling policy "
+                               "(--scheduling-policy priority); this engine admits requests in arrival order",
+                               param="priority", code="unsupported_parameter")

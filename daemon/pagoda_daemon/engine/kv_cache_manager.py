@@ -54,10 +54,10 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of the request's tokens.
 
         At least one token is always left to compute, since the last position's
-        logits are needed to sample.
+        logits are needed to sample (or its hidden state, to pool).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position's logits: compute them all
+        if not self.enable_caching or request.computes_every_position:
+            return [], 0  # prompt logprobs (or mean pooling) need every prompt position: compute them all
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

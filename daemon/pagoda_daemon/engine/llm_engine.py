@@ -22,6 +22,7 @@ from pagoda_daemon.engine.request import Request
 from pagoda_daemon.lora.request import LoRARequest
 from pagoda_daemon.models import loader
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
+from pagoda_daemon.pooling import PoolingParams
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class LLMEngine:
         self.model_config = loader.load_config(config.model)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or config.model)
         self.core = EngineCore(config, self.model_config, tokenizer=self.tokenizer)
+        self.pooling = self.core.pooling  # None: the engine generates
         # As the server's engine does before it reports ready: every kernel compiled now, not
         # during the caller's first batch. (The heap is not frozen: it is the caller's process.)
         self.core.warm_up()
@@ -59,13 +61,14 @@ class LLMEngine:
     def add_processed_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
                               request_id: str | None = None, cache_salt: str | None = None,
                               output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                              lora: LoRARequest | None = None) -> str:
-        """Enqueue a prompt that InputProcessor.process already accepted."""
+                              lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> str:
+        """Enqueue a prompt that InputProcessor.process already accepted (``pooling``: an
+        embedding request, on a pooling engine)."""
         if params.n != 1:
             raise ValueError("n > 1 is served by fanning out into n requests; pass n=1 to the engine")
         rid = request_id if request_id is not None else str(next(self._ids))
         request = Request(rid, token_ids, params, self.eos_token_id, self.config.block_size,
-                          cache_salt_keys(cache_salt), lora=lora)
+                          cache_salt_keys(cache_salt), lora=lora, pooling=pooling)
         self.core.add_request(request)
         self.output_processor.add_request(rid, text, token_ids, params, output_kind)
         return rid

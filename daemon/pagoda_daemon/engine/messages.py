@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from pagoda_daemon.lora.request import LoRARequest
+from pagoda_daemon.pooling import PoolingParams
 
 # ---- frontend -> engine core ----------------------------------------------------------------
 
@@ -30,6 +31,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
     arrival_time: float
     kv_source: str | None = None  # the prefill instance holding the prompt's KV (kv_offload/transfer.py)
     lora: LoRARequest | None = None  # the adapter it runs with (its digest is among extra_keys)
+    pooling: PoolingParams | None = None  # an embedding request: one vector back, nothing sampled
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
@@ -77,6 +79,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # with the first output of a request that asked for them: one entry per prompt token (None
     # for the first, which nothing scores)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # a pooling request's vector, with its final output: float32, little-endian (pooling.py)
+    pooled: bytes | None = None
 
 
 class PrefixCacheStats(msgspec.Struct, array_like=True, gc=False):

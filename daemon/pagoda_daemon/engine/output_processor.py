@@ -25,6 +25,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_delta: list[dict[int, float] | None] | None = None  # not yet handed out
+    pooled: bytes | None = None  # a pooling request's vector, once it came
 
 
 @dataclass
@@ -75,6 +76,8 @@ class OutputProcessor:
             if out.queue_time is not None:
                 state.timing.queue_time = out.queue_time
             state.num_cached_tokens = out.num_cached_tokens
+            if out.pooled is not None:
+                state.pooled = out.pooled
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = state.prompt_logprobs_delta = out.prompt_logprobs
             state.token_ids.extend(out.new_token_ids)
@@ -117,5 +120,5 @@ class OutputProcessor:
         )
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-            state.num_cached_tokens, state.timing, prompt_logprobs,
+            state.num_cached_tokens, state.timing, prompt_logprobs, state.pooled if finished else None,
         )

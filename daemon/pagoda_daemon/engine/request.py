@@ -13,6 +13,7 @@ from pagoda_daemon.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagoda_daemon.engine.grammar import RequestGrammar
     from pagoda_daemon.lora.request import LoRARequest
+    from pagoda_daemon.pooling import PoolingParams
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +47,7 @@ class Request:
         arrival_time: float | None = None,
         kv_source: str | None = None,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,6 +61,9 @@ class Request:
         # kv_offload/transfer.py), when the decode instance fetches from the one each request names
         self.kv_source = kv_source
         self.lora = lora  # the adapter it runs with (its digest is among extra_keys), or None: the base model
+        # an embedding request (pooling.py): its prompt is computed once and one vector comes back,
+        # no token is sampled
+        self.pooling = pooling
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -76,6 +81,13 @@ class Request:
             [None] if sampling_params.prompt_logprobs is not None else None)
         # the constraint's compile and matcher (sampling_params.structured_outputs), set by the scheduler
         self.grammar: RequestGrammar | None = None
+
+    @property
+    def computes_every_position(self) -> bool:
+        """Whether each prompt position's output is needed (prompt logprobs, mean or first-token
+        pooling): the prompt is computed whole, none of it taken from a prefix cache or offload tier."""
+        return self.sampling_params.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.every_position)
 
     @property
     def num_tokens(self) -> int:

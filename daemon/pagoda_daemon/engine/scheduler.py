@@ -183,6 +183,9 @@ class Scheduler:
             if req.num_pending_tokens and self._length_reached(req, req.num_pending_tokens):
                 i += 1  # its pending token ends it: nothing more to compute
                 continue
+            if req.pooling is not None and req.num_computed_tokens >= req.num_tokens:
+                i += 1  # its prompt is computed: its vector is on its way, and it ends with it
+                continue
             num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
             first_step = req.request_id in self._prefetching  # its KV came back beside an earlier step
             if first_step and num_new < req.num_tokens - req.num_computed_tokens and not self.enable_chunked_prefill:
@@ -310,9 +313,9 @@ class Scheduler:
 
     def _offload_candidates(self, req: Request, num_gpu_hits: int) -> list:
         """The block hashes to ask the offload tiers for: those after the GPU's hits, short of
-        the block holding the last token (its logits are needed). None with prompt logprobs,
-        which need every prompt position computed."""
-        if self.connector is None or req.sampling_params.prompt_logprobs is not None:
+        the block holding the last token (its logits are needed). None when every prompt
+        position must be computed (prompt logprobs, mean pooling)."""
+        if self.connector is None or req.computes_every_position:
             return []
         max_blocks = (req.num_tokens - 1) // self.kv_cache.block_size
         return req.block_hashes[num_gpu_hits:max_blocks]
@@ -368,10 +371,12 @@ class Scheduler:
     def _advance(req: Request, num_new: int, block_ids: list[int], is_new: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
-        samples = req.num_computed_tokens == req.num_tokens + req.num_pending_tokens
-        if samples:
+        done = req.num_computed_tokens == req.num_tokens + req.num_pending_tokens
+        if req.pooling is not None:  # nothing sampled: the prompt's vector comes back instead
+            return ScheduledRequest(req, num_new, block_ids, is_new, start, pools=done)
+        if done:
             req.num_pending_tokens += 1
-        return ScheduledRequest(req, num_new, block_ids, is_new, start, samples)
+        return ScheduledRequest(req, num_new, block_ids, is_new, start, done)
 
     def _length_reached(self, req: Request, num_pending: int = 0) -> bool:
         """Whether the request's tokens, with `num_pending` still to arrive, reach max_tokens or max_model_len."""
@@ -403,6 +408,15 @@ class Scheduler:
         finished = []
         accepted: dict[str, int] = {}
         for sched in scheduler_output.scheduled:
+            if sched.pools:
+                req = sched.request
+                if req.status.finished or req.request_id in recomputed:
+                    continue  # aborted meanwhile, or computed again: its vector then comes from that step
+                # A request preempted while this step ran keeps its vector, as a sampled token is kept.
+                req.stop_reason = None
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                finished.append(req)
+                continue
             if not sched.samples:
                 continue  # a prefill chunk that did not reach the end of the prompt
             req = sched.request

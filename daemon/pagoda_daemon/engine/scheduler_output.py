@@ -53,6 +53,13 @@ class ScheduledRequest:
     is_new: bool  # first schedule, or resumed after preemption: the runner rebuilds its state
     start: int = 0  # tokens computed before this step: the position of the first new token
     samples: bool = False  # this step reaches the end of the known tokens and samples the next
+    pools: bool = False  # a pooling request whose prompt this step finishes: its vector comes back
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        """The step must hand this request's hidden states to the host side (prompt logprobs,
+        pooling): it runs eagerly, not in a decode CUDA graph, which returns logits only."""
+        return self.scores_prompt or self.request.pooling is not None
 
     @property
     def scores_prompt(self) -> bool:
@@ -116,8 +123,8 @@ class SchedulerOutput:
 
     @property
     def decode_only(self) -> bool:
-        """One new token per request and no prompt scored: a step a decode CUDA graph can run."""
-        return all(s.num_new_tokens == 1 and not s.scores_prompt for s in self.scheduled)
+        """One new token per request and no hidden states wanted: a step a decode CUDA graph can run."""
+        return all(s.num_new_tokens == 1 and not s.needs_hidden_states for s in self.scheduled)
 
     @property
     def loads_may_fail(self) -> bool:

@@ -24,6 +24,7 @@ from pagoda_daemon.engine.scheduler_output import (
 )
 from pagoda_daemon.lora.request import LoRARequest
 from pagoda_daemon.lora.slots import SlotLoad
+from pagoda_daemon.pooling import PoolingParams
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     sampling_params: dict[str, Any]
     lora: LoRARequest | None = None
+    pooling: PoolingParams | None = None
 
 
 class ScheduledDelta(msgspec.Struct, array_like=True, gc=False):
@@ -42,6 +44,7 @@ class ScheduledDelta(msgspec.Struct, array_like=True, gc=False):
     is_new: bool
     start: int
     samples: bool
+    pools: bool = False
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False):
@@ -132,12 +135,12 @@ class PlanWriter:
             rid = req.request_id
             if rid not in self._sent:
                 new_requests.append(NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params),
-                                               req.lora))
+                                               req.lora, req.pooling))
                 self._sent[rid] = req.num_prompt_tokens
             appended = req.all_token_ids[self._sent[rid]:]
             self._sent[rid] = req.num_tokens
             scheduled.append(ScheduledDelta(rid, appended, s.num_new_tokens, s.new_block_ids, s.is_new, s.start,
-                                            s.samples))
+                                            s.samples, s.pools))
         return StepPlan(new_requests, scheduled, list(sched.finished_request_ids), sched.num_scheduled_tokens,
                         sched.samples_under_grammar, list(sched.kv_loads), list(sched.kv_saves),
                         list(sched.kv_evicted), sched.eplb_layers_held, list(sched.kv_prefetch),
@@ -153,7 +156,7 @@ class PlanWriter:
                 continue
             blocks, generator = runner.request_state(rid)
             mirrored.append(MirroredRequest(
-                NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params), req.lora),
+                NewRequest(rid, req.prompt_token_ids, dataclasses.asdict(req.sampling_params), req.lora, req.pooling),
                 req.all_token_ids[req.num_prompt_tokens:sent], blocks, generator))
         return RankState(mirrored, runner.random_states(), kv_block_ids)
 
@@ -175,7 +178,7 @@ class RequestMirrors:
         for new in plan.new_requests:
             # no prefix-cache hashing here: only rank 0 schedules
             req = Request(new.request_id, new.prompt_token_ids, SamplingParams(**new.sampling_params), None,
-                          self.block_size, lora=new.lora)
+                          self.block_size, lora=new.lora, pooling=new.pooling)
             req.block_hashes.clear()
             self.requests[new.request_id] = req
         scheduled = []
@@ -183,7 +186,8 @@ class RequestMirrors:
             req = self.requests[d.request_id]
             req.output_token_ids.extend(d.appended_token_ids)
             req.all_token_ids.extend(d.appended_token_ids)
-            scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples))
+            scheduled.append(ScheduledRequest(req, d.num_new_tokens, d.new_block_ids, d.is_new, d.start, d.samples,
+                                              d.pools))
         return SchedulerOutput(scheduled, list(plan.finished_request_ids), [], plan.num_scheduled_tokens,
                                plan.samples_under_grammar, kv_evicted=list(plan.kv_evicted),
                                kv_loads=list(plan.kv_loads), kv_saves=list(plan.kv_saves),

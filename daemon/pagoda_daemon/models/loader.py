@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel
 from pagoda_daemon.models.layers import MergedLinear
-from pagoda_daemon.models.registry import resolve_model_class
+from pagoda_daemon.models.registry import is_model_body, resolve_model_class
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,13 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, Checkpoint
     pending = _expected_pieces(model, params)
     stacked = getattr(model, "stacked_params", ())
     expert_param = getattr(model, "expert_param", None)
+    body = is_model_body(model.config)  # AutoModel's checkpoint (embedding models): no head, no prefix
+    if body:
+        pending.pop("lm_head.weight", None)
 
     for name, tensor in weights:
+        if body and not name.startswith("model."):
+            name = "model." + name
         if tied and name == "lm_head.weight":
             continue  # tied checkpoints may still carry a copy of the embedding
         if "rotary_emb.inv_freq" in name:

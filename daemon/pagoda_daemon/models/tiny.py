@@ -145,3 +145,41 @@ def build_tiny_model(
     model.save_pretrained(str(out), **kwargs)
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def build_tiny_embedding_model(
+    arch: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    pooling: str = "last",
+    normalize: bool = True,
+    body: bool = True,
+    **config_overrides,
+) -> Path:
+    """A random ``arch`` model laid out as a sentence-transformers embedding model: with ``body``,
+    the model without its language-model head, as AutoModel saves it (``Qwen3Model``: tensors
+    without the ``model.`` prefix, as Qwen3-Embedding ships), else the whole causal model; a
+    ``modules.json`` with a Pooling module of mode ``pooling`` (last, mean, cls) and, with
+    ``normalize``, a Normalize module. The same weights as ``build_tiny_model(arch, seed=seed)``."""
+    import json
+
+    import torch
+    from transformers import AutoModel
+
+    out = Path(build_tiny_model(arch, out_dir, seed=seed, **config_overrides))
+    if body:
+        full = AutoModel.from_pretrained(str(out), dtype=torch.float32)  # the body of what was just written
+        for f in out.glob("*.safetensors"):
+            f.unlink()
+        full.save_pretrained(str(out))
+    modes = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    hidden = json.loads((out / "config.json").read_text())["hidden_size"]
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden, **{key: key == modes[pooling] for key in modes.values()}}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    return out

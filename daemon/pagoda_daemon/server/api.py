@@ -24,6 +24,7 @@ from pagoda_daemon.kv_offload.transfer_auth import SOURCE_HEADER, SourceHeaders
 from pagoda_daemon.lora.registry import AdapterRegistry
 from pagoda_daemon.lora.request import LoRARequest
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
+from pagoda_daemon.pooling import NOTHING_SAMPLED, EnginePooling, PoolingParams
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server import admin, tokens
 from pagoda_daemon.server.anthropic_output import AnthropicFormat, anthropic_error
@@ -31,6 +32,7 @@ from pagoda_daemon.server.anthropic_request import CountTokensRequest, MessagesR
 from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.chat_reply import ReplyShape
 from pagoda_daemon.server.chat_template import render_chat
+from pagoda_daemon.server.embeddings import EmbeddingRequest, embedding_body
 from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError, PreparedRequest
 from pagoda_daemon.server.errors import APIError, bad_request, unavailable
 from pagoda_daemon.server.http_guard import RequestGuard
@@ -71,6 +73,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # None: thinking stays in the content, as in vLLM
     kv_source_headers: SourceHeaders | None = None  # prefill/decode between hosts (kv_offload/transfer.py)
     adapters: AdapterRegistry | None = None  # LoRA adapters requests may name as their model (--enable-lora)
+    pooling: EnginePooling | None = None  # the model is served for embeddings (runner pooling), else None
 
 
 def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, keys: APIKeys | None = None,
@@ -159,6 +162,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
+        _check_generates(settings, "/v1/completions")
         req = await parse(CompletionRequest, raw)
         _check_model(req.model, settings)
         constraint = req.constraint()
@@ -173,6 +177,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
+        _check_generates(settings, "/v1/chat/completions")
         req = await parse(ChatCompletionRequest, raw)
         _check_model(req.model, settings)
         return await _serve_chat(raw, req)
@@ -180,6 +185,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
     @app.post("/v1/responses")
     async def responses(raw: Request):
         """OpenAI's Responses API, served as the chat request it amounts to (responses_request.py)."""
+        _check_generates(settings, "/v1/responses")
         request = await parse(ResponsesRequest, raw)
         req = request.to_chat(settings.served_model_name)
         _check_model(req.model, settings)
@@ -190,12 +196,35 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         """Anthropic's Messages API, served as the chat request it amounts to (anthropic_request.py);
         its errors in Anthropic's shape, which its SDKs read."""
         try:
+            _check_generates(settings, "/v1/messages")
             request = await parse(MessagesRequest, raw)
             req = request.to_chat()
             _check_model(req.model, settings)
             return await _serve_chat(raw, req, AnthropicFormat(request, req))
         except APIError as e:
             return anthropic_error(e)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request):
+        """OpenAI's embeddings: one pooling request per input (server/embeddings.py)."""
+        pooling = settings.pooling
+        if pooling is None:
+            raise APIError("this server does not serve /v1/embeddings: its model generates text (/v1/completions, "
+                           "/v1/chat/completions); an embedding model is served with --runner pooling", 404,
+                           code="not_found")
+        req = await parse(EmbeddingRequest, raw)
+        lora = _check_model(req.model, settings)
+        try:
+            params = pooling.params(req.normalize, req.dimensions)
+        except ValueError as e:
+            raise bad_request(str(e), param="dimensions") from e
+        inputs = req.inputs()
+        _check_batch_fits(client, settings, len(inputs))
+        if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
+            processed = _process_embedding_inputs(client, inputs, req)
+        else:
+            processed = await asyncio.to_thread(_process_embedding_inputs, client, inputs, req)
+        return await _serve_embeddings(raw, client, settings, req, processed, params, lora, tracer)
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(raw: Request):
@@ -245,9 +274,17 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
 
 # OpenAI routes this server does not serve: a 404 that says so, in the OpenAI error shape.
-NOT_SERVED = ("/v1/embeddings", "/v1/audio/transcriptions", "/v1/audio/translations",
+NOT_SERVED = ("/v1/audio/transcriptions", "/v1/audio/translations",
               "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/rerank", "/v1/score",
               "/pooling", "/classify")
+
+
+def _check_generates(settings: ServerSettings, path: str) -> None:
+    """A 404 on the generation routes of a server that pools (embeddings), as vLLM serves only
+    the routes of its runner."""
+    if settings.pooling is not None:
+        raise APIError(f"this server does not serve {path}: its model '{settings.served_model_name}' is served for "
+                       "embeddings (/v1/embeddings; runner pooling)", 404, code="not_found")
 
 
 def _not_served(path: str):
@@ -366,6 +403,68 @@ def _process_chat(client: EngineClient, req: ChatCompletionRequest, params: Samp
     _check_constraint(constraint, client.config.structured_outputs_backend)
     params = _with_bad_words(client, params, req)
     return [_process_prompt(client, render_chat(client.tokenizer, req), params, req)], params
+
+
+def _process_embedding_inputs(client: EngineClient, inputs: list, req: EmbeddingRequest) -> Processed:
+    """Tokenize and check every input of an embeddings request (400 naming ``input``)."""
+    _ensure_ready(client)
+    params = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)
+    truncate = req.truncation(client.input_processor.max_model_len) if client.input_processor else None
+    processed = []
+    for i, item in enumerate(inputs):
+        where = "input" if len(inputs) == 1 else f"input.{i}"
+        try:
+            processed.append(client.validate(item, params, add_special_tokens=req.add_special_tokens,
+                                              truncate_prompt_tokens=truncate, pooling=True))
+        except InvalidInput as e:
+            raise bad_request(f"{where}: {e}", param=where if e.param == "prompt" else e.param, code=e.code) from e
+        except ValueError as e:
+            raise bad_request(f"{where}: {e}", param=where) from e
+    return processed
+
+
+async def _serve_embeddings(raw: Request, client: EngineClient, settings: ServerSettings, req: EmbeddingRequest,
+                            inputs: Processed, params: PoolingParams, lora: LoRARequest | None, tracer) -> Response:
+    """Submit one pooling request per input and answer with their vectors, in input order."""
+    if client.num_in_flight + len(inputs) > _capacity(client, settings):
+        raise unavailable(f"the server is at capacity ({client.num_in_flight} requests in flight); retry later")
+    name = req.request_id or raw.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+    base_id = "embd-" + name
+    engine_id = f"{base_id}-{uuid.uuid4().hex[:8]}"
+    arrival = time.monotonic()
+    sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)
+    try:
+        prepared = [client.prepare(f"{engine_id}-{i}", text, ids, sampling, None, arrival, None, lora, params)
+                    for i, (text, ids) in enumerate(inputs)]
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+    _ensure_ready(client)  # no await from here to the last submit
+    streams = [(i, client.submit(p, RequestOutputKind.FINAL_ONLY)) for i, p in enumerate(prepared)]
+    arrived = raw.scope.get("state", {}).get("arrived")  # set by the RequestGuard
+    if client.metrics is not None and arrived is not None:
+        client.metrics.observe_admission(arrival - arrived)
+    span = None
+    if tracer is not None:
+        span = tracer.start_request_span(dict(raw.headers), base_id, {
+            "gen_ai.request.model": req.model, "gen_ai.operation.name": "embeddings",
+            "gen_ai.request.encoding_formats": [req.encoding_format]})
+        span.event("queued")
+    finals = await _gather_finals(raw, streams, span)
+    if finals is None:
+        return JSONResponse({}, status_code=499)
+    prompt_tokens = sum(len(ids) for _, ids in inputs)
+    failed = next((i for i in range(len(inputs)) if finals[i].pooled is None), None)
+    if failed is not None:
+        out = finals[failed].outputs[0]
+        if span is not None:
+            span.end(out.finish_reason, prompt_tokens, 0, error=str(out.stop_reason))
+        raise APIError(f"the engine could not compute input {failed}: {out.stop_reason or out.finish_reason}", 500)
+    raw.state.usage = (prompt_tokens, 0)  # the access line
+    if span is not None:
+        span.end("stop", prompt_tokens, 0)
+    body = embedding_body(req.model, [finals[i].pooled for i in range(len(inputs))],  # type: ignore[misc]
+                          req.encoding_format, prompt_tokens)
+    return Response(msgspec.json.encode(body), media_type="application/json")
 
 
 def _model_card(settings: ServerSettings, client: EngineClient) -> dict:
@@ -529,8 +628,9 @@ def _span_events(span, out: RequestOutput) -> None:
         span.event("first_token", timestamp=_wall(m.first_token_time))
 
 
-async def _collect(raw: Request, streams, builder: CompletionBuilder, span, reply_format: ReplyFormat | None = None,
-                   reply_id: str = "", created: int = 0) -> JSONResponse:
+async def _gather_finals(raw: Request, streams, span) -> dict[int, RequestOutput] | None:
+    """Every request's final output, by index; None when the client went away meanwhile (every
+    request of it is then aborted, and the span ended)."""
     finals: dict[int, RequestOutput] = {}
 
     async def gather():
@@ -550,12 +650,20 @@ async def _collect(raw: Request, streams, builder: CompletionBuilder, span, repl
                     await task
                 if span is not None:
                     span.end("abort", 0, 0, error="client disconnected")
-                return JSONResponse({}, status_code=499)
+                return None
         task.result()
     except EngineDeadError as e:
         if span is not None:
             span.end(None, 0, 0, error=str(e))
         raise e.api_error() from e
+    return finals
+
+
+async def _collect(raw: Request, streams, builder: CompletionBuilder, span, reply_format: ReplyFormat | None = None,
+                   reply_id: str = "", created: int = 0) -> JSONResponse:
+    finals = await _gather_finals(raw, streams, span)
+    if finals is None:
+        return JSONResponse({}, status_code=499)
     body = builder.full(finals)
     u = body["usage"]
     raw.state.usage = (u["prompt_tokens"], u["completion_tokens"])  # the access line

@@ -50,6 +50,7 @@ from pagoda_daemon.engine.output_processor import OutputProcessor
 from pagoda_daemon.lora.request import LoRARequest, lora_cache_keys
 from pagoda_daemon.models import loader
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
+from pagoda_daemon.pooling import PoolingParams
 from pagoda_daemon.sampling_params import SamplingParams
 from pagoda_daemon.server import wire
 from pagoda_daemon.server.core_process import run_engine_core
@@ -253,12 +254,12 @@ class EngineClient:
     # ---- requests ---------------------------------------------------------------------
 
     def validate(self, prompt: PromptType, params: SamplingParams, *, add_special_tokens: bool = True,
-                 truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt; ValueError on bad input."""
+                 truncate_prompt_tokens: int | None = None, pooling: bool = False) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt (``pooling``: an embedding input); ValueError on bad input."""
         if self.input_processor is None:
             raise EngineDeadError("the engine is not ready")
         return self.input_processor.process(prompt, params, add_special_tokens=add_special_tokens,
-                                            truncate_prompt_tokens=truncate_prompt_tokens)
+                                            truncate_prompt_tokens=truncate_prompt_tokens, pooling=pooling)
 
     @property
     def num_in_flight(self) -> int:
@@ -266,12 +267,14 @@ class EngineClient:
 
     def prepare(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                 cache_salt: str | None = None, arrival: float | None = None,
-                kv_source: str | None = None, lora: LoRARequest | None = None) -> PreparedRequest:
+                kv_source: str | None = None, lora: LoRARequest | None = None,
+                pooling: PoolingParams | None = None) -> PreparedRequest:
         """Encode one (validated) request for the core; ValueError when it cannot be. Nothing is
         registered yet, so a failure here leaves nothing behind."""
         arrival = time.monotonic() if arrival is None else arrival
         salt = cache_salt_keys(cache_salt)
-        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, salt, arrival, kv_source, lora)
+        frame = wire.encode_add(request_id, prompt_ids, params, self.eos_token_id, salt, arrival, kv_source, lora,
+                                pooling)
         # the keys the core's block hashes take (the adapter's added by Request), for routing by prefix
         return PreparedRequest(request_id, prompt_text, prompt_ids, params, arrival, frame,
                                salt + lora_cache_keys(lora))

@@ -99,6 +99,19 @@ class IgnoredFields:
 
 IGNORED_FIELDS = IgnoredFields()
 
+
+def check_extra_fields(extra: dict[str, Any] | None, unsupported: tuple[str, ...], where: str = "") -> None:
+    """A body's unknown fields: a 400 for one of ``unsupported`` (it would change the answer), the
+    others ignored and logged once each (vLLM's clients send bookkeeping fields of their own)."""
+    ignored = []
+    for name in extra or {}:
+        if name in unsupported:
+            raise bad_request(f"parameter '{name}'{where} is not supported by Pagoda yet", param=name,
+                              code="unsupported_parameter")
+        ignored.append(name)
+    if ignored:
+        IGNORED_FIELDS.note(ignored)
+
 # JSON can only carry a lone surrogate as a \uD800-\uDFFF escape: bodies without one skip the scan.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
@@ -306,14 +319,7 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _reject_unsupported(self):
-        ignored = []
-        for name in self.model_extra or {}:
-            if name in UNSUPPORTED:
-                raise bad_request(f"parameter '{name}' is not supported by Pagoda yet", param=name,
-                                  code="unsupported_parameter")
-            ignored.append(name)
-        if ignored:
-            IGNORED_FIELDS.note(ignored)
+        check_extra_fields(self.model_extra, UNSUPPORTED)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         return self

@@ -244,6 +244,9 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         if config.data_parallel_size > 1:
             _check_data_parallel(config, options["kv_events_endpoint"])
         kv_source_headers = SourceHeaders.from_config(config)
+        from pagoda_daemon.pooling import engine_pooling
+
+        pooling = engine_pooling(config, model_config)  # None: the model generates
         name = options["served_model_name"] or Path(options["model"]).resolve().name
         adapters = None
         if config.enable_lora and config.node_rank == 0:  # each read and checked against the model now
@@ -259,7 +262,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         from pagoda_daemon.executor.multiproc import run_node
 
         return run_node(config, model_config, max_len, options["node_ready_port"])
-    return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len,
+    return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len, pooling,
                               kv_source_headers, adapters))
 
 
@@ -290,7 +293,7 @@ def _keys(options: dict) -> tuple[APIKeys, APIKeys]:
 
 
 async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int,
-                 kv_source_headers=None, adapters=None) -> int:
+                 pooling=None, kv_source_headers=None, adapters=None) -> int:
     import uvicorn
 
     from pagoda_daemon.server.api import ServerSettings, build_app
@@ -314,7 +317,7 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
                           kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
     settings = ServerSettings(served_name, options["max_waiting_requests"], tool_call_parser=options["tool_call_parser"],
                               reasoning_parser=options["reasoning_parser"], kv_source_headers=kv_source_headers,
-                              adapters=adapters)
+                              adapters=adapters, pooling=pooling)
     app = build_app(client, settings, tracer, keys=keys, admin_keys=admin_keys,
                     limits=RequestLimits(options["max_request_body_bytes"]), api_docs=options["enable_fastapi_docs"])
     await client.start()

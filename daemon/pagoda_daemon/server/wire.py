@@ -10,6 +10,7 @@ import msgspec
 from pagoda_daemon.engine.messages import AddRequest, FromCore, ToCore
 from pagoda_daemon.engine.request import Request
 from pagoda_daemon.lora.request import LoRARequest
+from pagoda_daemon.pooling import PoolingParams
 from pagoda_daemon.sampling_params import SamplingParams, is_strict_int
 
 _encoder = msgspec.msgpack.Encoder()
@@ -53,19 +54,19 @@ def _request_id_of(frame: bytes) -> str | None:
 
 def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int | None,
                 extra_keys: tuple, arrival_time: float, kv_source: str | None = None,
-                lora: LoRARequest | None = None) -> AddRequest:
+                lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> AddRequest:
     return AddRequest(request_id, prompt_token_ids, dataclasses.asdict(params), eos_token_id,
-                      [list(k) for k in extra_keys], arrival_time, kv_source, lora)
+                      [list(k) for k in extra_keys], arrival_time, kv_source, lora, pooling)
 
 
 def encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int | None,
                extra_keys: tuple, arrival_time: float, kv_source: str | None = None,
-               lora: LoRARequest | None = None) -> bytes:
+               lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> bytes:
     """The ADD frame of one request. Built before the request is registered anywhere, so a
     request that cannot be encoded fails alone: ValueError, and nothing to undo."""
     try:
         return encode(add_request(request_id, prompt_token_ids, params, eos_token_id, extra_keys, arrival_time,
-                                  kv_source, lora))
+                                  kv_source, lora, pooling))
     except (TypeError, ValueError, OverflowError, msgspec.MsgspecError) as e:  # UnicodeEncodeError is a ValueError
         raise ValueError(f"the request cannot be encoded: {e}") from e
 
@@ -85,5 +86,5 @@ def to_request(add: AddRequest, block_size: int, vocab_size: int) -> Request:
     return Request(
         add.request_id, prompt, params, add.eos_token_id, block_size,
         extra_keys=tuple(tuple(k) for k in add.extra_keys), arrival_time=add.arrival_time, kv_source=add.kv_source,
-        lora=add.lora,
+        lora=add.lora, pooling=add.pooling,
     )

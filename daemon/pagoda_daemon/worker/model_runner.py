@@ -29,6 +29,7 @@ from pagoda_daemon.telemetry.profiling import phase
 from pagoda_daemon.worker import step_shapes
 from pagoda_daemon.worker.cuda_graphs import CudaGraphRunner
 from pagoda_daemon.worker.piecewise_graphs import PiecewiseGraphRunner
+from pagoda_daemon.worker.pooler import PooledRows, Pooler
 from pagoda_daemon.worker.sampler import Sampler, SamplingBatch
 from pagoda_daemon.worker.staging_buffers import StagingBuffers, StepInputs
 
@@ -72,6 +73,9 @@ class StepResult:
     # GPU blocks whose KV offload loads failed on some rank (Worker.execute_model): their
     # requests' tokens from this step are wrong, and the scheduler recomputes them
     failed_kv_blocks: list[int] = field(default_factory=list)
+    # request id -> its pooled vector (float32 little-endian bytes), for pooling requests whose
+    # prompt the step finished
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,12 +113,14 @@ class LaunchedStep:
 
     def __init__(self, request_ids: list[str], num_logprobs: list[int | None], host: dict[str, torch.Tensor],
                  event: torch.cuda.Event | None,
-                 prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] | None = None) -> None:
+                 prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] | None = None,
+                 pooled: PooledRows | None = None) -> None:
         self.request_ids = request_ids
         self.num_logprobs = num_logprobs
         self.host = host
         self.event = event
         self.prompt_logprobs = prompt_logprobs or {}
+        self.pooled = pooled  # on its way to pinned host memory, behind the same event
         self.failed_kv_blocks: list[int] = []
         # the disk files the step saved, written beside the steps: its outputs wait for them
         self.kv_writes: list[Future[None]] = []
@@ -134,8 +140,9 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         self.wait()  # also a step that sampled nothing: the next step but one reuses its input buffers
+        pooled = self.pooled.finish() if self.pooled is not None else {}
         if not self.request_ids:
-            return StepResult({}, {}, self.prompt_logprobs, self.failed_kv_blocks)
+            return StepResult({}, {}, self.prompt_logprobs, self.failed_kv_blocks, pooled)
         tokens = self.host["sampled"].tolist()
         sampled = dict(zip(self.request_ids, tokens))
         logprobs: dict[str, dict[int, float]] = {}
@@ -152,7 +159,7 @@ class LaunchedStep:
                 for tid, lp in zip(top_ids[j][:n], top_lps[j][:n]):
                     entry.setdefault(tid, lp)
                 logprobs[rid] = entry
-        return StepResult(sampled, logprobs, self.prompt_logprobs, self.failed_kv_blocks)
+        return StepResult(sampled, logprobs, self.prompt_logprobs, self.failed_kv_blocks, pooled)
 
 
 @dataclass
@@ -163,6 +170,7 @@ class PendingSample:
     logits: torch.Tensor
     rows: list[int]  # the scheduled entries that sample, in logits row order
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]]
+    pooled: PooledRows | None = None
 
 
 class ModelRunner:
@@ -191,6 +199,7 @@ class ModelRunner:
         self.max_cudagraph_batch_size = min(engine_config.max_cudagraph_batch_size, self.max_num_seqs,
                                             self.max_num_tokens)
         self._prompt_rows = PromptLogprobRows()  # the eager step being prepared
+        self.pooler = Pooler()  # pooling requests' partial vectors between steps (worker/pooler.py)
         self._pending: PendingSample | None = None  # a step waiting for its grammar masks
         # Eager steps padded to a grid of token counts warmed up at start-up (step_shapes.py):
         # on by default on CUDA, where cuBLAS stalls the host on every new shape.
@@ -298,6 +307,7 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+            self.pooler.forget(rid)
         for s in sched.scheduled:
             rid = s.request.request_id
             state = self.requests.get(rid)
@@ -559,9 +569,10 @@ class ModelRunner:
                         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 logits = self.model.compute_logits(hidden[inputs.lm_head_indices])[: len(rows)] if rows else None
         prompt_logprobs = self._prompt_logprobs(hidden, self._prompt_rows) if graph_size is None else {}
+        pooled = self._pool(sched, hidden, inputs) if graph_size is None else None
         if not rows:  # nothing sampled, but its inputs' buffers are free only once it has run
-            return LaunchedStep([], [], {}, self._step_done(), prompt_logprobs)
-        pending = PendingSample(sched, logits, rows, prompt_logprobs)
+            return LaunchedStep([], [], {}, self._step_done(), prompt_logprobs, pooled)
+        pending = PendingSample(sched, logits, rows, prompt_logprobs, pooled)
         if sched.samples_under_grammar:
             self._pending = pending  # sample() finishes the step once the masks are made
             return None
@@ -593,7 +604,17 @@ class ModelRunner:
                 if value is not None:
                     host[name] = self._to_host(value)
             event = self._step_done()
-        return LaunchedStep(rids, [r.sampling_params.logprobs for r in reqs], host, event, pending.prompt_logprobs)
+        return LaunchedStep(rids, [r.sampling_params.logprobs for r in reqs], host, event, pending.prompt_logprobs,
+                            pending.pooled)
+
+    def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor, inputs: StepInputs) -> PooledRows | None:
+        """The vectors of the pooling requests this step finished, started on their way to the host."""
+        if inputs.meta is None or not any(s.request.pooling is not None for s in sched.scheduled):
+            return None
+        pooled = self.pooler.pool(sched, hidden, inputs.meta.query_start_loc_cpu)
+        if pooled is not None and pooled.vectors is not None:
+            pooled.vectors = self._to_host(pooled.vectors)
+        return pooled
 
     def _step_done(self) -> torch.cuda.Event | None:
         """An event behind the step's work on the device, for whoever waits for it."""

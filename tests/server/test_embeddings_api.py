@@ -1,0 +1,157 @@
+"""``POST /v1/embeddings`` through a real `pagoda serve` and the openai client: the vectors equal
+Hugging Face transformers' (AutoModel, pooled as the model's sentence-transformers config says)
+whether the client asks for base64 (its default) or floats; batches of texts and of token ids
+come back in order with their usage; what cannot be served is a 4xx in the OpenAI error shape
+and the server serves on, holding nothing afterwards; a pooling server does not generate and a
+generating server serves no embeddings (404s, as vLLM serves only its runner's routes)."""
+
+from __future__ import annotations
+
+import base64
+import random
+
+import httpx
+import numpy as np
+import pytest
+
+from pagoda_daemon.models.tiny import build_tiny_embedding_model
+from tests.engine.test_pooling import TOLERANCE, reference
+from tests.server.conftest import running
+from tests.server.test_observability import scrape
+
+MODEL = "tiny-embed"
+
+
+@pytest.fixture(scope="module")
+def embedding_server(tmp_path_factory):
+    path = str(build_tiny_embedding_model("qwen3", tmp_path_factory.mktemp("models") / "embed", seed=21))
+    with running(path, "--max-model-len", "128", "--max-num-batched-tokens", "64",
+                 log_dir=tmp_path_factory.mktemp("logs"), served_name=MODEL) as srv:
+        yield srv, path
+
+
+def _client(srv):
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _post(srv, body: dict, path: str = "/v1/embeddings") -> httpx.Response:
+    return httpx.post(srv.url + path, json=body, timeout=60)
+
+
+def test_vectors_equal_transformers_through_the_openai_client(embedding_server):
+    srv, path = embedding_server
+    client = _client(srv)
+    rng = random.Random()
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 128))] for _ in range(9)]
+    want = reference(path, prompts, "last", True)
+    default = client.embeddings.create(model=MODEL, input=prompts)  # the client asks for base64 and decodes it
+    floats = client.embeddings.create(model=MODEL, input=prompts, encoding_format="float")
+    for reply in (default, floats):
+        assert [d.index for d in reply.data] == list(range(len(prompts)))
+        for d, w in zip(reply.data, want, strict=True):
+            np.testing.assert_allclose(np.asarray(d.embedding), w, atol=TOLERANCE, rtol=0)
+        assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, prompts))
+        assert reply.model == MODEL and reply.object == "list"
+    raw = _post(srv, {"model": MODEL, "input": prompts[0], "encoding_format": "base64"}).json()
+    vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vector, want[0], atol=TOLERANCE, rtol=0)
+    # texts as the model's tokenizer makes them; normalize off (vLLM's field)
+    from transformers import AutoTokenizer
+
+    texts = ["The capital of France is", "déjà vu 東京 🚀"]
+    ids = [AutoTokenizer.from_pretrained(path).encode(t) for t in texts]
+    reply = _post(srv, {"model": MODEL, "input": texts, "normalize": False, "encoding_format": "float"}).json()
+    for d, w in zip(reply["data"], reference(path, ids, "last", False), strict=True):
+        np.testing.assert_allclose(np.asarray(d["embedding"]), w, atol=TOLERANCE, rtol=0)
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, ids))
+    srv.wait_idle()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": [1, -1]}, "input"),
+    ({"input": [[1, 2], [600]]}, "input.1"),
+    ({"input": ["ok"] * 2049}, "input"),
+    ({"input": 7}, "input"),
+    ({"input": [1.5]}, "input"),
+    ({"input": "hello", "dimensions": 8}, "dimensions"),
+    ({"input": "hello", "dimensions": 0}, "dimensions"),
+    ({"input": "hello", "encoding_format": "bytes"}, "encoding_format"),
+    ({"input": "hello", "normalize": "yes"}, "normalize"),
+    ({"input": "hello", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "hello", "priority": 3}, "priority"),
+    ({"input": "hello", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ({"input": "hello", "model": "other"}, "model"),
+    ({"input": list(range(3, 132))}, "input"),  # 129 tokens: past the 128-token context
+])
+def test_what_cannot_be_served_is_a_400(embedding_server, body, param):
+    srv, _ = embedding_server
+    reply = _post(srv, {"model": MODEL, **body})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    ok = _post(srv, {"model": MODEL, "input": "still serving", "unknown_field": 1})  # unknown fields are ignored
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
+
+
+def test_truncation_and_a_whole_context(embedding_server):
+    srv, path = embedding_server
+    ids = [random.randrange(3, 500) for _ in range(140)]
+    reply = _post(srv, {"model": MODEL, "input": ids, "truncate_prompt_tokens": 128, "encoding_format": "float"})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 128
+    np.testing.assert_allclose(reply.json()["data"][0]["embedding"], reference(path, [ids[-128:]], "last", True)[0],
+                               atol=TOLERANCE, rtol=0)
+    assert _post(srv, {"model": MODEL, "input": ids[:128]}).status_code == 200  # the whole context, nothing after it
+    srv.wait_idle()
+
+
+def test_a_pooling_server_does_not_generate(embedding_server):
+    srv, _ = embedding_server
+    for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions",
+                                                               {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/v1/responses", {"input": "hi"})):
+        reply = _post(srv, {"model": MODEL, **body}, route)
+        assert reply.status_code == 404 and "embeddings" in reply.json()["error"]["message"]
+
+
+def test_metrics_count_each_input(embedding_server):
+    srv, _ = embedding_server
+    srv.wait_idle()
+
+    def get(values, name: str, **labels) -> float:
+        return sum(v for (n, keys), v in values.items() if n == name and {("model_name", MODEL), *labels.items()}
+                   <= set(keys))
+
+    before = scrape(srv.url)
+    inputs = [[random.randrange(3, 500) for _ in range(random.randint(1, 60))] for _ in range(3)]
+    assert _post(srv, {"model": MODEL, "input": inputs}).status_code == 200
+    srv.wait_idle()
+    after = scrape(srv.url)
+    assert get(after, "vllm:prompt_tokens_total") - get(before, "vllm:prompt_tokens_total") == sum(map(len, inputs))
+    assert get(after, "vllm:request_success_total", finished_reason="stop") - \
+        get(before, "vllm:request_success_total", finished_reason="stop") == 3
+    assert get(after, "vllm:generation_tokens_total") == get(before, "vllm:generation_tokens_total")
+    assert get(after, "vllm:e2e_request_latency_seconds_count") - \
+        get(before, "vllm:e2e_request_latency_seconds_count") == 3
+
+
+def test_a_generating_server_serves_no_embeddings(server):
+    reply = _post(server, {"model": "tiny-llama", "input": "hi"})
+    assert reply.status_code == 404 and "--runner pooling" in reply.json()["error"]["message"]
+
+
+def test_a_pooling_mode_not_served_is_refused_at_start(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = build_tiny_embedding_model("llama", tmp_path / "max", seed=22)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    done = subprocess.run([sys.executable, "-m", "pagoda_daemon", "serve", str(path), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pooling_mode_max_tokens" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
