@@ -8,7 +8,8 @@
 #                                               multi-gpu-tests|multi-gpu-one|vllm-moe-stash|multi-gpu-vllm|
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|kv-load-bandwidth|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               prefill-profile|kernels-prefill|kernels-moe|
-#                                               all-reduce|dp|eplb|api-compat|lora-tests|lora-bench|lora-vllm] ...
+#                                               all-reduce|dp|eplb|api-compat|lora-tests|lora-bench|lora-vllm|
+#                                               pooling-tests|embed-vllm] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -753,6 +754,29 @@ PY
       done
     fi
   done
+fi
+if has pooling-tests; then
+  # Needs msgspec in .whl (the GPU image has none).
+  step "Embeddings: parity with transformers on CUDA (float32; last, mean and first-token pooling; whole and chunked)"
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pooling_gpu.py 2>&1 | tail -15 | tee "$OUT/pooling-pytest.txt" || status=1
+fi
+if has embed-vllm; then
+  # Embedding throughput, vLLM 0.26.0's LLM.embed (runner pooling) then Pagoda's engine, each in a
+  # process of its own, on the same workloads (benchmarks/embed_bench.py, benchmarks/vllm_embed.py)
+  # and the same model directory (the Qwen3-0.6B shape with a word-level tokenizer: vLLM's pooling
+  # runner needs one). Needs the vLLM kit as for `vllm` (a `vllm-stash` call right before);
+  # EMBED_NO_VLLM=1: Pagoda alone.
+  step "Embeddings beside vLLM: workloads ${EMBED_WORKLOADS:-short,long} (Qwen3-0.6B shape, random weights, bf16)"
+  q06_model
+  if [ -z "${EMBED_NO_VLLM:-}" ]; then
+    unpack_vllm || status=1
+    PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_NO_USAGE_STATS=1 timeout 400 python3 -m benchmarks.vllm_embed \
+      $M --workloads "${EMBED_WORKLOADS:-short,long}" > "$OUT/embed-vllm.log" 2>&1 \
+      || { status=1; grep -B12 -m1 Error "$OUT/embed-vllm.log"; }
+    grep -E '^RESULT|^ROUND' "$OUT/embed-vllm.log" | tee -a "$OUT/embed.jsonl"
+  fi
+  python3 -m benchmarks.embed_bench $M --workloads "${EMBED_WORKLOADS:-short,long}" 2>&1 \
+    | grep -E '^RESULT|^ROUND|Error' | tee -a "$OUT/embed.jsonl" || status=1
 fi
 echo; echo "run_gpu.sh finished with status $status"
 exit $status

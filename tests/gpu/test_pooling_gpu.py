@@ -1,0 +1,44 @@
+"""Embeddings on a CUDA device, on the default GPU path (Triton kernels, piecewise CUDA graphs for
+steps with prompts, async scheduling, padded eager steps): float32 vectors (TF32 off) against
+Hugging Face transformers' AutoModel on the same device for last-token, mean and first-token
+pooling, whole and chunked; bfloat16 vectors against the float32 reference by cosine.
+
+Skipped without a GPU (CI); run on the GPU machine by `benchmarks/run_gpu.sh pooling-tests`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda_daemon import LLM
+from tests.engine.test_pooling import assert_nothing_left, embedding_models, random_prompts, reference  # noqa: F401
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+ENGINE = dict(device="cuda", block_size=16, max_model_len=256, gpu_memory_utilization=0.3)
+
+
+@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 32}], ids=["whole", "chunked-32"])
+@pytest.mark.parametrize("name, pooling, normalize", [("qwen3-last", "last", True), ("llama-mean", "mean", False),
+                                                      ("qwen3-cls-causal", "cls", True)])
+def test_vectors_equal_transformers_on_cuda(embedding_models, name, pooling, normalize, config):  # noqa: F811
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = embedding_models[name]
+    prompts = random_prompts(random.Random(), 24)
+    want = reference(path, prompts, pooling, normalize)  # on the CPU, float32
+    llm = LLM(path, dtype="float32", **ENGINE, **config)
+    assert llm.engine.core.worker_info.attention_backend != "torch"
+    for got, w in zip(llm.embed(prompts), want, strict=True):
+        np.testing.assert_allclose(got.outputs.embedding, w, atol=2e-4, rtol=0)
+    assert_nothing_left(llm)
+    del llm
+    half = LLM(path, dtype="bfloat16", **ENGINE, **config)
+    for got, w in zip(half.embed(prompts), want, strict=True):
+        g = np.asarray(got.outputs.embedding)
+        assert float(g @ w) / (np.linalg.norm(g) * np.linalg.norm(w)) > 0.995
