@@ -25,7 +25,8 @@ MODEL = "tiny-embed"
 @pytest.fixture(scope="module")
 def embedding_server(tmp_path_factory):
     path = str(build_tiny_embedding_model("qwen3", tmp_path_factory.mktemp("models") / "embed", seed=21))
-    with running(path, "--max-model-len", "128", "--max-num-batched-tokens", "64",
+    with running(path, "--max-model-len", "128", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+                 "--max-waiting-requests", "8",
                  log_dir=tmp_path_factory.mktemp("logs"), served_name=MODEL) as srv:
         yield srv, path
 
@@ -76,6 +77,7 @@ def test_vectors_equal_transformers_through_the_openai_client(embedding_server):
     ({"input": [1, -1]}, "input"),
     ({"input": [[1, 2], [600]]}, "input.1"),
     ({"input": ["ok"] * 2049}, "input"),
+    ({"input": ["ok"] * 17}, "input"),  # more than the server ever holds (8 running + 8 waiting)
     ({"input": 7}, "input"),
     ({"input": [1.5]}, "input"),
     ({"input": "hello", "dimensions": 8}, "dimensions"),
@@ -155,3 +157,34 @@ def test_a_pooling_mode_not_served_is_refused_at_start(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "pooling_mode_max_tokens" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_trace_of_an_embeddings_request(tmp_path):
+    """One span per request, child of the caller's traceparent, named as OTel's GenAI conventions
+    name an embeddings operation, with its input tokens."""
+    import time
+
+    from tests.telemetry.test_tracing import Receiver, attrs
+
+    receiver = Receiver()
+    path = str(build_tiny_embedding_model("qwen3", tmp_path / "embed", seed=23))
+    try:
+        with running(path, "--max-model-len", "128", "--otlp-traces-endpoint", receiver.base_url + "/v1/traces",
+                     log_dir=tmp_path, served_name=MODEL) as srv:
+            trace_id, parent_id = "0af7651916cd43dd8448eb211c80319d", "b7ad6b7169203332"
+            reply = httpx.post(srv.url + "/v1/embeddings", json={"model": MODEL, "input": [[5, 6, 7], [8, 9]]},
+                               headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}, timeout=60)
+            assert reply.status_code == 200
+            deadline = time.monotonic() + 20
+            spans: list = []
+            while time.monotonic() < deadline and not spans:
+                spans = [s for _, s in receiver.spans() if s.trace_id.hex() == trace_id]
+                time.sleep(0.2)
+        assert len(spans) == 1, receiver.spans()
+        span = spans[0]
+        assert span.name == f"embeddings {MODEL}" and span.parent_span_id.hex() == parent_id
+        a = attrs(span.attributes)
+        assert a["gen_ai.operation.name"] == "embeddings" and a["gen_ai.usage.input_tokens"] == 5
+        assert a["gen_ai.response.id"].startswith("embd-")
+    finally:
+        receiver.close()

@@ -219,7 +219,7 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         except ValueError as e:
             raise bad_request(str(e), param="dimensions") from e
         inputs = req.inputs()
-        _check_batch_fits(client, settings, len(inputs))
+        _check_batch_fits(client, settings, len(inputs), embeddings=True)
         if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
             processed = _process_embedding_inputs(client, inputs, req)
         else:
@@ -316,13 +316,15 @@ def _capacity(client: EngineClient, settings: ServerSettings) -> int:
     return client.config.max_num_seqs + settings.max_waiting_requests
 
 
-def _check_batch_fits(client: EngineClient, settings: ServerSettings, num_requests: int) -> None:
+def _check_batch_fits(client: EngineClient, settings: ServerSettings, num_requests: int,
+                      embeddings: bool = False) -> None:
     """A batch larger than the server can ever hold is the caller's error (400), not a retry (503)."""
     limit = _capacity(client, settings)
     if num_requests > limit:
-        raise bad_request(f"the request asks for {num_requests} generations (prompts x n), more than this server "
-                          f"ever holds at once ({limit}); split it", param="n" if num_requests == 1 else "prompt",
-                          code="too_many_generations")
+        what, param = ("inputs", "input") if embeddings else (
+            "generations (prompts x n)", "n" if num_requests == 1 else "prompt")
+        raise bad_request(f"the request asks for {num_requests} {what}, more than this server ever holds at once "
+                          f"({limit}); split it", param=param, code="too_many_generations")
 
 
 def _ensure_ready(client: EngineClient) -> None:
