@@ -199,7 +199,8 @@ class ModelRunner:
         self.max_cudagraph_batch_size = min(engine_config.max_cudagraph_batch_size, self.max_num_seqs,
                                             self.max_num_tokens)
         self._prompt_rows = PromptLogprobRows()  # the eager step being prepared
-        self.pooler = Pooler()  # pooling requests' partial vectors between steps (worker/pooler.py)
+        # a pooling engine's requests' partial vectors between steps (worker/pooler.py); None: it generates
+        self.pooler = Pooler() if engine_config.runner == "pooling" else None
         self._pending: PendingSample | None = None  # a step waiting for its grammar masks
         # Eager steps padded to a grid of token counts warmed up at start-up (step_shapes.py):
         # on by default on CUDA, where cuBLAS stalls the host on every new shape.
@@ -307,7 +308,8 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
-            self.pooler.forget(rid)
+            if self.pooler is not None:
+                self.pooler.forget(rid)
         for s in sched.scheduled:
             rid = s.request.request_id
             state = self.requests.get(rid)
@@ -609,7 +611,7 @@ class ModelRunner:
 
     def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor, inputs: StepInputs) -> PooledRows | None:
         """The vectors of the pooling requests this step finished, started on their way to the host."""
-        if inputs.meta is None or not any(s.request.pooling is not None for s in sched.scheduled):
+        if self.pooler is None or inputs.meta is None:
             return None
         pooled = self.pooler.pool(sched, hidden, inputs.meta.query_start_loc_cpu)
         if pooled is not None and pooled.vectors is not None:
