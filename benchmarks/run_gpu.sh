@@ -780,32 +780,40 @@ if has embed-vllm; then
 fi
 if has embed-serve; then
   # /v1/embeddings of `pagoda serve` and then `vllm serve` (0.26.0), both --runner pooling on the
-  # Qwen3-0.6B shape (random weights, word-level tokenizer), driven by benchmarks/embed_serve.py at
-  # each EMBED_SERVE_LOADS entry (concurrency x inputs per request). Needs the vLLM kit as for `vllm`
-  # (a `vllm-stash` call first); Pagoda's server takes fastapi, uvicorn, pydantic and pyzmq from it.
-  step "Embeddings served: pagoda serve, then vllm serve, loads ${EMBED_SERVE_LOADS:-64x1 16x32}"
+  # Qwen3-0.6B shape (random weights, word-level tokenizer), driven by `pagoda bench sweep --endpoint
+  # embeddings` over max_concurrency (EMBED_CONCURRENCY), 4,096 inputs of 16-256 tokens a point, fresh
+  # ones each point. Needs the vLLM kit as for `vllm` (a `vllm-stash` call first); Pagoda's server takes
+  # fastapi, uvicorn, pydantic and pyzmq from it.
+  step "Embeddings served: pagoda serve, then vllm serve, concurrency ${EMBED_CONCURRENCY:-1,16,64,256}"
   unpack_vllm || status=1
   q06_model
-  embed_loads() {  # PORT LABEL
-    for load in ${EMBED_SERVE_LOADS:-64x1 16x32}; do
-      python3 -m benchmarks.embed_serve --url "http://127.0.0.1:$1" --model m --server "$2" \
-        --concurrency "${load%x*}" --batch "${load#*x}" 2>&1 | grep -E '^RESULT|^ROUND|failure|Error' \
-        | tee -a "$OUT/embed-serve.jsonl" || status=1
-    done
+  embed_sweep() {  # PORT LABEL
+    python3 -m pagoda_daemon bench sweep --server "$2=http://127.0.0.1:$1" --model m --endpoint embeddings \
+      --dataset random --vocab-size 10000 --num-prompts 4096 --input-len 136 --range-ratio 0.88 \
+      --workload-var max_concurrency --values "${EMBED_CONCURRENCY:-1,16,64,256}" --experiment-name embed-serve \
+      --output-dir "$OUT/bench" --resume --no-progress 2>&1 | tail -8 || status=1
   }
   PYTHONPATH=$PYTHONPATH:/tmp/vsite python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 4096 \
     --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 --runner pooling \
     > "$OUT/pagoda-embed-serve.log" 2>&1 &
   pid=$!
-  if wait_ready 18000 /ready $pid; then embed_loads 18000 pagoda; else status=1; tail -20 "$OUT/pagoda-embed-serve.log"; fi
+  if wait_ready 18000 /ready $pid; then PYTHONPATH=$PYTHONPATH:/tmp/vsite embed_sweep 18000 pagoda
+  else status=1; tail -20 "$OUT/pagoda-embed-serve.log"; fi
   kill -TERM $pid; wait $pid
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
     PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
     --max-model-len 4096 --port 18001 --served-model-name m --seed 0 --runner pooling \
     > "$OUT/vllm-embed-serve.log" 2>&1 &
   pid=$!
-  if wait_ready 18001 /health $pid; then embed_loads 18001 vllm; else status=1; tail -20 "$OUT/vllm-embed-serve.log"; fi
+  if wait_ready 18001 /health $pid; then PYTHONPATH=$PYTHONPATH:/tmp/vsite embed_sweep 18001 vllm
+  else status=1; tail -20 "$OUT/vllm-embed-serve.log"; fi
   kill -TERM $pid; wait $pid
+  # both servers' points on one chart
+  PYTHONPATH=$PYTHONPATH:/tmp/vsite python3 -m pagoda_daemon bench sweep --server pagoda=http://127.0.0.1:18000 \
+    --server vllm=http://127.0.0.1:18001 --model m --endpoint embeddings --dataset random --vocab-size 10000 \
+    --num-prompts 4096 --input-len 136 --range-ratio 0.88 --workload-var max_concurrency \
+    --values "${EMBED_CONCURRENCY:-1,16,64,256}" --experiment-name embed-serve --output-dir "$OUT/bench" --resume \
+    --no-progress 2>&1 | tail -3
 fi
 echo; echo "run_gpu.sh finished with status $status"
 exit $status

@@ -239,3 +239,30 @@ def test_a_tokenizer_that_cannot_load_exits_2(tmp_path, capsys):
     rc = main(["serve", "--base-url", "http://127.0.0.1:1", "--decode-prompts-with", str(tmp_path / "none"),
                *_common()])
     assert rc == 2 and "--decode-prompts-with" in capsys.readouterr().err
+
+
+def test_the_embeddings_endpoint(tmp_path):
+    """--endpoint embeddings against a pooling server: one input a request, every reply one vector,
+    the end-to-end latency and input tokens/s summarized, a sweep plotted on those axes."""
+    from pagoda_daemon.models.tiny import build_tiny_embedding_model
+    from tests.server.conftest import running
+
+    path = str(build_tiny_embedding_model("qwen3", tmp_path / "embed", seed=31))
+    with running(path, "--max-model-len", "256", log_dir=tmp_path, served_name="embed") as srv:
+        before = _served(srv.url)
+        out = tmp_path / "point.json"
+        common = ["--model", "embed", "--endpoint", "embeddings", "--vocab-size", VOCAB, "--no-progress",
+                  "--input-len", "40", "--range-ratio", "0.5"]
+        assert main(["serve", "--base-url", srv.url, "--num-prompts", "12", "--max-concurrency", "4",
+                     "--result-file", str(out), *common]) == 0
+        result = json.loads(out.read_text())
+        assert result["completed"] == 12 and result["failed"] == 0 and _served(srv.url) - before == 12
+        sent = datasets.random_requests(12, 40, 128, 512, range_ratio=0.5, seed=0)
+        assert result["prompt_tokens"] == sum(len(r.prompt) for r in sent) and result["output_tokens"] == 0
+        assert 0 < result["e2el_ms"]["p50"] <= result["e2el_ms"]["p99"] and result["ttft_ms"]["p50"] is None
+        assert result["total_token_throughput"] > 0
+        assert main(["sweep", "--server", f"pagoda={srv.url}", "--workload-var", "max_concurrency", "--values", "1,4",
+                     "--experiment-name", "embed", "--output-dir", str(tmp_path / "sweep"), "--num-prompts", "6",
+                     *common]) == 0
+        assert (tmp_path / "sweep" / "embed" / "throughput_vs_latency.png").stat().st_size > 0
+    assert main(["serve", "--base-url", "http://127.0.0.1:9", "--dataset", "multi-turn", *common]) == 2

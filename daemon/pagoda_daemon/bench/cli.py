@@ -153,6 +153,8 @@ def _decoder(tokenizer_dir: str) -> Callable[[list[int]], str]:
 def _requests(a: dict, seed: int) -> list[datasets.BenchRequest]:
     if a["document_len"] and (a["dataset"] != "multi-turn" or a["endpoint"] != "completions"):
         raise ValueError("--document-len applies to --dataset multi-turn on --endpoint completions")
+    if a["dataset"] == "multi-turn" and a["endpoint"] == "embeddings":
+        raise ValueError("--endpoint embeddings sends one input per request: --dataset multi-turn has turns")
     if a["dataset"] in ("random", "shared-prefix") and a["vocab_size"] is None:
         raise ValueError(f"--dataset {a['dataset']} needs --vocab-size (the model's vocabulary size)")
     if a["dataset"] == "random":
@@ -210,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                            lambda overrides, seed: make_requests(args, overrides, seed), args.output_dir,
                            args.experiment_name, resume=args.resume, progress=not args.no_progress,
                            log=lambda line: print(line, file=sys.stderr))
-        base = args.output_dir / args.experiment_name / "throughput_vs_ttft"
+        base = args.output_dir / args.experiment_name / (
+            "throughput_vs_latency" if args.endpoint == "embeddings" else "throughput_vs_ttft")
         for path in plot(points, base, title=f"{args.experiment_name}: {args.workload_var} swept"):
             print(path)
         return 0

@@ -1,6 +1,8 @@
 """One point of a serving benchmark: requests sent to an OpenAI-compatible endpoint with open-loop
 arrivals (Poisson, or gamma for burstier traffic) or at a fixed concurrency, every response
-streamed, and the latencies users feel summarized (TTFT, TPOT, ITL, end-to-end, goodput).
+streamed, and the latencies users feel summarized (TTFT, TPOT, ITL, end-to-end, goodput). On the
+embeddings endpoint each request is one input and its reply one vector (base64, as the openai
+client asks), and the latency is end to end.
 
 Open loop means a request is sent at its arrival time whether or not earlier ones have
 finished, as real users do; `max_concurrency` caps what is in flight for closed-loop runs."""
@@ -21,7 +23,7 @@ import httpx
 from pagoda_daemon.bench import server_metrics
 from pagoda_daemon.bench.datasets import BenchRequest
 
-ENDPOINTS = ("completions", "chat")
+ENDPOINTS = ("completions", "chat", "embeddings")
 PERCENTILES = (50, 90, 99)
 
 
@@ -134,9 +136,22 @@ def encoded_body(config: PointConfig, request: BenchRequest) -> bytes | None:
     """A single-turn completion's body, encoded before the clock starts: the client's JSON
     encoding is not the server's latency, and at an infinite rate it would delay every later
     request's send. None where the body depends on earlier answers (conversations, chat)."""
+    if config.endpoint == "embeddings":
+        return json.dumps({"model": config.model, "input": request.prompt, "encoding_format": "base64"}).encode()
     if config.endpoint != "completions" or request.turns:
         return None
     return json.dumps({**_common_fields(config, request), "prompt": request.prompt}).encode()
+
+
+async def _embed(client: httpx.AsyncClient, url: str, body: bytes, headers: dict, result: RequestResult) -> None:
+    """POST one embeddings request; its input tokens into `result`."""
+    response = await client.post(url, content=body, headers={**headers, "Content-Type": "application/json"})
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+    reply = response.json()
+    if len(reply.get("data") or []) != 1:
+        raise RuntimeError("the reply does not hold one vector")
+    result.prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens", 0)
 
 
 async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRequest,
@@ -152,7 +167,10 @@ async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRe
         result = RequestResult(ok=False, start_s=start_s)
         t0 = time.perf_counter()
         try:
-            if config.endpoint == "completions":  # a turn of a token-id conversation is its whole prompt
+            if config.endpoint == "embeddings":
+                await _embed(client, config.base_url + "/v1/embeddings", encoded or b"", headers, result)
+                result.ok = True
+            elif config.endpoint == "completions":  # a turn of a token-id conversation is its whole prompt
                 body = encoded or json.dumps({**common, "prompt": request.prompt if turn is None else turn}).encode()
                 await _stream(client, config.base_url + "/v1/completions", body, headers, result, t0)
             else:
@@ -160,9 +178,10 @@ async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRe
                 body = json.dumps({**common, "messages": list(messages)}).encode()
                 reply = await _stream(client, config.base_url + "/v1/chat/completions", body, headers, result, t0)
                 messages.append({"role": "assistant", "content": reply})
-            result.ok = result.ttft_s is not None
-            if not result.ok:
-                result.error = "the stream ended without a token"
+            if config.endpoint != "embeddings":
+                result.ok = result.ttft_s is not None
+                if not result.ok:
+                    result.error = "the stream ended without a token"
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             result.error = f"{type(e).__name__}: {e}"[:300]
         result.e2el_s = time.perf_counter() - t0

@@ -9,6 +9,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +86,30 @@ def run_sweep(
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(result, indent=1))
                 os.replace(tmp, path)  # a point interrupted half-way is not counted as done
-                log(f"{label} {var}={value} iteration {iteration}: {result['output_throughput']} output tok/s, "
-                    f"median TTFT {result['ttft_ms']['p50']} ms, {result['failed']} failed")
+                latency, rate = axes(result)
+                log(f"{label} {var}={value} iteration {iteration}: {result[rate.key]} {rate.label}, "
+                    f"{latency.label} {result[latency.key]['p50']} ms, {result['failed']} failed")
                 points.append(result)
     return points
 
 
+@dataclass(frozen=True)
+class Axis:
+    key: str  # the summary's field
+    label: str
+
+
+def axes(point: dict) -> tuple[Axis, Axis]:
+    """(the latency, the throughput) a point is plotted by: median TTFT and output tokens/s, or, on
+    the embeddings endpoint (nothing is generated), median end-to-end latency and input tokens/s."""
+    if point["config"]["endpoint"] == "embeddings":
+        return Axis("e2el_ms", "median latency"), Axis("total_token_throughput", "input tokens/s")
+    return Axis("ttft_ms", "median TTFT"), Axis("output_throughput", "output tokens/s")
+
+
 def plot(points: Sequence[dict], out_base: Path, title: str = "") -> list[Path]:
-    """Output throughput against median TTFT, one line per server (mean over iterations at each
+    """Throughput against median latency (output tokens/s against TTFT; on the embeddings endpoint,
+    input tokens/s against end-to-end latency), one line per server (mean over iterations at each
     value), as PNG and SVG."""
     import matplotlib
 
@@ -101,24 +118,25 @@ def plot(points: Sequence[dict], out_base: Path, title: str = "") -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     by_server: dict[str, dict] = {}
+    latency, rate = axes(points[0] if points else {"config": {"endpoint": "completions"}})
     for p in points:
-        if p["ttft_ms"]["p50"] is None or p["output_throughput"] is None:
+        if p[latency.key]["p50"] is None or p[rate.key] is None:
             continue
         by_server.setdefault(p["server"], {}).setdefault(p["value"], []).append(p)
     for server, by_value in by_server.items():
         xs, ys, labels = [], [], []
         for value in sorted(by_value):
             runs = by_value[value]
-            xs.append(sum(r["ttft_ms"]["p50"] for r in runs) / len(runs))
-            ys.append(sum(r["output_throughput"] for r in runs) / len(runs))
+            xs.append(sum(r[latency.key]["p50"] for r in runs) / len(runs))
+            ys.append(sum(r[rate.key] for r in runs) / len(runs))
             labels.append(value)
         ax.plot(xs, ys, marker="o", label=server)
         for x, y, v in zip(xs, ys, labels):
             ax.annotate(str(v), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     var = points[0]["workload_var"] if points else ""
-    ax.set_xlabel("median TTFT (ms)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(title or f"throughput against median TTFT (points labelled by {var})")
+    ax.set_xlabel(f"{latency.label} (ms)")
+    ax.set_ylabel(rate.label)
+    ax.set_title(title or f"throughput against {latency.label} (points labelled by {var})")
     ax.grid(alpha=0.3)
     ax.legend()
     out_base.parent.mkdir(parents=True, exist_ok=True)
