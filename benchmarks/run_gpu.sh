@@ -781,17 +781,18 @@ fi
 if has embed-serve; then
   # /v1/embeddings of `pagoda serve` and then `vllm serve` (0.26.0), both --runner pooling on the
   # Qwen3-0.6B shape (random weights, word-level tokenizer), driven by `pagoda bench sweep --endpoint
-  # embeddings` over max_concurrency (EMBED_CONCURRENCY), 4,096 inputs of 16-256 tokens a point, fresh
-  # ones each point. Needs the vLLM kit as for `vllm` (a `vllm-stash` call first); Pagoda's server takes
+  # embeddings` over max_concurrency (EMBED_CONCURRENCY), EMBED_SERVE_PROMPTS (4,096) inputs of 16-256
+  # tokens a point, fresh ones each point; each point's summary also copied to $OUT/embed-serve-*.json. Needs the vLLM kit as for `vllm` (a `vllm-stash` call first); Pagoda's server takes
   # fastapi, uvicorn, pydantic and pyzmq from it.
   step "Embeddings served: pagoda serve, then vllm serve, concurrency ${EMBED_CONCURRENCY:-1,16,64,256}"
   unpack_vllm || status=1
   q06_model
   embed_sweep() {  # PORT LABEL
     python3 -m pagoda_daemon bench sweep --server "$2=http://127.0.0.1:$1" --model m --endpoint embeddings \
-      --dataset random --vocab-size 10000 --num-prompts 4096 --input-len 136 --range-ratio 0.88 \
-      --workload-var max_concurrency --values "${EMBED_CONCURRENCY:-1,16,64,256}" --experiment-name embed-serve \
-      --output-dir "$OUT/bench" --resume --no-progress 2>&1 | tail -8 || status=1
+      --dataset random --vocab-size 10000 --num-prompts "${EMBED_SERVE_PROMPTS:-4096}" --input-len 136 \
+      --range-ratio 0.88 --workload-var max_concurrency --values "${EMBED_CONCURRENCY:-1,16,64,256}" \
+      --experiment-name embed-serve --output-dir "$OUT/bench" --resume --no-progress 2>&1 | tail -8 || status=1
+    for f in "$OUT"/bench/embed-serve/"$2"/*.json; do cp "$f" "$OUT/embed-serve-$2-$(basename "$f")"; done
   }
   PYTHONPATH=$PYTHONPATH:/tmp/vsite python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 4096 \
     --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 --runner pooling \
@@ -811,7 +812,7 @@ if has embed-serve; then
   # both servers' points on one chart
   PYTHONPATH=$PYTHONPATH:/tmp/vsite python3 -m pagoda_daemon bench sweep --server pagoda=http://127.0.0.1:18000 \
     --server vllm=http://127.0.0.1:18001 --model m --endpoint embeddings --dataset random --vocab-size 10000 \
-    --num-prompts 4096 --input-len 136 --range-ratio 0.88 --workload-var max_concurrency \
+    --num-prompts "${EMBED_SERVE_PROMPTS:-4096}" --input-len 136 --range-ratio 0.88 --workload-var max_concurrency \
     --values "${EMBED_CONCURRENCY:-1,16,64,256}" --experiment-name embed-serve --output-dir "$OUT/bench" --resume \
     --no-progress 2>&1 | tail -3
 fi

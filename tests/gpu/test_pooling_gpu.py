@@ -34,6 +34,8 @@ def test_vectors_equal_transformers_on_cuda(embedding_models, name, pooling, nor
     want = reference(path, prompts, pooling, normalize)  # on the CPU, float32
     llm = LLM(path, dtype="float32", **ENGINE, **config)
     assert llm.engine.core.worker_info.attention_backend != "torch"
+    runner = llm.engine.core.executor.worker.runner
+    assert runner.piecewise is not None and runner.cuda_graphs is None  # prompt steps replay graphs; none decodes
     for got, w in zip(llm.embed(prompts), want, strict=True):
         np.testing.assert_allclose(got.outputs.embedding, w, atol=2e-4, rtol=0)
     assert_nothing_left(llm)

@@ -257,13 +257,16 @@ class ModelRunner:
                 self.piecewise.run_eagerly()
 
     def capture_cuda_graphs(self, graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
-        """Capture decode graphs over the allocated KV cache (call once, after allocate_kv_cache);
-        `graph_capture` is entered around each graph's capture (the tensor-parallel group's)."""
+        """Capture decode graphs and the piecewise graphs of steps with prompts over the allocated KV
+        cache (call once, after allocate_kv_cache); `graph_capture` is entered around each graph's
+        capture (the tensor-parallel group's). A pooling engine captures no decode graph: its steps
+        compute prompts only and hand their hidden states over, which a decode graph does not."""
         assert self.kv_cache is not None, "allocate the KV cache before capturing graphs"
-        graphs = CudaGraphRunner(self.model, self.buffers, self.max_cudagraph_batch_size, self.max_model_len,
-                                 self.device, graph_capture)
-        graphs.capture(self.kv_caches)
-        self.cuda_graphs = graphs
+        if self.pooler is None:
+            graphs = CudaGraphRunner(self.model, self.buffers, self.max_cudagraph_batch_size, self.max_model_len,
+                                     self.device, graph_capture)
+            graphs.capture(self.kv_caches)
+            self.cuda_graphs = graphs
         self.piecewise = self.piecewise_runner(graph_capture)
         if self.piecewise is not None:
             self.piecewise.capture(self.kv_caches)

@@ -5,6 +5,8 @@ A prompt may be computed over several steps (chunked prefill): the mean and the 
 state are kept between them, per request, as float32 rows on the device. A step hands back, for
 each request whose prompt it finished, the raw pooled vector; cutting it to its dimensions and
 scaling it to unit length happen on the host once the step's outputs are there (``finish``).
+Every row kept is a copy: the hidden states may sit in a piecewise CUDA graph's output buffer,
+which the next step overwrites.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ class Pooler:
             if params.type == "mean":
                 part = hidden[lo:hi].sum(dim=0, dtype=torch.float32)
                 self._partial[rid] = part if s.start == 0 else self._partial[rid] + part
-            elif params.type == "cls" and s.start == 0:
-                self._partial[rid] = hidden[lo].float()
+            elif params.type == "cls" and s.start == 0:  # a copy: hidden may be a graph's buffer, reused next step
+                self._partial[rid] = hidden[lo].to(torch.float32, copy=True)
             if not s.pools:
                 continue
             pooled.request_ids.append(rid)

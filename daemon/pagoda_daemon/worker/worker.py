@@ -150,9 +150,8 @@ class Worker:
             if self.lockstep is not None and self.balancer.is_async:  # the engines agree on it each step
                 self.lockstep.eplb_layers_held = self.balancer.layers_held_everywhere
         self.runner = ModelRunner(model, model_config, config, self.device, self.dtype, max_model_len)
-        # (a pooling engine computes prompts only: no decode step would replay a graph)
         self.uses_cuda_graphs = (self.device.type == "cuda" and self.backend.uses_kernels
-                                 and not config.enforce_eager and config.runner != "pooling")
+                                 and not config.enforce_eager)
         self.offload: OffloadWorker | None = None  # KV offload's worker half, once the cache exists
         self._failed_kv_blocks: list[int] = []  # the latest step's blocks whose KV loads failed
 
