@@ -57,11 +57,7 @@ class LLM:
         validated before any is queued, so a bad one raises ValueError and nothing is left
         half-submitted.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(
@@ -102,10 +98,7 @@ class LLM:
             raise ValueError("this engine generates text: embeddings need runner='pooling'")
         if lora_request is not None and not self.engine.config.enable_lora:
             raise ValueError("lora_request needs enable_lora=True")
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
+        prompts = _as_list(prompts)
         params = pooling.params(normalize, dimensions)
         processed = [self.engine.input_processor.process(p, NOTHING_SAMPLED, pooling=True,
                                                          truncate_prompt_tokens=truncate_prompt_tokens)
@@ -137,6 +130,13 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         return self.engine.stats()
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a text, or a list of token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _floats(pooled: bytes) -> list[float]:

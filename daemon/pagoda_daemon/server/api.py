@@ -220,11 +220,12 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
             raise bad_request(str(e), param="dimensions") from e
         inputs = req.inputs()
         _check_batch_fits(client, settings, len(inputs), embeddings=True)
+        sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)  # nothing sampled; its priority
         if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
-            processed = _process_embedding_inputs(client, inputs, req)
+            processed = _process_embedding_inputs(client, inputs, req, sampling)
         else:
-            processed = await asyncio.to_thread(_process_embedding_inputs, client, inputs, req)
-        return await _serve_embeddings(raw, client, settings, req, processed, params, lora, tracer)
+            processed = await asyncio.to_thread(_process_embedding_inputs, client, inputs, req, sampling)
+        return await _serve_embeddings(raw, client, settings, req, processed, sampling, params, lora, tracer)
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(raw: Request):
@@ -407,10 +408,10 @@ def _process_chat(client: EngineClient, req: ChatCompletionRequest, params: Samp
     return [_process_prompt(client, render_chat(client.tokenizer, req), params, req)], params
 
 
-def _process_embedding_inputs(client: EngineClient, inputs: list, req: EmbeddingRequest) -> Processed:
+def _process_embedding_inputs(client: EngineClient, inputs: list, req: EmbeddingRequest,
+                              params: SamplingParams) -> Processed:
     """Tokenize and check every input of an embeddings request (400 naming ``input``)."""
     _ensure_ready(client)
-    params = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)
     truncate = req.truncation(client.input_processor.max_model_len) if client.input_processor else None
     processed = []
     for i, item in enumerate(inputs):
@@ -426,7 +427,8 @@ def _process_embedding_inputs(client: EngineClient, inputs: list, req: Embedding
 
 
 async def _serve_embeddings(raw: Request, client: EngineClient, settings: ServerSettings, req: EmbeddingRequest,
-                            inputs: Processed, params: PoolingParams, lora: LoRARequest | None, tracer) -> Response:
+                            inputs: Processed, sampling: SamplingParams, params: PoolingParams,
+                            lora: LoRARequest | None, tracer) -> Response:
     """Submit one pooling request per input and answer with their vectors, in input order."""
     if client.num_in_flight + len(inputs) > _capacity(client, settings):
         raise unavailable(f"the server is at capacity ({client.num_in_flight} requests in flight); retry later")
@@ -434,7 +436,6 @@ async def _serve_embeddings(raw: Request, client: EngineClient, settings: Server
     base_id = "embd-" + name
     engine_id = f"{base_id}-{uuid.uuid4().hex[:8]}"
     arrival = time.monotonic()
-    sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)
     try:
         prepared = [client.prepare(f"{engine_id}-{i}", text, ids, sampling, None, arrival, None, lora, params)
                     for i, (text, ids) in enumerate(inputs)]
