@@ -13,7 +13,9 @@ its query tile sees in full (no mask), then the diagonal tiles under the causal 
 a sliding window every tile is masked). Head dims are padded to a power of two and masked.
 
 `varlen_attention` is the same kernel over the step's fresh K/V laid end to end (no
-cache): what a prefill-only step or the memory-profiling pass needs.
+cache): what a prefill-only step or the memory-profiling pass needs. Not ``causal``, every
+query sees its whole sequence (an encoder's attention): every KV tile but a sequence's last,
+partial one runs unmasked.
 Twins: `reference.paged_attention_ref`, `reference.varlen_attention_ref`.
 """
 
@@ -58,9 +60,10 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len,
                   scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
                   MASKED: tl.constexpr, SLIDING_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IEEE: tl.constexpr,
-                  PLAIN_LOADS: tl.constexpr):
+                  PLAIN_LOADS: tl.constexpr, CAUSAL: tl.constexpr):
     """MASKED False: tiles every row sees in full (each score finite); PLAIN_LOADS: and the
-    head dim a power of two, so K/V load without masks."""
+    head dim a power of two, so K/V load without masks. CAUSAL False: MASKED masks only the
+    positions past the sequence."""
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < seq_len
@@ -69,7 +72,10 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len,
                         not PLAIN_LOADS)
         s = dot(q, tl.trans(k), IEEE)  # unscaled: the scale folds into the exponent's FMA
         if MASKED:
-            keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if CAUSAL:
+                keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            else:
+                keep = valid[None, :] & (q_pos[:, None] >= 0)  # every row, the tile's columns in the sequence
             if SLIDING_WINDOW > 0:
                 keep = keep & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
             s = tl.where(keep, s, float("-inf"))
@@ -94,6 +100,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, PAGED: tl.constexpr, IS_FP8: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,22 +144,32 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     first_q = ctx + m_tile * TILE_TOKENS
     hi = tl.minimum(seq_len, first_q + TILE_TOKENS)  # past the tile's last query: invisible
-    if SLIDING_WINDOW > 0:
+    if not CAUSAL:  # the whole sequence, the last partial tile masked (no cached context here)
+        full = seq_len // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, 0, full, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
+            k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
+            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, HEAD_DIM == BLOCK_D, False)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, full, seq_len, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
+            k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
+            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False, False)
+    elif SLIDING_WINDOW > 0:
         lo = tl.maximum(first_q - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            True, SLIDING_WINDOW, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False)
+            True, SLIDING_WINDOW, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False, True)
     else:
         full = first_q // BLOCK_N * BLOCK_N  # tiles below every row's diagonal
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, 0, full, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, HEAD_DIM == BLOCK_D)
+            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, HEAD_DIM == BLOCK_D, True)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, full, hi, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False)
+            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False, True)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              cast_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -186,7 +203,7 @@ def _blocks(head_dim: int, group: int, dtype: torch.dtype, block_m: int | None, 
 
 def _launch(q, k, v, block_tables, query_start_loc, seq_lens, scale, sliding_window, k_scale, v_scale,
             max_query_len, out, block_m, block_n, num_warps, num_stages, paged, page, fp8,
-            stride_k, stride_v):
+            stride_k, stride_v, causal=True):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -213,7 +230,7 @@ def _launch(q, k, v, block_tables, query_start_loc, seq_lens, scale, sliding_win
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         BLOCK_M=block_m, TILE_TOKENS=tile_tokens, BLOCK_N=block_n, PAGE_SIZE=page,
         SLIDING_WINDOW=sliding_window or 0, PAGED=paged, IS_FP8=fp8, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        CAUSAL=causal, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -262,11 +279,14 @@ def varlen_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention within each sequence of fresh tokens: q [T, H, D], k/v [T, KVH, D]."""
+    """Causal (or, not ``causal``, bidirectional) attention within each sequence of fresh tokens:
+    q [T, H, D], k/v [T, KVH, D]."""
+    assert causal or not sliding_window, "a sliding window is causal"
     if out is None:
         out = torch.empty_like(q)
     dummy = query_start_loc  # no block table, no seq_lens: never read when not paged
     return _launch(q, k, v, dummy.view(1, -1), query_start_loc, dummy, scale, sliding_window,
                    None, None, max_query_len, out, block_m, block_n, num_warps, num_stages,
-                   False, 1, False, (k.stride(0), k.stride(1), 0, 0), (v.stride(0),))
+                   False, 1, False, (k.stride(0), k.stride(1), 0, 0), (v.stride(0),), causal)

@@ -58,16 +58,16 @@ def load_blocks_ref(host: torch.Tensor, slots, kv_cache: torch.Tensor, gpu_block
 # ---- attention -------------------------------------------------------------------------
 
 
-def _attend(q, k, v, q_pos, k_pos, scale, sliding_window):
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, causal=True):
     """q [M, H, D], k/v [N, KVH, D] -> [M, H, D]; softmax in float32 (or the input dtype
-    when that is wider), masked causally by absolute positions."""
+    when that is wider), masked causally by absolute positions (unless not ``causal``)."""
     h, kvh = q.shape[1], k.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = (t.to(acc).transpose(0, 1) for t in (q, k, v))
     kf = kf.repeat_interleave(h // kvh, dim=0)
     vf = vf.repeat_interleave(h // kvh, dim=0)
     s = (qf @ kf.transpose(1, 2)) * scale
-    mask = k_pos[None, :] <= q_pos[:, None]
+    mask = k_pos[None, :] <= q_pos[:, None] if causal else torch.ones_like(k_pos[None, :] <= q_pos[:, None])
     if sliding_window:
         mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
     s = s.masked_fill(~mask, float("-inf"))
@@ -101,15 +101,16 @@ def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, sc
     return out
 
 
-def varlen_attention_ref(q, k, v, query_start_loc, scale, sliding_window=None) -> torch.Tensor:
-    """Causal attention within each sequence of a flattened batch of fresh tokens (no cache)."""
+def varlen_attention_ref(q, k, v, query_start_loc, scale, sliding_window=None, causal=True) -> torch.Tensor:
+    """Causal (or, not ``causal``, bidirectional) attention within each sequence of a flattened
+    batch of fresh tokens (no cache)."""
     out = torch.empty_like(q)
     starts = [int(x) for x in query_start_loc.tolist()]
     for a, b in itertools.pairwise(starts):
         if b == a:
             continue
         pos = torch.arange(b - a, device=q.device)
-        out[a:b] = _attend(q[a:b], k[a:b], v[a:b], pos, pos, scale, sliding_window)
+        out[a:b] = _attend(q[a:b], k[a:b], v[a:b], pos, pos, scale, sliding_window, causal)
     return out
 
 

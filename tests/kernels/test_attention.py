@@ -150,3 +150,20 @@ def test_varlen_on_fresh_kv_matches_twin(gen, head_dim, heads, kv_heads, dtype, 
     out = poisoned(q.shape, dtype)
     varlen_attention(q, k, v, qsl, 0.1, window, out=out, block_m=16, block_n=16)
     assert_close(out, varlen_attention_ref(q, k, v, qsl, 0.1, window), TOL[dtype])
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "dtype", "block_n"), [(64, 4, F16, 16), (80, 2, F32, 16), (32, 12, F16, 32)])
+def test_bidirectional_varlen_matches_twin(gen, head_dim, heads, dtype, block_n):
+    """An encoder's attention: every query sees its whole sequence; lengths on and off the tile
+    boundary, one shorter than a tile, and one of a single token."""
+    q_lens = [1, block_n, 3 * block_n + 5, *randint(gen, 2, 45, 2)]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    t = int(qsl[-1])
+    q = randn(gen, t, heads, head_dim, dtype=dtype)
+    k, v = randn(gen, t, heads, head_dim, dtype=dtype), randn(gen, t, heads, head_dim, dtype=dtype)
+    out = poisoned(q.shape, dtype)
+    varlen_attention(q, k, v, qsl, head_dim**-0.5, out=out, block_m=16, block_n=block_n, causal=False)
+    want = varlen_attention_ref(q, k, v, qsl, head_dim**-0.5, causal=False)
+    assert_close(out, want, TOL[dtype])
+    causal = varlen_attention_ref(q, k, v, qsl, head_dim**-0.5)
+    assert (want - causal).abs().max() > 0.1  # the test can tell the two apart

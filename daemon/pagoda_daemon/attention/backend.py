@@ -101,12 +101,23 @@ class AttentionBackend(ABC):
     uses_kernels: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, causal: bool = True) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        # False for an encoder (BERT): every token sees the whole sequence. Such a model's steps
+        # bring each prompt whole, with no cached context (its engine neither chunks prompts nor
+        # caches prefixes, encoder.py), so attention runs on the step's fresh K/V only.
+        self.causal = causal
+        if not causal and sliding_window is not None:
+            raise ValueError("a sliding window is a causal model's: an encoder attends to its whole sequence")
+
+    def check_bidirectional(self, meta: AttentionMetadata) -> None:
+        """An encoder's step must bring whole sequences (none with cached context)."""
+        if not meta.is_prefill_only and meta.has_kv_cache:
+            raise RuntimeError("bidirectional attention over cached context: an encoder's prompts must come whole")
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -43,6 +43,8 @@ class TorchPagedAttention(AttentionBackend):
         if kv_cache is not None and meta.has_kv_cache and not meta.kv_written:
             write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q) if out is None else out
+        if not self.causal:
+            self.check_bidirectional(meta)
         gqa = self.num_heads != self.num_kv_heads
         starts = meta.query_start_loc_cpu
         for i, kv_len in enumerate(meta.seq_lens_cpu):
@@ -52,7 +54,7 @@ class TorchPagedAttention(AttentionBackend):
                 ks, vs = k[q_start:q_end], v[q_start:q_end]
             else:
                 ks, vs = self._gather(kv_cache, meta.block_tables[i], kv_len)
-            mask = causal_mask(q_len, kv_len, self.sliding_window, q.device)
+            mask = causal_mask(q_len, kv_len, self.sliding_window, q.device) if self.causal else None
             o = F.scaled_dot_product_attention(
                 q[q_start:q_end].transpose(0, 1),
                 ks.transpose(0, 1).to(q.dtype),

@@ -44,8 +44,8 @@ class TritonPagedAttention(AttentionBackend):
     split_decodes_from_context = 32_768
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+                 sliding_window: int | None = None, causal: bool = True) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, causal)
         # Imported here so that importing the daemon never imports Triton.
         from pagoda_kernels import cache_write, decode_attention, prefill_attention
 
@@ -72,9 +72,11 @@ class TritonPagedAttention(AttentionBackend):
         out = torch.empty_like(q) if out is None else out
         if meta.num_seqs == 0:
             return out
+        if not self.causal:
+            self.check_bidirectional(meta)
         if not has_cache or meta.is_prefill_only:
             return self._varlen(q, k, v, meta.query_start_loc, self.scale, self.sliding_window,
-                                max_query_len=meta.max_query_len, out=out)
+                                max_query_len=meta.max_query_len, out=out, causal=self.causal)
         if meta.is_decode_only:
             return self._decode_rows(q, kv_cache, meta.block_tables, meta.seq_lens, meta, out)
         decodes = meta.num_leading_decodes
