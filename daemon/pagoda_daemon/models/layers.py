@@ -297,3 +297,18 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
+
+
+def attend_step_rows(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
+                     meta: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's attention (``attn``: an AttentionBackend) into ``out`` (else a new tensor like
+    q). Rows past the step's own (a step padded to a warmed-up size, worker/step_shapes.py) are
+    left out: zero in a new ``out``, untouched in a given one."""
+    n = meta.num_tokens
+    if n == q.shape[0]:
+        return attn.forward(q, k, v, kv_cache, meta, out)
+    if out is None:
+        out = torch.empty_like(q)
+        out[n:].zero_()
+    attn.forward(q[:n], k[:n], v[:n], kv_cache, meta, out=out[:n])
+    return out

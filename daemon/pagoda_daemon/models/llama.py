@@ -25,6 +25,7 @@ from pagoda_daemon.models.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
+    attend_step_rows,
     rope_parameters,
 )
 
@@ -76,17 +77,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's attention into ``out`` (else a new tensor like q). Rows past the step's own
-        (a step padded to a warmed-up size, worker/step_shapes.py) are left out: zero in a new
-        ``out``, untouched in a given one."""
-        n = meta.num_tokens
-        if n == q.shape[0]:
-            return self.attn.forward(q, k, v, kv_cache, meta, out)
-        if out is None:
-            out = torch.empty_like(q)
-            out[n:].zero_()
-        self.attn.forward(q[:n], k[:n], v[:n], kv_cache, meta, out=out[:n])
-        return out
+        return attend_step_rows(self.attn, q, k, v, kv_cache, meta, out)
 
     def output(self, o: torch.Tensor) -> torch.Tensor | Unsummed:
         """The output projection of ``o``, its sum over the ranks left to the norm after it."""
@@ -156,14 +147,26 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor | None], meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids, positions)
         residual = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if meta.wait_for_kv_layer is not None:  # this layer's offloaded KV may still be crossing
                 meta.wait_for_kv_layer(index)
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return self.finish(hidden, residual)
+
+    # What the piecewise graphs (worker/piecewise_graphs.py) run before the first layer and after
+    # the last; an encoder body (models/bert.py) has the same three.
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states: the last layer's output, its residual added, normed."""
+        return self.norm(hidden, residual)[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.norm.weight.shape[0]
 
 
 class LlamaForCausalLM(nn.Module):

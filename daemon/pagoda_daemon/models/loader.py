@@ -129,8 +129,11 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, Checkpoint
     body = is_model_body(model.config)  # AutoModel's checkpoint (embedding models): no head, no prefix
     if body:
         pending.pop("lm_head.weight", None)
+    rename = getattr(model, "checkpoint_name", None)  # a model whose names differ from Hugging Face's (bert.py)
 
     for name, tensor in weights:
+        if rename is not None and (name := rename(name)) is None:
+            continue  # not a tensor of the model served (a task head)
         if body and not name.startswith("model."):
             name = "model." + name
         if tied and name == "lm_head.weight":

@@ -239,6 +239,8 @@ class ModelRunner:
             is_prefill_only=True, has_kv_cache=False,
         )
         hidden = self.model(ids, positions, [None] * self.num_layers, meta)
+        if self.pooler is not None:
+            return  # a pooling engine computes no logits (an encoder has no head to compute them with)
         # the logits of the largest decode batch, and the sampler's float copy of them: at 1,024
         # sequences of a 151,936-token vocabulary, 0.6 GiB each
         rows = min(num_tokens, self.max_num_seqs)

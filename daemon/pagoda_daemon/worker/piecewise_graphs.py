@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class PiecewiseGraphRunner:
     def __init__(self, model, buffers, sizes: list[int], device: torch.device,
                  graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
-        self.body = model.model  # DecoderModel: embed_tokens, layers, norm
+        self.body = model.model  # DecoderModel (or an encoder's body): embed, layers, finish
         self.layers = list(self.body.layers)
         self.buffers = buffers
         self.sizes = sizes
@@ -44,8 +44,8 @@ class PiecewiseGraphRunner:
         self.device = device
         self.graph_capture = graph_capture
         attn = self.layers[0].self_attn
-        hidden = self.body.norm.weight.shape[0]
-        dtype = self.body.norm.weight.dtype
+        hidden = self.body.hidden_size
+        dtype = next(self.body.parameters()).dtype  # the token embedding's: the activations'
         t = self.max_tokens
 
         def static(*shape: int) -> torch.Tensor:
@@ -82,12 +82,11 @@ class PiecewiseGraphRunner:
         b = self.buffers
         positions = b.positions.device[:size]
         if index == 0:
-            hidden, residual = self.body.embed_tokens(b.input_ids.device[:size]), None
+            hidden, residual = self.body.embed(b.input_ids.device[:size], positions), None
         else:
             hidden, residual = self.layers[index - 1].after_attention(self.o[:size], self.residual[:size])
         if index == len(self.layers):
-            hidden, _ = self.body.norm(hidden, residual)
-            self.hidden[:size].copy_(hidden)
+            self.hidden[:size].copy_(self.body.finish(hidden, residual))
             return
         layer = self.layers[index]
         q, k, v, residual = layer.before_attention(positions, hidden, residual)
