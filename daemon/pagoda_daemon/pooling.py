@@ -28,6 +28,11 @@ from pagoda_daemon.sampling_params import SamplingParams
 # served for embeddings only. Each maps to the class that serves its body (models/registry.py).
 BODY_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
                       "Qwen3MoeModel": "Qwen3MoeForCausalLM"}
+# Encoders (bidirectional attention, models/bert.py): served for embeddings only, whether the
+# checkpoint is the body alone or carries a masked-LM head (which is not read).
+ENCODER_ARCHITECTURES = {"BertModel": "BertModel", "BertForMaskedLM": "BertModel",
+                         "RobertaModel": "XLMRobertaModel", "RobertaForMaskedLM": "XLMRobertaModel",
+                         "XLMRobertaModel": "XLMRobertaModel", "XLMRobertaForMaskedLM": "XLMRobertaModel"}
 # sentence-transformers' Pooling config keys, in the order they are read, and the types they mean
 _ST_MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
              ("pooling_mode_cls_token", "cls"))
@@ -80,13 +85,18 @@ def _read_json(path: Path) -> dict | list | None:
         return None
 
 
+def is_encoder(architectures: list[str] | None) -> bool:
+    return any(a in ENCODER_ARCHITECTURES for a in architectures or [])
+
+
 def model_pooling(model_dir: str | Path, hf_config: object = None) -> ModelPooling:
-    """The pooling the directory's sentence-transformers files describe; last-token pooling and
-    unit length where they say nothing (vLLM's defaults for a causal model turned into an
-    embedding model). ValueError for a pooling mode Pagoda does not serve."""
+    """The pooling the directory's sentence-transformers files describe; where they say nothing,
+    unit length and the last token for a causal model, the first ([CLS]) for an encoder (vLLM's
+    defaults). ValueError for a pooling mode Pagoda does not serve."""
     root = Path(model_dir)
     modules = _read_json(root / "modules.json")
-    pooling_type, normalize = "last", True
+    pooling_type = "cls" if is_encoder(getattr(hf_config, "architectures", None)) else "last"
+    normalize = True
     if isinstance(modules, list):
         kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
         normalize = "Normalize" in kinds
@@ -105,7 +115,13 @@ def model_pooling(model_dir: str | Path, hf_config: object = None) -> ModelPooli
 
 def resolve_runner(runner: str, model_dir: str | Path, architectures: list[str] | None) -> str:
     """``generate`` or ``pooling``: as asked, or (auto) pooling for a model body without a head
-    (``Qwen3Model``, ...) and for a sentence-transformers directory, else generate."""
+    (``Qwen3Model``, ...), an encoder (``BertModel``, ...) and a sentence-transformers directory,
+    else generate. ValueError for an encoder asked to generate."""
+    if architectures and is_encoder(architectures):
+        if runner == "generate":
+            raise ValueError(f"{architectures[0]} is an encoder: it serves embeddings (runner pooling), "
+                             "not generation")
+        return "pooling"
     if runner != "auto":
         return runner
     if any(a in BODY_ARCHITECTURES for a in architectures or []):
@@ -150,6 +166,10 @@ def engine_pooling(config: Any, model_config: Any) -> EnginePooling | None:
     if config.enable_lora:
         raise ValueError("LoRA adapters are served for generation: enable_lora does not combine with embeddings "
                          "(runner pooling) yet")
+    if is_encoder(getattr(model_config, "architectures", None)) and (config.kv_offload_cpu_gib
+                                                                    or config.kv_offload_disk_path):
+        raise ValueError("KV offload (kv_offload_cpu_gib, kv_offload_disk_path) keeps prefixes to reuse, and an "
+                         "encoder's prompts share none (each token sees the whole prompt)")
     found = model_pooling(config.model, model_config)
     cuts = getattr(model_config, "matryoshka_dimensions", None) or ()
     return EnginePooling(found.type if config.pooling_type == "auto" else config.pooling_type,

@@ -1,7 +1,8 @@
 """Embeddings on a CUDA device, on the default GPU path (Triton kernels, piecewise CUDA graphs for
 steps with prompts, async scheduling, padded eager steps): float32 vectors (TF32 off) against
 Hugging Face transformers' AutoModel on the same device for last-token, mean and first-token
-pooling, whole and chunked; bfloat16 vectors against the float32 reference by cosine.
+pooling, whole and chunked, and for the encoders (BERT, XLM-RoBERTa: bidirectional attention on the
+Triton varlen kernel); bfloat16 vectors against the float32 reference by cosine.
 
 Skipped without a GPU (CI); run on the GPU machine by `benchmarks/run_gpu.sh pooling-tests`.
 """
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from pagoda_daemon import LLM
+from tests.engine.test_encoders import encoders, prompts_up_to  # noqa: F401
 from tests.engine.test_pooling import assert_nothing_left, embedding_models, random_prompts, reference  # noqa: F401
 
 pytestmark = [
@@ -41,6 +43,27 @@ def test_vectors_equal_transformers_on_cuda(embedding_models, name, pooling, nor
     assert_nothing_left(llm)
     del llm
     half = LLM(path, dtype="bfloat16", **ENGINE, **config)
+    for got, w in zip(half.embed(prompts), want, strict=True):
+        g = np.asarray(got.outputs.embedding)
+        assert float(g @ w) / (np.linalg.norm(g) * np.linalg.norm(w)) > 0.995
+
+
+@pytest.mark.parametrize("name, pooling, normalize", [("bert-cls", "cls", True), ("xlmr-mean", "mean", False)])
+def test_encoder_vectors_equal_transformers_on_cuda(encoders, name, pooling, normalize):  # noqa: F811
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = encoders[name]
+    prompts = prompts_up_to(random.Random(), 32, 256)
+    want = reference(path, prompts, pooling, normalize)
+    engine = dict(ENGINE, max_model_len=256)
+    llm = LLM(path, dtype="float32", **engine)
+    assert llm.engine.core.worker_info.attention_backend != "torch"
+    runner = llm.engine.core.executor.worker.runner
+    assert runner.piecewise is not None and runner.piecewise.graphs
+    for got, w in zip(llm.embed(prompts), want, strict=True):
+        np.testing.assert_allclose(got.outputs.embedding, w, atol=2e-4, rtol=0)
+    assert_nothing_left(llm)
+    del llm
+    half = LLM(path, dtype="bfloat16", **engine)
     for got, w in zip(half.embed(prompts), want, strict=True):
         g = np.asarray(got.outputs.embedding)
         assert float(g @ w) / (np.linalg.norm(g) * np.linalg.norm(w)) > 0.995

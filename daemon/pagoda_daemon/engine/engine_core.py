@@ -31,7 +31,8 @@ from pagoda_daemon.engine.scheduler import Scheduler
 from pagoda_daemon.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagoda_daemon.executor.abstract import Executor
 from pagoda_daemon.models import loader
-from pagoda_daemon.pooling import engine_pooling
+from pagoda_daemon.models.registry import max_positions
+from pagoda_daemon.pooling import engine_pooling, is_encoder
 from pagoda_daemon.telemetry.profiling import phase
 
 if TYPE_CHECKING:
@@ -78,13 +79,17 @@ class EngineCore:
         # a pooling engine (embeddings, pooling.py) or a generating one; the workers see which
         self.pooling = engine_pooling(config, self.model_config)
         config = dataclasses.replace(config, runner="pooling" if self.pooling is not None else "generate")
+        if is_encoder(getattr(self.model_config, "architectures", None)):
+            # bidirectional attention: a prompt's states depend on all of it, so it is computed
+            # whole, in one step, and no prefix of it is reused (models/bert.py)
+            config = dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False)
         self.config = config
         self.max_model_len = self._max_model_len()
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
-                f"must be at least max_model_len ({self.max_model_len})"
-            )
+            why = ("an encoder computes each prompt in one step" if is_encoder(self.model_config.architectures)
+                   else "without chunked prefill")
+            raise ValueError(f"{why}, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                             f"must be at least max_model_len ({self.max_model_len})")
         check_layout(self.model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts, config.elastic_ep_max_size, config.data_experts_engines)
         from pagoda_daemon.kv_offload import tiered
@@ -139,10 +144,11 @@ class EngineCore:
         return lambda: loader.load_tokenizer(path)
 
     def _max_model_len(self) -> int:
-        limit = getattr(self.model_config, "max_position_embeddings", None) or 2048
+        limit = max_positions(self.model_config) or 2048
         wanted = self.config.max_model_len or limit
         if wanted > limit:
-            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(f"max_model_len {wanted} exceeds the {limit} positions the model's "
+                             f"max_position_embeddings holds")
         return wanted
 
     def _num_kv_blocks(self) -> int:

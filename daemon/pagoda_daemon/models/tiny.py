@@ -183,3 +183,81 @@ def build_tiny_embedding_model(
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (out / "modules.json").write_text(json.dumps(modules))
     return out
+
+
+# The encoders' special tokens, ids from 0 in this order, and the template a single text takes
+_ENCODER_SPECIALS = {"bert": (("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"), "[CLS]", "[SEP]"),
+                     "xlm-roberta": (("<s>", "<pad>", "</s>", "<unk>", "<mask>"), "<s>", "</s>")}
+ENCODERS = tuple(_ENCODER_SPECIALS)
+
+
+def build_encoder_tokenizer(arch: str, vocab_size: int = 512):
+    """A byte-level BPE with the encoder's special tokens, wrapping each text as BERT's ([CLS]
+    text [SEP]) or XLM-RoBERTa's (<s> text </s>) tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, first, last = _ENCODER_SPECIALS[arch]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([line for line in _CORPUS.splitlines() if line] * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{first} $A {last}", pair=f"{first} $A {last} $B:1 {last}:1",
+        special_tokens=[(first, specials.index(first)), (last, specials.index(last))])
+    names = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), specials, strict=True))
+    if arch == "xlm-roberta":
+        names = {"bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
+                 "mask_token": "<mask>", "cls_token": "<s>", "sep_token": "</s>"}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **names)
+
+
+def build_tiny_encoder(arch: str, out_dir: str | Path, seed: int = 0, pooling: str = "cls", normalize: bool = True,
+                       sentence_transformers: bool = True, weight_std: float = 0.08, **config_overrides) -> Path:
+    """A random BERT (saved as ``BertModel`` saves its body) or XLM-RoBERTa (saved with its
+    masked-LM head, the ``roberta.`` prefix and a position table offset by pad + 1) with its
+    tokenizer; with ``sentence_transformers``, the modules.json and Pooling config of an
+    embedding model pooling by ``pooling``."""
+    import json
+
+    import torch
+    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaForMaskedLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_encoder_tokenizer(arch)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, hidden_act="gelu", layer_norm_eps=1e-12)
+    torch.manual_seed(seed)
+    config: BertConfig | XLMRobertaConfig
+    model: BertModel | XLMRobertaForMaskedLM
+    if arch == "bert":
+        config = BertConfig(**common, max_position_embeddings=256, type_vocab_size=2, pad_token_id=0,
+                            **config_overrides)
+        model = BertModel(config, add_pooling_layer=True)
+    else:
+        config = XLMRobertaConfig(**common, max_position_embeddings=258, type_vocab_size=1, pad_token_id=1,
+                                  bos_token_id=0, eos_token_id=2, **config_overrides)
+        model = XLMRobertaForMaskedLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, weight_std)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    if sentence_transformers:
+        modes = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+        (out / "1_Pooling").mkdir(exist_ok=True)
+        (out / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": config.hidden_size, **{k: k == modes[pooling] for k in modes.values()}}))
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})
+        (out / "modules.json").write_text(json.dumps(modules))
+    return out

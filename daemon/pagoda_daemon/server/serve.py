@@ -257,7 +257,9 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
     except ValueError as e:
         print(f"pagoda serve: {e}", file=sys.stderr)
         return EXIT_REFUSED
-    max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", None) or 32768
+    from pagoda_daemon.models.registry import max_positions
+
+    max_len = config.max_model_len or max_positions(model_config) or 32768
     if config.node_rank > 0:  # a worker pod of a group: its ranks only, no API server
         from pagoda_daemon.executor.multiproc import run_node
 
