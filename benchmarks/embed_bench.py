@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from benchmarks.throughput import start_core, sync, token_workload
 
-# name -> (prompts, shortest, longest): search queries and passages, and whole documents
-WORKLOADS = {"short": (4096, 16, 256), "long": (512, 1024, 4096)}
+# name -> (prompts, shortest, longest): search queries and passages, whole documents, and
+# passages up to the 512 tokens a BERT-family encoder holds
+WORKLOADS = {"short": (4096, 16, 256), "long": (512, 1024, 4096), "passages": (2048, 256, 512)}
 
 
 def add_embed_args(ap: argparse.ArgumentParser) -> None:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in args.workloads.split(","):
         rounds = prompts_of(name, args.rounds, core.model_config.vocab_size)
-        time_rounds("pagoda", name, rounds, embed, init_s=round(init_s, 1))
+        time_rounds("pagoda", name, rounds, embed, init_s=round(init_s, 1), model=os.path.basename(args.model))
     return 0
 
 

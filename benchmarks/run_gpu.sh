@@ -766,16 +766,25 @@ if has embed-vllm; then
   # and the same model directory (the Qwen3-0.6B shape with a word-level tokenizer: vLLM's pooling
   # runner needs one). Needs the vLLM kit as for `vllm` (a `vllm-stash` call right before);
   # EMBED_NO_VLLM=1: Pagoda alone.
-  step "Embeddings beside vLLM: workloads ${EMBED_WORKLOADS:-short,long} (Qwen3-0.6B shape, random weights, bf16)"
-  q06_model
+  # EMBED_MODEL=bge-base: the BERT encoder of bge-base-en-v1.5's shape (benchmarks/configs/bge-base,
+  # [CLS] pooling, 512 positions) on the short and passages workloads instead.
+  if [ "${EMBED_MODEL:-}" = bge-base ]; then
+    M=/tmp/bge-base; mkdir -p $M && cp $CFG/bge-base/config.json $M/
+    python3 -c "from benchmarks.throughput import save_word_level_tokenizer as s; s(30522, '$M')" || status=1
+    embed_args=(--max-model-len 512 --workloads "${EMBED_WORKLOADS:-short,passages}")
+  else
+    q06_model
+    embed_args=(--workloads "${EMBED_WORKLOADS:-short,long}")
+  fi
+  step "Embeddings beside vLLM: ${embed_args[*]} ($M, random weights, bf16)"
   if [ -z "${EMBED_NO_VLLM:-}" ]; then
     unpack_vllm || status=1
     PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_NO_USAGE_STATS=1 timeout 400 python3 -m benchmarks.vllm_embed \
-      $M --workloads "${EMBED_WORKLOADS:-short,long}" > "$OUT/embed-vllm.log" 2>&1 \
+      $M "${embed_args[@]}" > "$OUT/embed-vllm.log" 2>&1 \
       || { status=1; grep -B12 -m1 Error "$OUT/embed-vllm.log"; }
     grep -E '^RESULT|^ROUND' "$OUT/embed-vllm.log" | tee -a "$OUT/embed.jsonl"
   fi
-  python3 -m benchmarks.embed_bench $M --workloads "${EMBED_WORKLOADS:-short,long}" 2>&1 \
+  python3 -m benchmarks.embed_bench $M "${embed_args[@]}" 2>&1 \
     | grep -E '^RESULT|^ROUND|Error' | tee -a "$OUT/embed.jsonl" || status=1
 fi
 if has embed-serve; then

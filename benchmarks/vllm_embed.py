@@ -1,6 +1,7 @@
 """vLLM's side of benchmarks/embed_bench.py: the same workloads on the same model shape (random
-weights) through vLLM 0.26.0's offline ``LLM.embed`` (``runner="pooling"``: last-token pooling,
-unit length, as Pagoda's), from the anchor kit:
+weights) through vLLM 0.26.0's offline ``LLM.embed`` (``runner="pooling"``: the model's default
+pooling, unit length, as Pagoda's: the last token for a causal model, [CLS] for BERT), from the
+anchor kit:
 
     PYTHONPATH=/tmp/vsite python3 -m benchmarks.vllm_embed MODEL_DIR --workloads short,long
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         time_rounds("vllm", name, prompts_of(name, args.rounds),
                     lambda prompts: sum(1 for o in llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                                              use_tqdm=False) if len(o.outputs.embedding)),
-                    vllm=vllm.__version__, init_s=round(init_s, 1))
+                    vllm=vllm.__version__, init_s=round(init_s, 1), model=os.path.basename(args.model))
     return 0
 
 
