@@ -144,32 +144,30 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     first_q = ctx + m_tile * TILE_TOKENS
     hi = tl.minimum(seq_len, first_q + TILE_TOKENS)  # past the tile's last query: invisible
-    if not CAUSAL:  # the whole sequence, the last partial tile masked (no cached context here)
-        full = seq_len // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, q_pos, 0, full, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
-            k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, HEAD_DIM == BLOCK_D, False)
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, q_pos, full, seq_len, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
-            k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False, False)
-    elif SLIDING_WINDOW > 0:
+    if CAUSAL and SLIDING_WINDOW > 0:
         lo = tl.maximum(first_q - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
             True, SLIDING_WINDOW, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False, True)
     else:
-        full = first_q // BLOCK_N * BLOCK_N  # tiles below every row's diagonal
+        # unmasked tiles first, then the masked rest: for a causal tile the tiles below every
+        # row's diagonal, then up to it; for a bidirectional one the whole sequence, the last
+        # partial tile masked by validity (no cached context there)
+        if CAUSAL:
+            full = first_q // BLOCK_N * BLOCK_N
+            end = hi
+        else:
+            full = seq_len // BLOCK_N * BLOCK_N
+            end = seq_len
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, 0, full, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, HEAD_DIM == BLOCK_D, True)
+            False, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, HEAD_DIM == BLOCK_D, CAUSAL)
         acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, q_pos, full, hi, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
+            acc, l_i, m_i, q, q_pos, full, end, seq_len, k_ptr, v_ptr, table, head_off, offs_n, offs_d, d_mask,
             k_scale, v_scale, q_start, scale_log2, stride_kt, stride_vt, stride_cb, stride_cs,
-            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False, True)
+            True, 0, BLOCK_N, PAGED, PAGE_SIZE, IS_FP8, IEEE, False, CAUSAL)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              cast_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
