@@ -188,3 +188,33 @@ def test_trace_of_an_embeddings_request(tmp_path):
         assert a["gen_ai.response.id"].startswith("embd-")
     finally:
         receiver.close()
+
+
+def test_an_encoder_served_through_the_openai_client(tmp_path):
+    """A BERT checkpoint (no --runner: an encoder is a pooling model) served as an embedding model
+    would be: texts get [CLS] ... [SEP] and their vectors equal transformers' [CLS] pooling; a
+    prompt past the position table is a 400 and the server serves on; it generates nothing."""
+    from transformers import AutoTokenizer
+
+    from pagoda_daemon.models.tiny import build_tiny_encoder
+    from tests.engine.test_encoders import prompts_up_to
+
+    path = str(build_tiny_encoder("bert", tmp_path / "bert", seed=24, pooling="cls"))
+    with running(path, "--max-num-seqs", "8", log_dir=tmp_path, served_name="tiny-bert") as srv:
+        client = _client(srv)
+        texts = ["What is the capital of France?", "Paris is the capital of France.", "x"]
+        prompts = prompts_up_to(random.Random(), 6, 256)
+        reply = client.embeddings.create(model="tiny-bert", input=texts)
+        ids = [AutoTokenizer.from_pretrained(path)(t).input_ids for t in texts]
+        for d, w in zip(reply.data, reference(path, ids, "cls", True), strict=True):
+            np.testing.assert_allclose(np.asarray(d.embedding), w, atol=TOLERANCE, rtol=0)
+        assert reply.usage.prompt_tokens == sum(map(len, ids))
+        reply = client.embeddings.create(model="tiny-bert", input=prompts)
+        for d, w in zip(reply.data, reference(path, prompts, "cls", True), strict=True):
+            np.testing.assert_allclose(np.asarray(d.embedding), w, atol=TOLERANCE, rtol=0)
+        too_long = _post(srv, {"model": "tiny-bert", "input": [7] * 257})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input"
+        generate = _post(srv, {"model": "tiny-bert", "prompt": "hi"}, "/v1/completions")
+        assert generate.status_code == 404
+        assert _post(srv, {"model": "tiny-bert", "input": "still serving"}).status_code == 200
+        srv.wait_idle()
