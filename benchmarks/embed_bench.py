@@ -32,6 +32,8 @@ def add_embed_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # explicit on both sides: vLLM's "auto" turns a float32 checkpoint (BERT's) into float16
+    ap.add_argument("--dtype", default="bfloat16")
 
 
 def prompts_of(name: str, rounds: int, vocab_size: int = 10001) -> list[list[list[int]]]:
@@ -66,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_embed_args(ap)
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in args.workloads.split(","):
         rounds = prompts_of(name, args.rounds, core.model_config.vocab_size)
-        time_rounds("pagoda", name, rounds, embed, init_s=round(init_s, 1), model=os.path.basename(args.model))
+        time_rounds("pagoda", name, rounds, embed, init_s=round(init_s, 1), model=os.path.basename(args.model), dtype=args.dtype)
     return 0
 
 

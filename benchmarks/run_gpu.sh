@@ -801,7 +801,8 @@ if has embed-serve; then
       --dataset random --vocab-size 10000 --num-prompts "${EMBED_SERVE_PROMPTS:-4096}" --input-len 136 \
       --range-ratio 0.88 --workload-var max_concurrency --values "${EMBED_CONCURRENCY:-1,16,64,256}" \
       --experiment-name embed-serve --output-dir "$OUT/bench" --resume --no-progress 2>&1 | tail -8 || status=1
-    for f in "$OUT"/bench/embed-serve/"$2"/*.json; do cp "$f" "$OUT/embed-serve-$2-$(basename "$f")"; done
+    for f in "$OUT"/bench/embed-serve/"$2"/*/iter-*.json; do  # <var>=<value>/iter-<n>.json
+      d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/embed-serve-$2-${d//=/-}-$(basename "$f")"; done
   }
   PYTHONPATH=$PYTHONPATH:/tmp/vsite python3 -m pagoda_daemon serve $M --load-format dummy --max-model-len 4096 \
     --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 --runner pooling \

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
-    llm = LLM(model=args.model, runner="pooling", load_format="dummy",
+    llm = LLM(model=args.model, runner="pooling", load_format="dummy", dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, seed=0, gpu_memory_utilization=0.90,
               attention_config={"backend": "FLASH_ATTN"})
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         time_rounds("vllm", name, prompts_of(name, args.rounds),
                     lambda prompts: sum(1 for o in llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                                              use_tqdm=False) if len(o.outputs.embedding)),
-                    vllm=vllm.__version__, init_s=round(init_s, 1), model=os.path.basename(args.model))
+                    vllm=vllm.__version__, init_s=round(init_s, 1), model=os.path.basename(args.model), dtype=args.dtype)
     return 0
 
 
