@@ -86,7 +86,6 @@ def test_vectors_equal_transformers_through_the_openai_client(embedding_server):
     ({"input": "hello", "normalize": "yes"}, "normalize"),
     ({"input": "hello", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"input": "hello", "priority": 3}, "priority"),
-    ({"input": "hello", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
     ({"input": "hello", "model": "other"}, "model"),
     ({"input": list(range(3, 132))}, "input"),  # 129 tokens: past the 128-token context
 ])
@@ -99,6 +98,40 @@ def test_what_cannot_be_served_is_a_400(embedding_server, body, param):
     ok = _post(srv, {"model": MODEL, "input": "still serving", "unknown_field": 1})  # unknown fields are ignored
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
 
+
+
+def test_a_conversation_is_embedded_through_the_chat_template(embedding_server):
+    """vLLM's chat form: ``messages`` rendered by the model's chat template (no generation
+    prompt unless asked, no special tokens added on top), one vector; what cannot be served is a
+    400 naming ``messages`` and the server serves on."""
+    from transformers import AutoTokenizer
+
+    srv, path = embedding_server
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    conversation = [{"role": "system", "content": "Represent the question for retrieval."},
+                    {"role": "user", "content": "what is the capital of France?"}]
+    for prompt in (False, True):
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=prompt)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        body = {"model": MODEL, "messages": conversation, "encoding_format": "float"}
+        reply = _post(srv, {**body, "add_generation_prompt": True} if prompt else body)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        assert len(data["data"]) == 1 and data["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(data["data"][0]["embedding"], reference(path, [ids], "last", True)[0],
+                                   atol=TOLERANCE, rtol=0)
+    for bad, param in (({"messages": []}, "messages"),
+                       ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+                       ({"messages": conversation, "input": "hi"}, "messages"),
+                       ({"messages": [{"role": "user", "content": "word " * 200}]}, "messages"),
+                       ({"messages": conversation, "chat_template": "{{ 1 }}"}, "chat_template"),
+                       ({"messages": conversation, "continue_final_message": True, "add_generation_prompt": True},
+                        "continue_final_message")):
+        reply = _post(srv, {"model": MODEL, **bad})
+        assert reply.status_code == 400, (bad, reply.text)
+        assert reply.json()["error"]["param"] == param, reply.json()
+    assert _post(srv, {"model": MODEL, "input": "still serving"}).status_code == 200
+    srv.wait_idle()
 
 def test_truncation_and_a_whole_context(embedding_server):
     srv, path = embedding_server
@@ -214,6 +247,8 @@ def test_an_encoder_served_through_the_openai_client(tmp_path):
             np.testing.assert_allclose(np.asarray(d.embedding), w, atol=TOLERANCE, rtol=0)
         too_long = _post(srv, {"model": "tiny-bert", "input": [7] * 257})
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input"
+        chat = _post(srv, {"model": "tiny-bert", "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"  # it has no chat template
         generate = _post(srv, {"model": "tiny-bert", "prompt": "hi"}, "/v1/completions")
         assert generate.status_code == 404
         assert _post(srv, {"model": "tiny-bert", "input": "still serving"}).status_code == 200

@@ -32,7 +32,12 @@ from pagoda_daemon.server.anthropic_request import CountTokensRequest, MessagesR
 from pagoda_daemon.server.auth import APIKeys
 from pagoda_daemon.server.chat_reply import ReplyShape
 from pagoda_daemon.server.chat_template import render_chat
-from pagoda_daemon.server.embeddings import EmbeddingRequest, embedding_body
+from pagoda_daemon.server.embeddings import (
+    EmbeddingBody,
+    EmbeddingChatRequest,
+    EmbeddingRequest,
+    embedding_body,
+)
 from pagoda_daemon.server.engine_client import EngineClient, EngineDeadError, PreparedRequest
 from pagoda_daemon.server.errors import APIError, bad_request, unavailable
 from pagoda_daemon.server.http_guard import RequestGuard
@@ -212,15 +217,19 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
             raise APIError("this server does not serve /v1/embeddings: its model generates text (/v1/completions, "
                            "/v1/chat/completions); an embedding model is served with --runner pooling", 404,
                            code="not_found")
-        req = await parse(EmbeddingRequest, raw)
+        req = await parse(EmbeddingBody, raw)
         lora = _check_model(req.model, settings)
         try:
             params = pooling.params(req.normalize, req.dimensions)
         except ValueError as e:
             raise bad_request(str(e), param="dimensions") from e
+        sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)  # nothing sampled; its priority
+        if isinstance(req, EmbeddingChatRequest):
+            _check_batch_fits(client, settings, 1, embeddings=True)
+            processed = await asyncio.to_thread(_process_embedding_chat, client, req, sampling)
+            return await _serve_embeddings(raw, client, settings, req, processed, sampling, params, lora, tracer)
         inputs = req.inputs()
         _check_batch_fits(client, settings, len(inputs), embeddings=True)
-        sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)  # nothing sampled; its priority
         if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
             processed = _process_embedding_inputs(client, inputs, req, sampling)
         else:
@@ -408,14 +417,14 @@ def _process_chat(client: EngineClient, req: ChatCompletionRequest, params: Samp
     return [_process_prompt(client, render_chat(client.tokenizer, req), params, req)], params
 
 
-def _process_embedding_inputs(client: EngineClient, inputs: list, req: EmbeddingRequest,
-                              params: SamplingParams) -> Processed:
-    """Tokenize and check every input of an embeddings request (400 naming ``input``)."""
+def _process_embedding_inputs(client: EngineClient, inputs: list, req: EmbeddingRequest | EmbeddingChatRequest,
+                              params: SamplingParams, param: str = "input") -> Processed:
+    """Tokenize and check every input of an embeddings request (400 naming ``input``, or ``param``)."""
     _ensure_ready(client)
     truncate = req.truncation(client.input_processor.max_model_len) if client.input_processor else None
     processed = []
     for i, item in enumerate(inputs):
-        where = "input" if len(inputs) == 1 else f"input.{i}"
+        where = param if len(inputs) == 1 else f"{param}.{i}"
         try:
             processed.append(client.validate(item, params, add_special_tokens=req.add_special_tokens,
                                               truncate_prompt_tokens=truncate, pooling=True))
@@ -426,7 +435,14 @@ def _process_embedding_inputs(client: EngineClient, inputs: list, req: Embedding
     return processed
 
 
-async def _serve_embeddings(raw: Request, client: EngineClient, settings: ServerSettings, req: EmbeddingRequest,
+def _process_embedding_chat(client: EngineClient, req: EmbeddingChatRequest, params: SamplingParams) -> Processed:
+    """The conversation through the chat template, then tokenized and checked as one input."""
+    _ensure_ready(client)
+    return _process_embedding_inputs(client, [render_chat(client.tokenizer, req)], req, params, param="messages")
+
+
+async def _serve_embeddings(raw: Request, client: EngineClient, settings: ServerSettings,
+                            req: EmbeddingRequest | EmbeddingChatRequest,
                             inputs: Processed, sampling: SamplingParams, params: PoolingParams,
                             lora: LoRARequest | None, tracer) -> Response:
     """Submit one pooling request per input and answer with their vectors, in input order."""

@@ -4,6 +4,8 @@ The fields are OpenAI's (``input``, ``model``, ``encoding_format``, ``dimensions
 vLLM's extras (``truncate_prompt_tokens``, ``add_special_tokens``, ``normalize``, ``priority``,
 ``request_id``). ``input`` is a string, a list of token ids, or up to 2,048 of either (OpenAI's
 bound); each becomes one pooling request (pooling.py) and one vector of the reply, in order.
+vLLM's chat form takes ``messages`` instead of ``input``: one conversation through the model's
+chat template (no generation prompt unless asked), one vector.
 ``encoding_format`` ``base64`` sends each vector as the base64 of its float32 little-endian
 bytes, the layout the openai client decodes (and asks for by default).
 """
@@ -17,29 +19,33 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagoda_daemon.sampling_params import INT64_MAX, INT64_MIN
 from pagoda_daemon.server.errors import bad_request
-from pagoda_daemon.server.protocol import MAX_ID_CHARS, Identifier, TokenId, check_extra_fields
+from pagoda_daemon.server.protocol import (
+    MAX_ID_CHARS,
+    ChatTemplateFields,
+    Identifier,
+    TokenId,
+    check_extra_fields,
+)
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 MAX_DIMENSIONS = 1 << 20  # past any model's width: the model's own bound is checked after parsing
 # vLLM's embeddings fields Pagoda does not serve: a 400 names them rather than answering otherwise
-UNSUPPORTED = ("messages", "embed_dtype", "endianness", "mm_processor_kwargs", "chat_template", "use_activation")
+UNSUPPORTED = ("embed_dtype", "endianness", "mm_processor_kwargs", "chat_template", "use_activation")
 
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
 
 
-class EmbeddingRequest(BaseModel):
+class _EmbeddingFields(BaseModel):
+    """What both forms of the body share: the model, the reply's shape, and vLLM's extras."""
+
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: str
-    input: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]],
-                                                            Field(min_length=1, max_length=MAX_INPUTS)]
-            | TokenList | Annotated[list[TokenList], Field(min_length=1, max_length=MAX_INPUTS)])
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = None
     user: Identifier | None = None
     # vLLM's extra fields
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
-    add_special_tokens: bool = True
     normalize: bool | None = None  # None: as the model's sentence-transformers modules say
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
     request_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]+$")] | None = None
@@ -49,13 +55,6 @@ class EmbeddingRequest(BaseModel):
         check_extra_fields(self.model_extra, UNSUPPORTED, " of /v1/embeddings")
         return self
 
-    def inputs(self) -> list[str | list[int]]:
-        """Each input on its own: a text or a list of token ids."""
-        value = self.input
-        if isinstance(value, str) or (value and isinstance(value[0], int)):
-            return [value]  # type: ignore[list-item]
-        return list(value)  # type: ignore[arg-type]
-
     def truncation(self, max_model_len: int) -> int | None:
         """truncate_prompt_tokens as a token count (-1: the model's context, as in vLLM)."""
         if self.truncate_prompt_tokens is None:
@@ -63,6 +62,40 @@ class EmbeddingRequest(BaseModel):
         if self.truncate_prompt_tokens == 0:
             raise bad_request("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
         return max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+
+
+class EmbeddingRequest(_EmbeddingFields):
+    input: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]],
+                                                            Field(min_length=1, max_length=MAX_INPUTS)]
+            | TokenList | Annotated[list[TokenList], Field(min_length=1, max_length=MAX_INPUTS)])
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input on its own: a text or a list of token ids."""
+        value = self.input
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
+
+
+class EmbeddingChatRequest(_EmbeddingFields, ChatTemplateFields):
+    """vLLM's chat form: the conversation as the chat template renders it, embedded whole.
+    Without a generation prompt by default (vLLM's default here): the vector is the
+    conversation's, not that of the assistant turn it would open."""
+
+    add_generation_prompt: bool = False
+
+
+class EmbeddingBody:
+    """The body of ``/v1/embeddings`` in either form: ``messages`` chooses the chat form."""
+
+    @staticmethod
+    def model_validate(body: dict) -> EmbeddingRequest | EmbeddingChatRequest:
+        if "messages" not in body:
+            return EmbeddingRequest.model_validate(body)
+        if "input" in body:
+            raise bad_request("give either input or messages, not both", param="messages")
+        return EmbeddingChatRequest.model_validate(body)
 
 
 def embedding_body(model: str, vectors: list[bytes], encoding_format: str, prompt_tokens: int) -> dict:
