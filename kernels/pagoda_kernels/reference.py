@@ -67,7 +67,9 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, causal=True):
     kf = kf.repeat_interleave(h // kvh, dim=0)
     vf = vf.repeat_interleave(h // kvh, dim=0)
     s = (qf @ kf.transpose(1, 2)) * scale
-    mask = k_pos[None, :] <= q_pos[:, None] if causal else torch.ones_like(k_pos[None, :] <= q_pos[:, None])
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if not causal:
+        mask.fill_(True)
     if sliding_window:
         mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
     s = s.masked_fill(~mask, float("-inf"))

@@ -109,7 +109,7 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         # False for an encoder (BERT): every token sees the whole sequence. Such a model's steps
         # bring each prompt whole, with no cached context (its engine neither chunks prompts nor
-        # caches prefixes, encoder.py), so attention runs on the step's fresh K/V only.
+        # caches prefixes: engine_core.py, models/bert.py), so attention runs on the step's fresh K/V only.
         self.causal = causal
         if not causal and sliding_window is not None:
             raise ValueError("a sliding window is a causal model's: an encoder attends to its whole sequence")

@@ -79,15 +79,15 @@ class EngineCore:
         # a pooling engine (embeddings, pooling.py) or a generating one; the workers see which
         self.pooling = engine_pooling(config, self.model_config)
         config = dataclasses.replace(config, runner="pooling" if self.pooling is not None else "generate")
-        if is_encoder(getattr(self.model_config, "architectures", None)):
+        encoder = is_encoder(getattr(self.model_config, "architectures", None))
+        if encoder:
             # bidirectional attention: a prompt's states depend on all of it, so it is computed
             # whole, in one step, and no prefix of it is reused (models/bert.py)
             config = dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False)
         self.config = config
         self.max_model_len = self._max_model_len()
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            why = ("an encoder computes each prompt in one step" if is_encoder(self.model_config.architectures)
-                   else "without chunked prefill")
+            why = "an encoder computes each prompt in one step" if encoder else "without chunked prefill"
             raise ValueError(f"{why}, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                              f"must be at least max_model_len ({self.max_model_len})")
         check_layout(self.model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,

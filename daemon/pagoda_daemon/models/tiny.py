@@ -172,17 +172,25 @@ def build_tiny_embedding_model(
         for f in out.glob("*.safetensors"):
             f.unlink()
         full.save_pretrained(str(out))
+    write_sentence_transformers_files(out, json.loads((out / "config.json").read_text())["hidden_size"], pooling,
+                                      normalize)
+    return out
+
+
+def write_sentence_transformers_files(out: Path, hidden_size: int, pooling: str, normalize: bool) -> None:
+    """The modules.json and Pooling config of a sentence-transformers model pooling by ``pooling``
+    (last, mean, cls), with a Normalize module when ``normalize``."""
+    import json
+
     modes = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
     (out / "1_Pooling").mkdir(exist_ok=True)
-    hidden = json.loads((out / "config.json").read_text())["hidden_size"]
     (out / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": hidden, **{key: key == modes[pooling] for key in modes.values()}}))
+        {"word_embedding_dimension": hidden_size, **{key: key == modes[pooling] for key in modes.values()}}))
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (out / "modules.json").write_text(json.dumps(modules))
-    return out
 
 
 # The encoders' special tokens, ids from 0 in this order, and the template a single text takes
@@ -220,8 +228,6 @@ def build_tiny_encoder(arch: str, out_dir: str | Path, seed: int = 0, pooling: s
     masked-LM head, the ``roberta.`` prefix and a position table offset by pad + 1) with its
     tokenizer; with ``sentence_transformers``, the modules.json and Pooling config of an
     embedding model pooling by ``pooling``."""
-    import json
-
     import torch
     from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaForMaskedLM
 
@@ -250,14 +256,5 @@ def build_tiny_encoder(arch: str, out_dir: str | Path, seed: int = 0, pooling: s
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     if sentence_transformers:
-        modes = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
-        (out / "1_Pooling").mkdir(exist_ok=True)
-        (out / "1_Pooling" / "config.json").write_text(json.dumps(
-            {"word_embedding_dimension": config.hidden_size, **{k: k == modes[pooling] for k in modes.values()}}))
-        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-        if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                            "type": "sentence_transformers.models.Normalize"})
-        (out / "modules.json").write_text(json.dumps(modules))
+        write_sentence_transformers_files(out, config.hidden_size, pooling, normalize)
     return out

@@ -224,16 +224,15 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
         except ValueError as e:
             raise bad_request(str(e), param="dimensions") from e
         sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)  # nothing sampled; its priority
-        if isinstance(req, EmbeddingChatRequest):
-            _check_batch_fits(client, settings, 1, embeddings=True)
+        if isinstance(req, EmbeddingChatRequest):  # one conversation, one input: it fits any server
             processed = await asyncio.to_thread(_process_embedding_chat, client, req, sampling)
-            return await _serve_embeddings(raw, client, settings, req, processed, sampling, params, lora, tracer)
-        inputs = req.inputs()
-        _check_batch_fits(client, settings, len(inputs), embeddings=True)
-        if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
-            processed = _process_embedding_inputs(client, inputs, req, sampling)
         else:
-            processed = await asyncio.to_thread(_process_embedding_inputs, client, inputs, req, sampling)
+            inputs = req.inputs()
+            _check_batch_fits(client, settings, len(inputs), embeddings=True)
+            if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
+                processed = _process_embedding_inputs(client, inputs, req, sampling)
+            else:
+                processed = await asyncio.to_thread(_process_embedding_inputs, client, inputs, req, sampling)
         return await _serve_embeddings(raw, client, settings, req, processed, sampling, params, lora, tracer)
 
     @app.post("/v1/messages/count_tokens")
