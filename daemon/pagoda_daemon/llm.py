@@ -1,4 +1,5 @@
-"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline batches: `LLM(model=...).generate(prompts, SamplingParams(...))`, and for pooling models
+`embed`, `classify` and `score`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,24 @@ from pagoda_daemon.engine.input_processor import PromptType
 from pagoda_daemon.engine.llm_engine import LLMEngine
 from pagoda_daemon.engine.messages import EngineStats
 from pagoda_daemon.lora.request import LoRARequest
-from pagoda_daemon.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, RequestOutputKind
-from pagoda_daemon.pooling import NOTHING_SAMPLED
+from pagoda_daemon.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    RequestOutputKind,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagoda_daemon.pooling import (
+    NOTHING_SAMPLED,
+    EnginePooling,
+    PoolingParams,
+    check_one_label,
+    cosine,
+    pair_up,
+)
 from pagoda_daemon.sampling_params import SamplingParams
 
 
@@ -78,7 +95,8 @@ class LLM:
         if any(lora is not None for lora in loras) and not self.engine.config.enable_lora:
             raise ValueError("lora_request needs enable_lora=True")
         if self.engine.pooling is not None:
-            raise ValueError("this model is served for embeddings (runner pooling): use LLM.embed")
+            raise ValueError("this model is served for pooling (runner pooling): use LLM.embed, LLM.classify or "
+                             "LLM.score")
         processed = [self.engine.input_processor.process(prompt, p) for prompt, p in zip(prompts, params)]
 
         ids = [self.engine.add_processed_request(text, token_ids, p, output_kind=RequestOutputKind.FINAL_ONLY,
@@ -93,27 +111,77 @@ class LLM:
         model that pools by default: docs/embeddings.md). ``normalize`` (None: the model's
         default) and ``dimensions`` (Matryoshka models) as the API's fields; every prompt is
         checked before any is queued."""
-        pooling = self.engine.pooling
-        if pooling is None:
-            raise ValueError("this engine generates text: embeddings need runner='pooling'")
+        pooling = self._pooling("embed")
         if lora_request is not None and not self.engine.config.enable_lora:
             raise ValueError("lora_request needs enable_lora=True")
-        prompts = _as_list(prompts)
         params = pooling.params(normalize, dimensions)
-        processed = [self.engine.input_processor.process(p, NOTHING_SAMPLED, pooling=True,
-                                                         truncate_prompt_tokens=truncate_prompt_tokens)
-                     for p in prompts]
+        outputs = self._pool([(*self._process(p, truncate_prompt_tokens), params) for p in _as_list(prompts)],
+                             lora_request)
+        return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(_floats(vector)))
+                for out, vector in outputs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, use_activation: bool | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's label scores, in prompt order, from a sequence classifier
+        (``...ForSequenceClassification``), through its activation unless ``use_activation=False``."""
+        params = self._pooling("classify").classify_params(use_activation)
+        outputs = self._pool([(*self._process(p, truncate_prompt_tokens), params) for p in _as_list(prompts)])
+        return [ClassificationRequestOutput(out.request_id, out.prompt_token_ids, ClassificationOutput(_floats(v)))
+                for out, v in outputs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *, use_activation: bool | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """A score per pair, 1:N (one text against each of ``data_2``) or N:N (side by side): a
+        cross-encoder's on each pair as one prompt (its one label, through its activation unless
+        ``use_activation=False``), or an embedding model's cosine of the two texts' vectors."""
+        firsts, seconds = _as_texts(data_1), _as_texts(data_2)
+        pairs = pair_up(firsts, seconds)
+        pooling = self._pooling("score")
+        if pooling.classifies:
+            check_one_label(pooling)
+            processor = self.engine.input_processor
+            encoded = [processor.process_pair(firsts[i], seconds[j], NOTHING_SAMPLED,
+                                              truncate_prompt_tokens=truncate_prompt_tokens) for i, j in pairs]
+            outputs = self._pool([(None, ids, pooling.classify_params(use_activation, start))
+                                  for ids, start in encoded])
+            return [ScoringRequestOutput(out.request_id, out.prompt_token_ids, ScoringOutput(_floats(v)[0]))
+                    for out, v in outputs]
+        params = pooling.params()
+        texts = firsts + seconds
+        vectors = self._pool([(*self._process(t, truncate_prompt_tokens), params) for t in texts])
+        return [ScoringRequestOutput(f"{vectors[i][0].request_id}_{vectors[len(firsts) + j][0].request_id}",
+                                     vectors[i][0].prompt_token_ids + vectors[len(firsts) + j][0].prompt_token_ids,
+                                     ScoringOutput(cosine(vectors[i][1], vectors[len(firsts) + j][1])))
+                for i, j in pairs]
+
+    def _pooling(self, what: str) -> EnginePooling:
+        """The engine's pooling settings, checked to serve ``what`` (embed, classify, score)."""
+        pooling = self.engine.pooling
+        if pooling is None:
+            raise ValueError(f"this engine generates text: LLM.{what} needs a pooling model (runner='pooling')")
+        if what == "embed" and pooling.classifies:
+            raise ValueError("this model is a sequence classifier: use LLM.classify or LLM.score")
+        if what == "classify" and not pooling.classifies:
+            raise ValueError("this model serves embeddings, not classes: use LLM.embed (or LLM.score)")
+        return pooling
+
+    def _process(self, prompt: PromptType, truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:
+        return self.engine.input_processor.process(prompt, NOTHING_SAMPLED, pooling=True,
+                                                   truncate_prompt_tokens=truncate_prompt_tokens)
+
+    def _pool(self, requests: list[tuple[str | None, list[int], PoolingParams]],
+              lora_request: LoRARequest | None = None) -> list[tuple[RequestOutput, bytes]]:
+        """Run pooling requests (each checked already) to their ends: each output with its vector."""
         ids = [self.engine.add_processed_request(text, token_ids, NOTHING_SAMPLED,
                                                  output_kind=RequestOutputKind.FINAL_ONLY, lora=lora_request,
                                                  pooling=params)
-               for text, token_ids in processed]
+               for text, token_ids, params in requests]
         outputs = []
         for out in self._run(ids):
             if out.pooled is None:
                 raise RuntimeError(f"request {out.request_id} ended without its vector "
                                    f"({out.outputs[0].finish_reason}: {out.outputs[0].stop_reason})")
-            outputs.append(EmbeddingRequestOutput(out.request_id, out.prompt_token_ids,
-                                                  EmbeddingOutput(_floats(out.pooled))))
+            outputs.append((out, out.pooled))
         return outputs
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
@@ -137,6 +205,10 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
         return [prompts]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _as_texts(data: str | Sequence[str]) -> list[str]:
+    return [data] if isinstance(data, str) else list(data)
 
 
 def _floats(pooled: bytes) -> list[float]:

@@ -104,3 +104,34 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one score per label, through the classifier's activation (pooling.py)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's label scores, as vLLM's ``LLM.classify`` returns them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score, as vLLM's ``LLM.score`` returns it: a cross-encoder's on the pair as one
+    prompt, or the cosine of an embedding model's two vectors (prompt_token_ids: both texts')."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -2,7 +2,9 @@
 steps with prompts, async scheduling, padded eager steps): float32 vectors (TF32 off) against
 Hugging Face transformers' AutoModel on the same device for last-token, mean and first-token
 pooling, whole and chunked, and for the encoders (BERT, XLM-RoBERTa: bidirectional attention on the
-Triton varlen kernel); bfloat16 vectors against the float32 reference by cosine.
+Triton varlen kernel); bfloat16 vectors against the float32 reference by cosine. Cross-encoders
+(BERT's pairs in two token types, read by the piecewise graphs from their buffer; XLM-RoBERTa):
+pair scores against AutoModelForSequenceClassification.
 
 Skipped without a GPU (CI); run on the GPU machine by `benchmarks/run_gpu.sh pooling-tests`.
 """
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from pagoda_daemon import LLM
+from tests.engine.test_cross_encoders import hf_logits, models, texts  # noqa: F401
 from tests.engine.test_encoders import encoders, prompts_up_to  # noqa: F401
 from tests.engine.test_pooling import assert_nothing_left, embedding_models, random_prompts, reference  # noqa: F401
 
@@ -67,3 +70,21 @@ def test_encoder_vectors_equal_transformers_on_cuda(encoders, name, pooling, nor
     for got, w in zip(half.embed(prompts), want, strict=True):
         g = np.asarray(got.outputs.embedding)
         assert float(g @ w) / (np.linalg.norm(g) * np.linalg.norm(w)) > 0.995
+
+
+@pytest.mark.parametrize("name", ["bert-1", "xlmr-1"])
+def test_cross_encoder_scores_equal_transformers_on_cuda(models, name):  # noqa: F811
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = models[name]
+    rng = random.Random()
+    firsts, seconds = texts(rng, 40), texts(rng, 40, longest=25)
+    want = hf_logits(path, firsts, seconds)[:, 0]
+    llm = LLM(path, dtype="float32", **ENGINE)
+    runner = llm.engine.core.executor.worker.runner
+    assert runner.piecewise is not None and runner.piecewise.graphs
+    got = [o.outputs.score for o in llm.score(firsts, seconds, use_activation=False)]
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
+    del llm
+    half = LLM(path, dtype="bfloat16", **ENGINE)
+    got = np.array([o.outputs.score for o in half.score(firsts, seconds, use_activation=False)])
+    assert np.corrcoef(got, want)[0, 1] > 0.99

@@ -106,6 +106,17 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return sequences
 
 
+def _second_segment_start(token_type_ids: list[int] | None) -> int | None:
+    """Where a pair's token types turn from 0 to 1 (None: they never do). ValueError for any
+    other pattern: a cross-encoder's pair is two segments, the first then the second."""
+    if not token_type_ids or 1 not in token_type_ids:
+        return None
+    start = token_type_ids.index(1)
+    if any(t != 1 for t in token_type_ids[start:]) or any(t != 0 for t in token_type_ids[:start]):
+        raise ValueError("the tokenizer's token types for a pair are not 0s then 1s: not a two-segment encoder")
+    return start
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
@@ -198,6 +209,48 @@ class InputProcessor:
             raise InvalidInput(f"structured_outputs_after_token_id must be in [0, {self.vocab_size})",
                                param="structured_outputs_after_token_id")
         return text, token_ids
+
+    def process_pair(self, first: str, second: str, params: SamplingParams, *,
+                     truncate_prompt_tokens: int | None = None, max_first_tokens: int = 0,
+                     max_second_tokens: int = 0) -> tuple[list[int], int | None]:
+        """A text pair (query, document) as a cross-encoder reads it: one prompt made by the
+        tokenizer's pair template (BERT: [CLS] a [SEP] b [SEP]), and the position where the second
+        text's token type 1 starts (None: the tokenizer gives one segment type throughout).
+        ``max_first_tokens``/``max_second_tokens`` (0: no limit) cut each text to that many of
+        its tokens first; ``truncate_prompt_tokens`` then shortens the longer text until the pair
+        fits (sentence-transformers' CrossEncoder: the special tokens are kept). InvalidInput on
+        bad input."""
+        for name, text in (("query", first), ("document", second)):  # the param: which text is at fault
+            if not isinstance(text, str):
+                raise InvalidInput(f"the {name} must be a string, got {type(text).__name__}", param=name)
+            if has_lone_surrogate(text):
+                raise InvalidInput(f"the {name} must be valid Unicode (it holds a lone surrogate)", param=name)
+        if truncate_prompt_tokens is None and not (max_first_tokens or max_second_tokens):
+            self.check_text_length(first + second, pooling=True)
+        first = self.first_tokens(first, max_first_tokens)
+        second = self.first_tokens(second, max_second_tokens)
+        specials = self.tokenizer.num_special_tokens_to_add(pair=True)
+        kwargs: dict = {}
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens < specials + 2:
+                raise InvalidInput(f"truncate_prompt_tokens ({truncate_prompt_tokens}) leaves no room for a pair: its "
+                                   f"{specials} special tokens and one token of each text need {specials + 2}",
+                                   param="truncate_prompt_tokens")
+            kwargs = {"truncation": "longest_first", "max_length": truncate_prompt_tokens}
+        encoded = self.tokenizer(first, second, return_token_type_ids=True, **kwargs)
+        token_ids = list(encoded["input_ids"])
+        if len(token_ids) > self.max_model_len:
+            raise self._too_long_to_pool(len(token_ids))
+        self._check_priority(params)
+        return token_ids, _second_segment_start(encoded.get("token_type_ids"))
+
+    def first_tokens(self, text: str, limit: int) -> str:
+        """The text up to the end of its first ``limit`` tokens (0: all of it), cut where the
+        tokenizer says that token ends, so re-tokenizing gives those tokens."""
+        if limit <= 0:
+            return text
+        offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return text if len(offsets) <= limit else text[: offsets[limit - 1][1]]
 
     def _check_priority(self, params: SamplingParams) -> None:
         if params.priority != 0 and self.scheduling_policy != "priority":  # as vLLM refuses it

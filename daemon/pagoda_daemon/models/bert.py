@@ -1,13 +1,14 @@
 """BERT-family encoders (BERT, XLM-RoBERTa): the embedding models most deployments run
-(bge, e5, gte, all-MiniLM, multilingual-e5, bge-m3), served for embeddings only.
+(bge, e5, gte, all-MiniLM, multilingual-e5, bge-m3), and with a sequence-classification head the
+cross-encoder rerankers (bge-reranker, ms-marco-MiniLM), served for embeddings and scores.
 
 An encoder differs from the decoders in three ways that matter here: every token attends to
 the whole sequence (the attention backend is built with ``causal=False``), positions are a
 learned table (XLM-RoBERTa's counted from ``pad_token_id + 1``), and each sub-layer is
 normed after its residual add (post-LayerNorm, with biases). Its hidden states are those of
 Hugging Face's ``BertModel`` / ``XLMRobertaModel`` (``last_hidden_state``), which
-sentence-transformers pools. Only single-segment inputs are served: token type 0 throughout,
-as for every embedding request.
+sentence-transformers pools. A classifier's text pair carries token types (0 for the first text,
+1 for the second: BERT's segments); every other input is token type 0 throughout.
 
 Because attention is bidirectional, a prompt's hidden states depend on all of it: an encoder
 engine never splits a prompt across steps nor reuses cached prefixes (engine_core.py turns
@@ -115,9 +116,12 @@ class EncoderEmbeddings(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.position_offset = position_offset(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
-        return self.norm(hidden + self.token_type_embeddings.weight[0])  # one segment: token type 0
+        if token_types is None or self.token_type_embeddings.num_embeddings == 1:
+            return self.norm(hidden + self.token_type_embeddings.weight[0])  # one segment: token type 0
+        return self.norm(hidden + self.token_type_embeddings(token_types))
 
 
 class EncoderBody(nn.Module):
@@ -127,14 +131,17 @@ class EncoderBody(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config, backend, tp) for _ in range(config.num_hidden_layers))
         self.hidden_size = config.hidden_size
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor | None], meta) -> torch.Tensor:
-        hidden, residual = self.embed(input_ids, positions), None
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor | None], meta,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        hidden, residual = self.embed(input_ids, positions, token_types), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return self.finish(hidden, residual)
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.embeddings(input_ids, positions)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input; ``token_types`` (None: all 0) per token, 0 or 1."""
+        return self.embeddings(input_ids, positions, token_types)
 
     def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return hidden  # the last layer normed its output already
@@ -164,6 +171,7 @@ class BertModel(nn.Module):
     """A BERT encoder's body, as ``BertModel`` and sentence-transformers checkpoints hold it."""
 
     causal = False
+    takes_token_types = True  # the model runner hands the body each token's type (pairs: 1 for the second text)
     stacked_params = (
         ("qkv_proj", "query"),
         ("qkv_proj", "key"),
@@ -201,8 +209,8 @@ class BertModel(nn.Module):
         return KVCacheSpec(c.num_hidden_layers, self.tp.split(c.num_attention_heads, "the number of attention heads"),
                            c.hidden_size // c.num_attention_heads)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, token_types: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, token_types)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder has no language-model head: it serves embeddings (runner pooling)")
@@ -211,3 +219,47 @@ class BertModel(nn.Module):
 class XLMRobertaModel(BertModel):
     """RoBERTa and XLM-RoBERTa (bge-m3, multilingual-e5): BERT's layers, positions counted from
     pad + 1 (``position_offset``)."""
+
+
+class ClassifierHead(nn.Module):
+    """The first token's state -> dense -> tanh -> one score per label: BERT's pooler and
+    classifier, and RoBERTa's classification head, are this one shape (dropout is training's).
+    Replicated under tensor parallelism: it runs on one row per request."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(pooled)))
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT cross-encoder (ms-marco-MiniLM, ...): the body, then ``classify`` on the pooled
+    [CLS] row of each request. Hugging Face keeps the head's first layer as the body's pooler."""
+
+    _HEAD = (("pooler.dense.", "classifier.dense."), ("classifier.", "classifier.out_proj."))
+
+    def __init__(self, config, backend: type[AttentionBackend], max_positions: int,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, backend, max_positions, tp)
+        self.classifier = ClassifierHead(config.hidden_size, config.num_labels)
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str | None:  # type: ignore[override]
+        bare = name.removeprefix("bert.").removeprefix("roberta.")
+        for theirs, ours in cls._HEAD:
+            if bare.startswith(theirs):
+                return ours + bare.removeprefix(theirs)
+        return BertModel.checkpoint_name(name)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Each row's label scores (float32, before any activation) from its pooled float32 state."""
+        return self.classifier(pooled.to(self.classifier.dense.weight.dtype)).float()
+
+
+class XLMRobertaForSequenceClassification(BertForSequenceClassification):
+    """An XLM-RoBERTa cross-encoder (bge-reranker-base/large/v2-m3): the head holds both layers."""
+
+    _HEAD = (("classifier.dense.", "classifier.dense."), ("classifier.out_proj.", "classifier.out_proj."))

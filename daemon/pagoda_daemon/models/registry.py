@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pagoda_daemon.models.bert import BertModel, XLMRobertaModel, position_offset
+from pagoda_daemon.models.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+    position_offset,
+)
 from pagoda_daemon.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pagoda_daemon.models.qwen3_moe import Qwen3MoeForCausalLM
 from pagoda_daemon.pooling import BODY_ARCHITECTURES, ENCODER_ARCHITECTURES, is_encoder
@@ -13,6 +19,8 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "BertModel": BertModel,
     "XLMRobertaModel": XLMRobertaModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
 }
 
 

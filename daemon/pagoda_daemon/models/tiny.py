@@ -212,8 +212,11 @@ def build_encoder_tokenizer(arch: str, vocab_size: int = 512):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([line for line in _CORPUS.splitlines() if line] * 4, trainer)
+    # pairs as each family's tokenizer makes them: BERT's second segment is token type 1,
+    # XLM-RoBERTa's pair is <s> a </s></s> b </s> in one segment
+    pair = f"{first} $A {last} $B:1 {last}:1" if arch == "bert" else f"{first} $A {last} {last} $B {last}"
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{first} $A {last}", pair=f"{first} $A {last} $B:1 {last}:1",
+        single=f"{first} $A {last}", pair=pair,
         special_tokens=[(first, specials.index(first)), (last, specials.index(last))])
     names = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), specials, strict=True))
     if arch == "xlm-roberta":
@@ -223,13 +226,22 @@ def build_encoder_tokenizer(arch: str, vocab_size: int = 512):
 
 
 def build_tiny_encoder(arch: str, out_dir: str | Path, seed: int = 0, pooling: str = "cls", normalize: bool = True,
-                       sentence_transformers: bool = True, weight_std: float = 0.08, **config_overrides) -> Path:
+                       sentence_transformers: bool = True, weight_std: float = 0.08, num_labels: int = 0,
+                       **config_overrides) -> Path:
     """A random BERT (saved as ``BertModel`` saves its body) or XLM-RoBERTa (saved with its
     masked-LM head, the ``roberta.`` prefix and a position table offset by pad + 1) with its
     tokenizer; with ``sentence_transformers``, the modules.json and Pooling config of an
-    embedding model pooling by ``pooling``."""
+    embedding model pooling by ``pooling``. With ``num_labels``: a cross-encoder instead
+    (``...ForSequenceClassification`` with that many labels, no sentence-transformers files)."""
     import torch
-    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaForMaskedLM
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertModel,
+        XLMRobertaConfig,
+        XLMRobertaForMaskedLM,
+        XLMRobertaForSequenceClassification,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,16 +249,18 @@ def build_tiny_encoder(arch: str, out_dir: str | Path, seed: int = 0, pooling: s
     common = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, hidden_act="gelu", layer_norm_eps=1e-12)
     torch.manual_seed(seed)
+    if num_labels:
+        common["num_labels"] = num_labels
     config: BertConfig | XLMRobertaConfig
-    model: BertModel | XLMRobertaForMaskedLM
+    model: torch.nn.Module
     if arch == "bert":
         config = BertConfig(**common, max_position_embeddings=256, type_vocab_size=2, pad_token_id=0,
                             **config_overrides)
-        model = BertModel(config, add_pooling_layer=True)
+        model = BertForSequenceClassification(config) if num_labels else BertModel(config, add_pooling_layer=True)
     else:
         config = XLMRobertaConfig(**common, max_position_embeddings=258, type_vocab_size=1, pad_token_id=1,
                                   bos_token_id=0, eos_token_id=2, **config_overrides)
-        model = XLMRobertaForMaskedLM(config)
+        model = XLMRobertaForSequenceClassification(config) if num_labels else XLMRobertaForMaskedLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "LayerNorm.weight" in name:
@@ -255,6 +269,6 @@ def build_tiny_encoder(arch: str, out_dir: str | Path, seed: int = 0, pooling: s
                 p.normal_(0.0, weight_std)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    if sentence_transformers:
+    if sentence_transformers and not num_labels:
         write_sentence_transformers_files(out, config.hidden_size, pooling, normalize)
     return out

@@ -201,6 +201,10 @@ class ModelRunner:
         self._prompt_rows = PromptLogprobRows()  # the eager step being prepared
         # a pooling engine's requests' partial vectors between steps (worker/pooler.py); None: it generates
         self.pooler = Pooler() if engine_config.runner == "pooling" else None
+        # a sequence classifier's head, run on each pooled row (models/bert.py); None: vectors are the reply
+        self.classify: Callable[[torch.Tensor], torch.Tensor] | None = (
+            getattr(model, "classify", None) if self.pooler is not None else None)
+        self.takes_token_types = getattr(model, "takes_token_types", False)
         self._pending: PendingSample | None = None  # a step waiting for its grammar masks
         # Eager steps padded to a grid of token counts warmed up at start-up (step_shapes.py):
         # on by default on CUDA, where cuBLAS stalls the host on every new shape.
@@ -393,6 +397,7 @@ class ModelRunner:
         slot_np[t:padded_t] = -1  # where the piecewise graphs write the pad rows' K/V: nowhere
         if self.lora is not None:
             self._set_lora_rows(sched, np.diff(qsl_np[: num_seqs + 1]), padded_t)
+        token_types = self._token_types(sched, qsl_np, pos_np, padded_t) if self.takes_token_types else None
         input_ids = b.input_ids.to_device(padded_t)
         if pending_dst:
             dst = b.pending_dst.fill(pending_dst)
@@ -424,7 +429,18 @@ class ModelRunner:
             max_seq_len=max(seq_lens_cpu) if num_seqs else 0,
             is_prefill_only=bool((starts == 0).all()),
         )
-        return StepInputs(logits_indices, sample_rows, input_ids, positions, meta, lm_head_indices)
+        return StepInputs(logits_indices, sample_rows, input_ids, positions, meta, lm_head_indices, token_types)
+
+    def _token_types(self, sched: SchedulerOutput, qsl_np: np.ndarray, pos_np: np.ndarray, rows: int) -> torch.Tensor:
+        """Each token row's type: 1 from a text pair's second text on, else 0 (padding too)."""
+        buf = self.buffers.token_types
+        buf.np[:rows] = 0
+        for i, s in enumerate(sched.scheduled):
+            start = s.request.pooling.token_type_start if s.request.pooling is not None else None
+            if start is not None:
+                lo, hi = qsl_np[i], qsl_np[i + 1]
+                buf.np[lo:hi] = pos_np[lo:hi] >= start
+        return buf.to_device(rows)
 
     def _set_lora_rows(self, sched: SchedulerOutput, q_lens: np.ndarray, rows: int) -> None:
         """Each token row's adapter slot (-1: the base model, and every padding row)."""
@@ -572,6 +588,9 @@ class ModelRunner:
                 with self._moe_dispatch(sched.num_scheduled_tokens, self._runs_eagerly(None, size)):
                     if self.piecewise is not None and self.piecewise.covers(size):  # graphs of all but attention
                         hidden = self.piecewise.run(size, inputs.meta, self.kv_caches)
+                    elif inputs.token_types is not None:
+                        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                            inputs.token_types)
                     else:
                         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 logits = self.model.compute_logits(hidden[inputs.lm_head_indices])[: len(rows)] if rows else None
@@ -620,7 +639,8 @@ class ModelRunner:
             return None
         pooled = self.pooler.pool(sched, hidden, inputs.meta.query_start_loc_cpu)
         if pooled is not None and pooled.vectors is not None:
-            pooled.vectors = self._to_host(pooled.vectors)
+            vectors = self.classify(pooled.vectors) if self.classify is not None else pooled.vectors
+            pooled.vectors = self._to_host(vectors)
         return pooled
 
     def _step_done(self) -> torch.cuda.Event | None:

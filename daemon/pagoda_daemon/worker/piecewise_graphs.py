@@ -37,6 +37,7 @@ class PiecewiseGraphRunner:
     def __init__(self, model, buffers, sizes: list[int], device: torch.device,
                  graph_capture: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         self.body = model.model  # DecoderModel (or an encoder's body): embed, layers, finish
+        self.takes_token_types = getattr(model, "takes_token_types", False)
         self.layers = list(self.body.layers)
         self.buffers = buffers
         self.sizes = sizes
@@ -82,7 +83,8 @@ class PiecewiseGraphRunner:
         b = self.buffers
         positions = b.positions.device[:size]
         if index == 0:
-            hidden, residual = self.body.embed(b.input_ids.device[:size], positions), None
+            types = {"token_types": b.token_types.device[:size]} if self.takes_token_types else {}
+            hidden, residual = self.body.embed(b.input_ids.device[:size], positions, **types), None
         else:
             hidden, residual = self.layers[index - 1].after_attention(self.o[:size], self.residual[:size])
         if index == len(self.layers):

@@ -3,8 +3,9 @@ final hidden states of the steps that computed it.
 
 A prompt may be computed over several steps (chunked prefill): the mean and the first token's
 state are kept between them, per request, as float32 rows on the device. A step hands back, for
-each request whose prompt it finished, the raw pooled vector; cutting it to its dimensions and
-scaling it to unit length happen on the host once the step's outputs are there (``finish``).
+each request whose prompt it finished, the raw pooled vector (a classifier's: its label scores,
+model_runner.py runs the head); cutting it to its dimensions, the classifier's activation and
+scaling to unit length happen on the host once the step's outputs are there (``finish``).
 Every row kept is a copy: the hidden states may sit in a piecewise CUDA graph's output buffer,
 which the next step overwrites.
 """
@@ -29,20 +30,35 @@ class PooledRows:
     vectors: torch.Tensor | None = None  # [len(request_ids), hidden] float32
 
     def finish(self) -> dict[str, bytes]:
-        """Each request's vector, cut and scaled as it asked, as float32 little-endian bytes (the
-        layout of OpenAI's base64 embeddings). Reads ``vectors`` on the host: call it after the
-        step's event."""
+        """Each request's vector, cut, activated and scaled as it asked, as float32 little-endian
+        bytes (the layout of OpenAI's base64 embeddings). Reads ``vectors`` on the host: call it
+        after the step's event."""
         if self.vectors is None:
             return {}
         rows = self.vectors.numpy()
         out = {}
         for rid, params, row in zip(self.request_ids, self.params, rows, strict=True):
             vector = row[: params.dimensions] if params.dimensions else row
+            if params.activation != "none":
+                vector = activate(vector, params.activation)
             if params.normalize:
                 norm = float(np.linalg.norm(vector))
                 vector = vector / norm if norm > 0.0 else vector
             out[rid] = np.ascontiguousarray(vector, dtype="<f4").tobytes()
         return out
+
+
+def activate(scores: np.ndarray, activation: str) -> np.ndarray:
+    """A classifier's label scores through ``activation`` (pooling.ACTIVATIONS), in float32."""
+    x = scores.astype(np.float32)
+    if activation == "sigmoid":
+        return np.exp(-np.logaddexp(np.float32(0.0), -x))  # 1 / (1 + e^-x), without overflow
+    if activation == "softmax":
+        e = np.exp(x - x.max())
+        return e / e.sum()
+    if activation == "tanh":
+        return np.tanh(x)
+    return x
 
 
 class Pooler:
