@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,7 +25,14 @@ from pagoda_daemon.kv_offload.transfer_auth import SOURCE_HEADER, SourceHeaders
 from pagoda_daemon.lora.registry import AdapterRegistry
 from pagoda_daemon.lora.request import LoRARequest
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
-from pagoda_daemon.pooling import NOTHING_SAMPLED, EnginePooling, PoolingParams
+from pagoda_daemon.pooling import (
+    NOTHING_SAMPLED,
+    EnginePooling,
+    PoolingParams,
+    check_one_label,
+    cosine,
+    pair_up,
+)
 from pagoda_daemon.sampling_params import SEED_MIN, SamplingParams
 from pagoda_daemon.server import admin, tokens
 from pagoda_daemon.server.anthropic_output import AnthropicFormat, anthropic_error
@@ -55,6 +63,17 @@ from pagoda_daemon.server.reply_format import EventWriter, ReplyFormat, sse_even
 from pagoda_daemon.server.responses import ChatBuilder, CompletionBuilder, ResponseOptions
 from pagoda_daemon.server.responses_output import ResponsesFormat
 from pagoda_daemon.server.responses_request import ResponsesRequest
+from pagoda_daemon.server.scoring import (
+    ClassifyBody,
+    ClassifyChatRequest,
+    ClassifyRequest,
+    RerankRequest,
+    ScoreBody,
+    ScoreRequest,
+    classify_body,
+    rerank_body,
+    score_body,
+)
 from pagoda_daemon.server.tool_parsers import parser_for
 
 log = logging.getLogger(__name__)
@@ -212,28 +231,92 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request):
         """OpenAI's embeddings: one pooling request per input (server/embeddings.py)."""
-        pooling = settings.pooling
-        if pooling is None:
-            raise APIError("this server does not serve /v1/embeddings: its model generates text (/v1/completions, "
-                           "/v1/chat/completions); an embedding model is served with --runner pooling", 404,
-                           code="not_found")
+        pooling = _pooling_for(settings, "/v1/embeddings", "embed")
         req = await parse(EmbeddingBody, raw)
-        lora = _check_model(req.model, settings)
+        _check_model(req.model, settings)
         try:
             params = pooling.params(req.normalize, req.dimensions)
         except ValueError as e:
             raise bad_request(str(e), param="dimensions") from e
-        sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)  # nothing sampled; its priority
-        if isinstance(req, EmbeddingChatRequest):  # one conversation, one input: it fits any server
-            processed = await asyncio.to_thread(_process_embedding_chat, client, req, sampling)
-        else:
-            inputs = req.inputs()
-            _check_batch_fits(client, settings, len(inputs), embeddings=True)
-            if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
-                processed = _process_embedding_inputs(client, inputs, req, sampling)
-            else:
-                processed = await asyncio.to_thread(_process_embedding_inputs, client, inputs, req, sampling)
-        return await _serve_embeddings(raw, client, settings, req, processed, sampling, params, lora, tracer)
+        processed = await _process_inputs(client, settings, req, params)
+        vectors = await _serve_pooling(raw, client, settings, req, processed, "embd", "embeddings", tracer,
+                                       {"gen_ai.request.encoding_formats": [req.encoding_format]})
+        if vectors is None:
+            return JSONResponse({}, status_code=499)
+        body = embedding_body(req.model, vectors, req.encoding_format, _prompt_tokens(processed))
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    @app.post("/classify")
+    async def classify(raw: Request):
+        """vLLM's classification: a sequence classifier's label scores per input (server/scoring.py)."""
+        pooling = _pooling_for(settings, "/classify", "classify")
+        req = await parse(ClassifyBody, raw)
+        _check_model(req.model or settings.served_model_name, settings)
+        processed = await _process_inputs(client, settings, req, pooling.classify_params(req.use_activation))
+        vectors = await _serve_pooling(raw, client, settings, req, processed, "classify", "classify", tracer)
+        if vectors is None:
+            return JSONResponse({}, status_code=499)
+        probs = [np.frombuffer(v, dtype="<f4").tolist() for v in vectors]
+        body = classify_body(_reply_id("classify", req, raw), settings.served_model_name, probs, pooling.labels,
+                             _prompt_tokens(processed))
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    async def score_pairs(raw: Request, req: ScoreRequest | RerankRequest,
+                          pooling: EnginePooling) -> tuple[list[float], int] | None:
+        """The scores of the pairs a score or rerank request asks for, and the prompt tokens they
+        took; None when the client went away."""
+        _check_model(req.model or settings.served_model_name, settings)
+        firsts, seconds = req.sides()
+        try:
+            pairs = pair_up(firsts, seconds)
+        except ValueError as e:
+            raise bad_request(str(e), param=req.names[1]) from e
+        if pooling.classifies:  # a cross-encoder: each pair one prompt
+            try:
+                check_one_label(pooling)
+            except ValueError as e:
+                raise bad_request(str(e), param="model") from e
+            _check_batch_fits(client, settings, len(pairs), embeddings=True)
+            processed = await asyncio.to_thread(_process_pairs, client, req, pooling, firsts, seconds, pairs)
+            outputs = await _serve_pooling(raw, client, settings, req, processed, "score", "score", tracer)
+            if outputs is None:
+                return None
+            return [float(np.frombuffer(v, dtype="<f4")[0]) for v in outputs], _prompt_tokens(processed)
+        # an embedding model: each text one vector, each pair the cosine of its two
+        _check_batch_fits(client, settings, len(firsts) + len(seconds), embeddings=True)
+        processed = await asyncio.to_thread(_process_sides, client, req, pooling.params(), firsts, seconds)
+        vectors = await _serve_pooling(raw, client, settings, req, processed, "score", "score", tracer)
+        if vectors is None:
+            return None
+        n = len(firsts)
+        tokens = sum(len(processed[i][1]) + len(processed[n + j][1]) for i, j in pairs)
+        return [cosine(vectors[i], vectors[n + j]) for i, j in pairs], tokens
+
+    async def serve_pairs(raw: Request, body, reply) -> Response:
+        """A score or rerank request (``body``: its model) answered by ``reply(request, scores,
+        prompt tokens)``."""
+        pooling = _pooling_for(settings, raw.url.path, "score")
+        req = await parse(body, raw)
+        scored = await score_pairs(raw, req, pooling)
+        if scored is None:
+            return JSONResponse({}, status_code=499)
+        return Response(msgspec.json.encode(reply(req, *scored)), media_type="application/json")
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(raw: Request):
+        """vLLM's pair scoring (server/scoring.py)."""
+        return await serve_pairs(raw, ScoreBody, lambda req, scores, tokens: score_body(
+            _reply_id("score", req, raw), settings.served_model_name, scores, tokens))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(raw: Request):
+        """Jina's and Cohere's rerank, as vLLM serves it (server/scoring.py)."""
+        return await serve_pairs(raw, RerankRequest, lambda req, scores, tokens: rerank_body(
+            _reply_id("rerank", req, raw), settings.served_model_name, req.sides()[1], scores, req.top_n,
+            req.return_documents, tokens))
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(raw: Request):
@@ -284,16 +367,35 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
 
 # OpenAI routes this server does not serve: a 404 that says so, in the OpenAI error shape.
 NOT_SERVED = ("/v1/audio/transcriptions", "/v1/audio/translations",
-              "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/rerank", "/v1/score",
-              "/pooling", "/classify")
+              "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/pooling")
 
 
 def _check_generates(settings: ServerSettings, path: str) -> None:
-    """A 404 on the generation routes of a server that pools (embeddings), as vLLM serves only
-    the routes of its runner."""
+    """A 404 on the generation routes of a server that pools (embeddings, scores), as vLLM
+    serves only the routes of its runner."""
     if settings.pooling is not None:
         raise APIError(f"this server does not serve {path}: its model '{settings.served_model_name}' is served for "
-                       "embeddings (/v1/embeddings; runner pooling)", 404, code="not_found")
+                       f"{_pooling_routes(settings.pooling)} (runner pooling)", 404, code="not_found")
+
+
+def _pooling_routes(pooling: EnginePooling) -> str:
+    if pooling.classifies:
+        return "classification and scoring (/classify, /score, /rerank)"
+    return "embeddings and scoring (/v1/embeddings, /score, /rerank)"
+
+
+def _pooling_for(settings: ServerSettings, path: str, task: str) -> EnginePooling:
+    """The engine's pooling settings where it serves ``task`` (embed, classify, score), else a
+    404 saying what this server serves instead."""
+    pooling = settings.pooling
+    if pooling is None:
+        raise APIError(f"this server does not serve {path}: its model generates text (/v1/completions, "
+                       "/v1/chat/completions); an embedding model or a cross-encoder is served with --runner pooling",
+                       404, code="not_found")
+    if (task == "embed" and pooling.classifies) or (task == "classify" and not pooling.classifies):
+        raise APIError(f"this server does not serve {path}: its model '{settings.served_model_name}' is served for "
+                       f"{_pooling_routes(pooling)}", 404, code="not_found")
+    return pooling
 
 
 def _not_served(path: str):
@@ -416,17 +518,37 @@ def _process_chat(client: EngineClient, req: ChatCompletionRequest, params: Samp
     return [_process_prompt(client, render_chat(client.tokenizer, req), params, req)], params
 
 
-def _process_embedding_inputs(client: EngineClient, inputs: list, req: EmbeddingRequest | EmbeddingChatRequest,
-                              params: SamplingParams, param: str = "input") -> Processed:
-    """Tokenize and check every input of an embeddings request (400 naming ``input``, or ``param``)."""
+PoolingInputs = list[tuple[str | None, list[int], PoolingParams]]  # (text or None, token ids, params) per request
+
+
+async def _process_inputs(client: EngineClient, settings: ServerSettings,
+                          req: EmbeddingRequest | EmbeddingChatRequest | ClassifyRequest | ClassifyChatRequest,
+                          params: PoolingParams) -> PoolingInputs:
+    """The requests an ``input`` (or a conversation in ``messages``) makes, each checked: in place
+    when that is cheaper than a thread hop (token ids only, few of them), else in a worker thread."""
+    if isinstance(req, (EmbeddingChatRequest, ClassifyChatRequest)):  # one conversation, one input: fits any server
+        return await asyncio.to_thread(_process_chat_input, client, req, params)
+    inputs = req.inputs()
+    _check_batch_fits(client, settings, len(inputs), embeddings=True)
+    if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
+        return _process_pooling_inputs(client, inputs, req, params)
+    return await asyncio.to_thread(_process_pooling_inputs, client, inputs, req, params)
+
+
+def _process_pooling_inputs(client: EngineClient, inputs: list, req, params: PoolingParams,
+                            param: str = "input", add_special_tokens: bool | None = None) -> PoolingInputs:
+    """Tokenize and check every input of a pooling request (400 naming ``input``, or ``param``);
+    ``add_special_tokens`` None: as the request says."""
     _ensure_ready(client)
     truncate = req.truncation(client.input_processor.max_model_len) if client.input_processor else None
+    sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)  # nothing sampled; its priority
+    specials = req.add_special_tokens if add_special_tokens is None else add_special_tokens
     processed = []
     for i, item in enumerate(inputs):
         where = param if len(inputs) == 1 else f"{param}.{i}"
         try:
-            processed.append(client.validate(item, params, add_special_tokens=req.add_special_tokens,
-                                              truncate_prompt_tokens=truncate, pooling=True))
+            processed.append((*client.validate(item, sampling, add_special_tokens=specials,
+                                               truncate_prompt_tokens=truncate, pooling=True), params))
         except InvalidInput as e:
             raise bad_request(f"{where}: {e}", param=where if e.param == "prompt" else e.param, code=e.code) from e
         except ValueError as e:
@@ -434,26 +556,83 @@ def _process_embedding_inputs(client: EngineClient, inputs: list, req: Embedding
     return processed
 
 
-def _process_embedding_chat(client: EngineClient, req: EmbeddingChatRequest, params: SamplingParams) -> Processed:
+def _process_chat_input(client: EngineClient, req: EmbeddingChatRequest | ClassifyChatRequest,
+                        params: PoolingParams) -> PoolingInputs:
     """The conversation through the chat template, then tokenized and checked as one input."""
     _ensure_ready(client)
-    return _process_embedding_inputs(client, [render_chat(client.tokenizer, req)], req, params, param="messages")
+    return _process_pooling_inputs(client, [render_chat(client.tokenizer, req)], req, params, param="messages")
 
 
-async def _serve_embeddings(raw: Request, client: EngineClient, settings: ServerSettings,
-                            req: EmbeddingRequest | EmbeddingChatRequest,
-                            inputs: Processed, sampling: SamplingParams, params: PoolingParams,
-                            lora: LoRARequest | None, tracer) -> Response:
-    """Submit one pooling request per input and answer with their vectors, in input order."""
+def _process_pairs(client: EngineClient, req: ScoreRequest | RerankRequest, pooling: EnginePooling,
+                   firsts: list[str], seconds: list[str], pairs: list[tuple[int, int]]) -> PoolingInputs:
+    """Each pair as one cross-encoder prompt, checked (a 400 naming the side and index at fault)."""
+    _ensure_ready(client)
+    processor = client.input_processor
+    assert processor is not None
+    truncate = req.truncation(processor.max_model_len)
+    sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)
+    _check_token_limits(req, processor.max_model_len)
+    processed: PoolingInputs = []
+    for i, j in pairs:
+        try:
+            ids, start = processor.process_pair(firsts[i], seconds[j], sampling, truncate_prompt_tokens=truncate,
+                                                max_first_tokens=req.max_tokens_per_query,
+                                                max_second_tokens=req.max_tokens_per_doc)
+            processed.append((None, ids, pooling.classify_params(req.use_activation, start)))
+        except ValueError as e:
+            param = getattr(e, "param", "document")  # a pair too long: its document, the part that usually is
+            if param in ("query", "document", "prompt"):
+                side, index, many = (0, i, len(firsts) > 1) if param == "query" else (1, j, len(seconds) > 1)
+                param = f"{req.names[side]}.{index}" if many else req.names[side]
+            raise bad_request(f"pair {len(processed)} ({req.names[0]} {i}, {req.names[1]} {j}): {e}", param=param,
+                              code=getattr(e, "code", None)) from e
+    return processed
+
+
+def _process_sides(client: EngineClient, req: ScoreRequest | RerankRequest, params: PoolingParams,
+                   firsts: list[str], seconds: list[str]) -> PoolingInputs:
+    """Each text of both sides as one embedding request (the first side's first), checked."""
+    _ensure_ready(client)
+    processor = client.input_processor
+    assert processor is not None
+    _check_token_limits(req, processor.max_model_len)
+    processed: PoolingInputs = []
+    for name, texts, limit in ((req.names[0], firsts, req.max_tokens_per_query),
+                               (req.names[1], seconds, req.max_tokens_per_doc)):
+        texts = [processor.first_tokens(t, limit) for t in texts] if limit else texts
+        processed += _process_pooling_inputs(client, texts, req, params, param=name, add_special_tokens=True)
+    return processed
+
+
+def _check_token_limits(req: ScoreRequest | RerankRequest, max_model_len: int) -> None:
+    """max_tokens_per_query and max_tokens_per_doc below the context (vLLM's bound)."""
+    for name in ("max_tokens_per_query", "max_tokens_per_doc"):
+        if getattr(req, name) >= max_model_len:
+            raise bad_request(f"{name} ({getattr(req, name)}) must be less than the model's context "
+                              f"({max_model_len} tokens)", param=name)
+
+
+def _prompt_tokens(processed: PoolingInputs) -> int:
+    return sum(len(ids) for _, ids, _ in processed)
+
+
+def _reply_id(prefix: str, req, raw: Request) -> str:
+    return f"{prefix}-" + (req.request_id or raw.scope.get("state", {}).get("request_id") or uuid.uuid4().hex)
+
+
+async def _serve_pooling(raw: Request, client: EngineClient, settings: ServerSettings, req, inputs: PoolingInputs,
+                         prefix: str, operation: str, tracer, attributes: dict | None = None) -> list[bytes] | None:
+    """Submit one pooling request per input; their vectors (a classifier's: its label scores) in
+    input order, or None when the client went away (every request of it aborted)."""
     if client.num_in_flight + len(inputs) > _capacity(client, settings):
         raise unavailable(f"the server is at capacity ({client.num_in_flight} requests in flight); retry later")
-    name = req.request_id or raw.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
-    base_id = "embd-" + name
+    base_id = _reply_id(prefix, req, raw)
     engine_id = f"{base_id}-{uuid.uuid4().hex[:8]}"
     arrival = time.monotonic()
+    sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)
     try:
-        prepared = [client.prepare(f"{engine_id}-{i}", text, ids, sampling, None, arrival, None, lora, params)
-                    for i, (text, ids) in enumerate(inputs)]
+        prepared = [client.prepare(f"{engine_id}-{i}", text, ids, sampling, None, arrival, None, None, params)
+                    for i, (text, ids, params) in enumerate(inputs)]
     except ValueError as e:
         raise bad_request(str(e)) from e
     _ensure_ready(client)  # no await from here to the last submit
@@ -464,13 +643,13 @@ async def _serve_embeddings(raw: Request, client: EngineClient, settings: Server
     span = None
     if tracer is not None:
         span = tracer.start_request_span(dict(raw.headers), base_id, {
-            "gen_ai.request.model": req.model, "gen_ai.operation.name": "embeddings",
-            "gen_ai.request.encoding_formats": [req.encoding_format]})
+            "gen_ai.request.model": req.model or settings.served_model_name, "gen_ai.operation.name": operation,
+            **(attributes or {})})
         span.event("queued")
     finals = await _gather_finals(raw, streams, span)
     if finals is None:
-        return JSONResponse({}, status_code=499)
-    prompt_tokens = sum(len(ids) for _, ids in inputs)
+        return None
+    prompt_tokens = _prompt_tokens(inputs)
     failed = next((i for i in range(len(inputs)) if finals[i].pooled is None), None)
     if failed is not None:
         out = finals[failed].outputs[0]
@@ -480,9 +659,7 @@ async def _serve_embeddings(raw: Request, client: EngineClient, settings: Server
     raw.state.usage = (prompt_tokens, 0)  # the access line
     if span is not None:
         span.end("stop", prompt_tokens, 0)
-    body = embedding_body(req.model, [finals[i].pooled for i in range(len(inputs))],  # type: ignore[misc]
-                          req.encoding_format, prompt_tokens)
-    return Response(msgspec.json.encode(body), media_type="application/json")
+    return [finals[i].pooled for i in range(len(inputs))]  # type: ignore[misc]
 
 
 def _model_card(settings: ServerSettings, client: EngineClient) -> dict:

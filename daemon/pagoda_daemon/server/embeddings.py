@@ -13,7 +13,7 @@ bytes, the layout the openai client decodes (and asks for by default).
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -33,26 +33,29 @@ MAX_DIMENSIONS = 1 << 20  # past any model's width: the model's own bound is che
 UNSUPPORTED = ("embed_dtype", "endianness", "mm_processor_kwargs", "chat_template", "use_activation")
 
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
+# One input or up to MAX_INPUTS of them: texts, or token ids
+Inputs = (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]],
+                                                        Field(min_length=1, max_length=MAX_INPUTS)]
+          | TokenList | Annotated[list[TokenList], Field(min_length=1, max_length=MAX_INPUTS)])
 
 
-class _EmbeddingFields(BaseModel):
-    """What both forms of the body share: the model, the reply's shape, and vLLM's extras."""
+class PoolingFields(BaseModel):
+    """What the bodies of every pooling route share (embeddings, classify, score, rerank): who
+    asks, and vLLM's extras. ``unsupported``: the route's fields that are a 400 when sent."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    unsupported: ClassVar[tuple[str, ...]] = ()
+    route: ClassVar[str] = ""
 
-    model: str
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = None
     user: Identifier | None = None
     # vLLM's extra fields
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
-    normalize: bool | None = None  # None: as the model's sentence-transformers modules say
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
     request_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]+$")] | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self):
-        check_extra_fields(self.model_extra, UNSUPPORTED, " of /v1/embeddings")
+        check_extra_fields(self.model_extra, self.unsupported, f" of {self.route}")
         return self
 
     def truncation(self, max_model_len: int) -> int | None:
@@ -64,18 +67,32 @@ class _EmbeddingFields(BaseModel):
         return max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
 
 
+def split_inputs(value: str | list) -> list[str | list[int]]:
+    """Each input of an ``input`` field on its own: a text or a list of token ids."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]  # type: ignore[list-item]
+    return list(value)
+
+
+class _EmbeddingFields(PoolingFields):
+    """What both forms of the body share: the model, the reply's shape, and vLLM's extras."""
+
+    unsupported = UNSUPPORTED
+    route = "/v1/embeddings"
+
+    model: str
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = None
+    normalize: bool | None = None  # None: as the model's sentence-transformers modules say
+
+
 class EmbeddingRequest(_EmbeddingFields):
-    input: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]],
-                                                            Field(min_length=1, max_length=MAX_INPUTS)]
-            | TokenList | Annotated[list[TokenList], Field(min_length=1, max_length=MAX_INPUTS)])
+    input: Inputs
     add_special_tokens: bool = True
 
     def inputs(self) -> list[str | list[int]]:
         """Each input on its own: a text or a list of token ids."""
-        value = self.input
-        if isinstance(value, str) or (value and isinstance(value[0], int)):
-            return [value]  # type: ignore[list-item]
-        return list(value)  # type: ignore[arg-type]
+        return split_inputs(self.input)
 
 
 class EmbeddingChatRequest(_EmbeddingFields, ChatTemplateFields):
@@ -86,16 +103,21 @@ class EmbeddingChatRequest(_EmbeddingFields, ChatTemplateFields):
     add_generation_prompt: bool = False
 
 
-class EmbeddingBody:
-    """The body of ``/v1/embeddings`` in either form: ``messages`` chooses the chat form."""
+class InputOrChat:
+    """The body of a pooling route in either form: ``messages`` chooses the chat form."""
 
-    @staticmethod
-    def model_validate(body: dict) -> EmbeddingRequest | EmbeddingChatRequest:
+    def __init__(self, plain: type[BaseModel], chat: type[BaseModel]) -> None:
+        self.plain, self.chat = plain, chat
+
+    def model_validate(self, body: dict):
         if "messages" not in body:
-            return EmbeddingRequest.model_validate(body)
+            return self.plain.model_validate(body)
         if "input" in body:
             raise bad_request("give either input or messages, not both", param="messages")
-        return EmbeddingChatRequest.model_validate(body)
+        return self.chat.model_validate(body)
+
+
+EmbeddingBody = InputOrChat(EmbeddingRequest, EmbeddingChatRequest)  # /v1/embeddings
 
 
 def embedding_body(model: str, vectors: list[bytes], encoding_format: str, prompt_tokens: int) -> dict:
