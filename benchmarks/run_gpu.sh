@@ -9,7 +9,7 @@
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|kv-load-bandwidth|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               prefill-profile|kernels-prefill|kernels-moe|
 #                                               all-reduce|dp|eplb|api-compat|lora-tests|lora-bench|lora-vllm|
-#                                               pooling-tests|embed-vllm|embed-serve] ...
+#                                               pooling-tests|embed-vllm|embed-serve|rerank-vllm] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -757,7 +757,7 @@ PY
 fi
 if has pooling-tests; then
   # Needs msgspec in .whl (the GPU image has none).
-  step "Embeddings: parity with transformers on CUDA (float32; last, mean and first-token pooling; whole and chunked)"
+  step "Embeddings and cross-encoders: parity with transformers on CUDA (float32; last, mean and first-token pooling; whole and chunked; pair scores)"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pooling_gpu.py 2>&1 | tail -15 | tee "$OUT/pooling-pytest.txt" || status=1
 fi
 if has embed-vllm; then
@@ -786,6 +786,23 @@ if has embed-vllm; then
   fi
   python3 -m benchmarks.embed_bench $M "${embed_args[@]}" 2>&1 \
     | grep -E '^RESULT|^ROUND|Error' | tee -a "$OUT/embed.jsonl" || status=1
+fi
+if has rerank-vllm; then
+  # Reranking throughput: vLLM 0.26.0's LLM.score then Pagoda's, each in a process of its own, on
+  # bge-reranker-base's shape (XLM-RoBERTa cross-encoder, random weights, bf16) and the same
+  # text pairs (benchmarks/rerank_bench.py). Needs the vLLM kit as for `vllm` (a `vllm-stash` call
+  # right before); RERANK_NO_VLLM=1: Pagoda alone.
+  step "Reranking beside vLLM: ${RERANK_WORKLOADS:-passages,snippets} (bge-reranker-base shape, random weights, bf16)"
+  rerank_args=($CFG/bge-reranker-base --workloads "${RERANK_WORKLOADS:-passages,snippets}")
+  if [ -z "${RERANK_NO_VLLM:-}" ]; then
+    unpack_vllm || status=1
+    PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 400 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine vllm \
+      > "$OUT/rerank-vllm.log" 2>&1 || { status=1; grep -B12 -m1 Error "$OUT/rerank-vllm.log"; }
+    grep -E '^RESULT|^ROUND' "$OUT/rerank-vllm.log" | tee -a "$OUT/rerank.jsonl"
+  fi
+  python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine pagoda > "$OUT/rerank-pagoda.log" 2>&1 \
+    || { status=1; tail -n 30 "$OUT/rerank-pagoda.log"; }
+  grep -E '^RESULT|^ROUND' "$OUT/rerank-pagoda.log" | tee -a "$OUT/rerank.jsonl"
 fi
 if has embed-serve; then
   # /v1/embeddings of `pagoda serve` and then `vllm serve` (0.26.0), both --runner pooling on the

@@ -1,0 +1,129 @@
+"""Reranking throughput: query-document pairs scored by a cross-encoder through the offline
+``LLM.score`` (one call, the pairs side by side), Pagoda's or vLLM 0.26.0's, on a random-weight
+model of bge-reranker-base's shape (XLM-RoBERTa, 12 layers, one label) with a word-level
+tokenizer whose pair template is XLM-RoBERTa's (<s> query </s></s> document </s>):
+
+    python -m benchmarks.rerank_bench benchmarks/configs/bge-reranker-base --engine pagoda
+    PYTHONPATH=/tmp/vsite python3 -m benchmarks.rerank_bench MODEL_DIR --engine vllm
+
+Both sides take the same texts (a fresh set each round) and tokenize the pairs themselves, as a
+user's call does; a ROUND line per round and a RESULT line (the last) per workload report
+pairs/s and pair tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+for k, v in {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+             "TRANSFORMERS_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}.items():
+    os.environ.setdefault(k, v)
+
+# name -> (queries, documents per query, query words, document words): a RAG retriever's top 64
+# passages reranked for each of 64 questions; short snippets for 256 queries
+WORKLOADS = {"passages": (64, 64, (8, 32), (64, 400)), "snippets": (256, 16, (4, 16), (16, 96))}
+
+
+def save_pair_tokenizer(vocab_size: int, path: str) -> None:
+    """One word per id (w4 .. w{vocab-1}) after XLM-RoBERTa's specials <s> <pad> </s> <unk>, and
+    its pair template. The specials look like no word: a special named like one ("w1") would be
+    cut out of the words that start with it ("w123": "w1" + an unknown "23")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ("<s>", "<pad>", "</s>", "<unk>")
+    vocab = {**{name: i for i, name in enumerate(specials)}, **{f"w{i}": i for i in range(len(specials), vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+                                                       special_tokens=[("<s>", 0), ("</s>", 2)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                            cls_token="<s>", pad_token="<pad>", unk_token="<unk>").save_pretrained(path)
+
+
+def pairs_of(name: str, rounds: int, vocab_size: int, seed: int = 0) -> list[tuple[list[str], list[str]]]:
+    """Each round's (queries, documents) side by side, texts of random words past the specials."""
+    queries, per_query, (q_lo, q_hi), (d_lo, d_hi) = WORKLOADS[name]
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(f"w{rng.randrange(5, vocab_size)}" for _ in range(rng.randint(lo, hi)))
+
+    out = []
+    for _ in range(rounds):
+        firsts, seconds = [], []
+        for _ in range(queries):
+            query = text(q_lo, q_hi)
+            firsts += [query] * per_query
+            seconds += [text(d_lo, d_hi) for _ in range(per_query)]
+        out.append((firsts, seconds))
+    return out
+
+
+def build_llm(args):
+    if args.engine == "vllm":
+        from vllm import LLM
+
+        return LLM(model=args.model, runner="pooling", load_format="dummy", dtype=args.dtype,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, seed=0, gpu_memory_utilization=0.90,
+                   attention_config={"backend": "FLASH_ATTN"})
+    from pagoda_daemon import LLM
+
+    return LLM(args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+               gpu_memory_utilization=0.90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a directory with config.json (weights are random); the tokenizer is made beside")
+    ap.add_argument("--engine", choices=("pagoda", "vllm"), default="pagoda")
+    ap.add_argument("--workloads", default="passages,snippets", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda", help="Pagoda's: cpu only to smoke-test this script")
+    args = ap.parse_args(argv)
+    with open(os.path.join(args.model, "config.json")) as f:
+        config = json.load(f)
+    model_dir = f"/tmp/rerank-{os.path.basename(os.path.abspath(args.model))}"
+    os.makedirs(model_dir, exist_ok=True)
+    shutil.copy(os.path.join(args.model, "config.json"), model_dir)
+    save_pair_tokenizer(config["vocab_size"], model_dir)
+    args.model = model_dir
+    started = time.perf_counter()
+    llm = build_llm(args)
+    init_s = time.perf_counter() - started
+    version = {}
+    if args.engine == "vllm":
+        import vllm
+
+        version = {"vllm": vllm.__version__}
+    for name in args.workloads.split(","):
+        result: dict = {}
+        for round_index, (firsts, seconds) in enumerate(pairs_of(name, args.rounds, config["vocab_size"])):
+            start = time.perf_counter()
+            outputs = llm.score(firsts, seconds, use_tqdm=False) if args.engine == "vllm" else llm.score(firsts,
+                                                                                                          seconds)
+            seconds_taken = time.perf_counter() - start
+            tokens = sum(len(o.prompt_token_ids) for o in outputs)
+            result = {"engine": args.engine, "workload": name, "round": round_index, "seconds": round(seconds_taken, 3),
+                      "pairs": len(outputs), "pair_tokens": tokens, "pairs_s": round(len(outputs) / seconds_taken, 1),
+                      "pair_tok_s": round(tokens / seconds_taken, 1), "dtype": args.dtype, "init_s": round(init_s, 1),
+                      "model": os.path.basename(model_dir), **version}
+            print("ROUND", json.dumps(result), flush=True)
+        print("RESULT", json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
