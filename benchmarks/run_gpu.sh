@@ -796,11 +796,11 @@ if has rerank-vllm; then
   rerank_args=($CFG/bge-reranker-base --workloads "${RERANK_WORKLOADS:-passages,snippets}")
   if [ -z "${RERANK_NO_VLLM:-}" ]; then
     unpack_vllm || status=1
-    PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 400 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine vllm \
+    PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 200 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine vllm \
       > "$OUT/rerank-vllm.log" 2>&1 || { status=1; grep -B12 -m1 Error "$OUT/rerank-vllm.log"; }
     grep -E '^RESULT|^ROUND' "$OUT/rerank-vllm.log" | tee -a "$OUT/rerank.jsonl"
   fi
-  python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine pagoda > "$OUT/rerank-pagoda.log" 2>&1 \
+  timeout 200 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine pagoda > "$OUT/rerank-pagoda.log" 2>&1 \
     || { status=1; tail -n 30 "$OUT/rerank-pagoda.log"; }
   grep -E '^RESULT|^ROUND' "$OUT/rerank-pagoda.log" | tee -a "$OUT/rerank.jsonl"
 fi

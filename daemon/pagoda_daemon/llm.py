@@ -139,9 +139,9 @@ class LLM:
         pooling = self._pooling("score")
         if pooling.classifies:
             check_one_label(pooling)
-            processor = self.engine.input_processor
-            encoded = [processor.process_pair(firsts[i], seconds[j], NOTHING_SAMPLED,
-                                              truncate_prompt_tokens=truncate_prompt_tokens) for i, j in pairs]
+            encoded = self.engine.input_processor.process_pairs([(firsts[i], seconds[j]) for i, j in pairs],
+                                                                NOTHING_SAMPLED,
+                                                                truncate_prompt_tokens=truncate_prompt_tokens)
             outputs = self._pool([(None, ids, pooling.classify_params(use_activation, start))
                                   for ids, start in encoded])
             return [ScoringRequestOutput(out.request_id, out.prompt_token_ids, ScoringOutput(_floats(v)[0]))

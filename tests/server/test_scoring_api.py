@@ -121,6 +121,8 @@ def test_truncation_of_a_pair(reranker):
     ("/score", {"queries": "a", "documents": "b", "instruction": "x"}, "instruction"),
     ("/score", b'{"queries": "\\ud800", "documents": "b"}', "queries"),
     ("/score", b'{"queries": "a", "documents": ["b", "\\udfff"]}', "documents.1"),
+    ("/score", b'{"queries": ["a", "\\ud800"], "documents": ["b", "c"]}', "queries.1"),
+    ("/rerank", {"query": "a", "documents": ["b", "c", "fox " * 300]}, "documents.2"),  # past the context
     ("/rerank", {"query": ["a"], "documents": ["b"]}, "query"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": 2**64}, "top_n"),

@@ -572,21 +572,22 @@ def _process_pairs(client: EngineClient, req: ScoreRequest | RerankRequest, pool
     truncate = req.truncation(processor.max_model_len)
     sampling = dataclasses.replace(NOTHING_SAMPLED, priority=req.priority)
     _check_token_limits(req, processor.max_model_len)
-    processed: PoolingInputs = []
-    for i, j in pairs:
-        try:
-            ids, start = processor.process_pair(firsts[i], seconds[j], sampling, truncate_prompt_tokens=truncate,
-                                                max_first_tokens=req.max_tokens_per_query,
-                                                max_second_tokens=req.max_tokens_per_doc)
-            processed.append((None, ids, pooling.classify_params(req.use_activation, start)))
-        except ValueError as e:
-            param = getattr(e, "param", "document")  # a pair too long: its document, the part that usually is
-            if param in ("query", "document", "prompt"):
-                side, index, many = (0, i, len(firsts) > 1) if param == "query" else (1, j, len(seconds) > 1)
-                param = f"{req.names[side]}.{index}" if many else req.names[side]
-            raise bad_request(f"pair {len(processed)} ({req.names[0]} {i}, {req.names[1]} {j}): {e}", param=param,
-                              code=getattr(e, "code", None)) from e
-    return processed
+    try:
+        encoded = processor.process_pairs([(firsts[i], seconds[j]) for i, j in pairs], sampling,
+                                          truncate_prompt_tokens=truncate, max_first_tokens=req.max_tokens_per_query,
+                                          max_second_tokens=req.max_tokens_per_doc)
+    except InvalidInput as e:
+        if e.index is None:
+            raise bad_request(str(e), param=e.param, code=e.code) from e
+        i, j = pairs[e.index]
+        # a pair too long: its document at fault, the part that usually is
+        side, index, many = (0, i, len(firsts) > 1) if e.param == "query" else (1, j, len(seconds) > 1)
+        param = f"{req.names[side]}.{index}" if many else req.names[side]
+        raise bad_request(f"pair {e.index} ({req.names[0]} {i}, {req.names[1]} {j}): {e}", param=param,
+                          code=e.code) from e
+    except ValueError as e:  # token types that are not two segments: the model's tokenizer, not the request
+        raise bad_request(str(e), param=req.names[1]) from e
+    return [(None, ids, pooling.classify_params(req.use_activation, start)) for ids, start in encoded]
 
 
 def _process_sides(client: EngineClient, req: ScoreRequest | RerankRequest, params: PoolingParams,
