@@ -189,4 +189,6 @@ def test_an_embedding_server_scores_by_cosine(tmp_path):
             assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-5)
         assert body["usage"]["prompt_tokens"] == sum(len(ids[0]) + len(i) for i in ids[1:])
         assert _post(srv, "/classify", {"input": "hi"}).status_code == 404
+        cut = _post(srv, "/rerank", b'{"query": "a", "documents": ["b", "\\ud800"], "max_tokens_per_doc": 2}')
+        assert cut.status_code == 400 and cut.json()["error"]["param"] == "documents.1", cut.text
         srv.wait_idle()

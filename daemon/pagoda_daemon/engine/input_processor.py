@@ -265,8 +265,9 @@ class InputProcessor:
 
     def first_tokens(self, text: str, limit: int) -> str:
         """The text up to the end of its first ``limit`` tokens (0: all of it), cut where the
-        tokenizer says that token ends, so re-tokenizing gives those tokens."""
-        if limit <= 0:
+        tokenizer says that token ends, so re-tokenizing gives those tokens. A text that is not
+        one (not a string, a lone surrogate) comes back as it is: the checks after refuse it."""
+        if limit <= 0 or not isinstance(text, str) or has_lone_surrogate(text):
             return text
         offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         return text if len(offsets) <= limit else text[: offsets[limit - 1][1]]
