@@ -43,8 +43,12 @@ ENCODER_ARCHITECTURES = {"BertModel": "BertModel", "BertForMaskedLM": "BertModel
                          "BertForSequenceClassification": "BertForSequenceClassification",
                          "RobertaForSequenceClassification": "XLMRobertaForSequenceClassification",
                          "XLMRobertaForSequenceClassification": "XLMRobertaForSequenceClassification"}
-# Sequence classifiers (cross-encoders): served for classification and scoring, never for embeddings
-CLASSIFIER_ARCHITECTURES = frozenset(a for a in ENCODER_ARCHITECTURES if a.endswith("ForSequenceClassification"))
+# Sequence classifiers: served for classification and scoring, never for embeddings. The encoders
+# (cross-encoders) pool their first token, the decoders (Qwen3-Reranker's conversions, reward
+# models) their last.
+DECODER_CLASSIFIERS = frozenset({"LlamaForSequenceClassification", "Qwen3ForSequenceClassification"})
+CLASSIFIER_ARCHITECTURES = DECODER_CLASSIFIERS | {a for a in ENCODER_ARCHITECTURES
+                                                  if a.endswith("ForSequenceClassification")}
 # The activations a classifier's scores may go through, by the torch.nn module a config names
 # (sentence-transformers' CrossEncoder ``activation_fn``): applied on the host, per request.
 ACTIVATIONS = ("none", "sigmoid", "softmax", "tanh")
@@ -177,11 +181,11 @@ def resolve_runner(runner: str, model_dir: str | Path, architectures: list[str] 
     """``generate`` or ``pooling``: as asked, or (auto) pooling for a model body without a head
     (``Qwen3Model``, ...), an encoder (``BertModel``, ...) and a sentence-transformers directory,
     else generate. ValueError for an encoder asked to generate."""
-    if architectures and is_encoder(architectures):
+    if architectures and (is_encoder(architectures) or is_classifier(architectures)):
         if runner == "generate":
+            what = "an encoder" if is_encoder(architectures) else "a sequence classifier"
             serves = "classification and scoring" if is_classifier(architectures) else "embeddings"
-            raise ValueError(f"{architectures[0]} is an encoder: it serves {serves} (runner pooling), "
-                             "not generation")
+            raise ValueError(f"{architectures[0]} is {what}: it serves {serves} (runner pooling), not generation")
         return "pooling"
     if runner != "auto":
         return runner
@@ -248,11 +252,14 @@ def engine_pooling(config: Any, model_config: Any) -> EnginePooling | None:
                                                                     or config.kv_offload_disk_path):
         raise ValueError("KV offload (kv_offload_cpu_gib, kv_offload_disk_path) keeps prefixes to reuse, and an "
                          "encoder's prompts share none (each token sees the whole prompt)")
-    if is_classifier(getattr(model_config, "architectures", None)):
-        if config.pooling_type not in ("auto", "cls") or config.pooling_normalize:
-            raise ValueError("a sequence classifier pools its first token ([CLS]) as its head was trained: "
+    architectures = getattr(model_config, "architectures", None)
+    if is_classifier(architectures):
+        pooled = "cls" if is_encoder(architectures) else "last"
+        if config.pooling_type not in ("auto", pooled) or config.pooling_normalize:
+            which = "first token ([CLS])" if pooled == "cls" else "last token"
+            raise ValueError(f"a sequence classifier pools its {which} as its head was trained: "
                              "pooling_type and pooling_normalize do not apply")
-        return EnginePooling("cls", False, int(model_config.hidden_size), task="classify",
+        return EnginePooling(pooled, False, int(model_config.hidden_size), task="classify",
                              labels=classifier_labels(model_config), activation=classifier_activation(model_config))
     found = model_pooling(config.model, model_config)
     cuts = getattr(model_config, "matryoshka_dimensions", None) or ()

@@ -1,5 +1,6 @@
 """Cross-encoders and sequence classifiers (``BertForSequenceClassification``,
-``XLMRobertaForSequenceClassification``) through the engine: a pair's score and a text's label
+``XLMRobertaForSequenceClassification``, and the decoders' ``Qwen3ForSequenceClassification`` and
+``LlamaForSequenceClassification``) through the engine: a pair's score and a text's label
 scores equal Hugging Face transformers' (AutoModelForSequenceClassification on the same weights,
 the pair made by the same tokenizer, BERT's second text in token type 1) through the activation
 the config implies; truncation keeps the pair's special tokens as sentence-transformers'
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 
 from pagoda_daemon import LLM
 from pagoda_daemon.models.bert import BertForSequenceClassification, XLMRobertaForSequenceClassification
-from pagoda_daemon.models.tiny import build_tiny_embedding_model, build_tiny_encoder
+from pagoda_daemon.models.tiny import build_tiny_embedding_model, build_tiny_encoder, build_tiny_model
 from pagoda_daemon.pooling import classifier_activation, resolve_runner
 from tests.engine.test_pooling import reference
 
@@ -57,7 +58,10 @@ def hf_logits(path: str, firsts: list[str], seconds: list[str] | None = None, **
         for i, first in enumerate(firsts):
             args = (first,) if seconds is None else (first, seconds[i])
             encoded = tokenizer(*args, return_tensors="pt", return_token_type_ids=True, **tokenize)
-            if model.config.type_vocab_size == 1:
+            kinds = getattr(model.config, "type_vocab_size", None)
+            if kinds is None:  # a decoder: no token types
+                del encoded["token_type_ids"]
+            elif kinds == 1:
                 encoded["token_type_ids"].zero_()
             rows.append(model(**encoded).logits[0].numpy())
     return np.array(rows)
@@ -232,3 +236,33 @@ def test_a_causal_embedding_model_scores_too(tmp_path):
     path = str(build_tiny_embedding_model("qwen3", tmp_path / "qwen3", seed=36))
     got = LLM(path, **ENGINE).score("the fox", ["the fox", "a lazy dog"])
     assert got[0].outputs.score == pytest.approx(1.0, abs=1e-5) and got[1].outputs.score < 1.0
+
+
+@pytest.mark.parametrize("arch, config", [("qwen3", {}), ("llama", {"max_num_batched_tokens": 32})],
+                         ids=["qwen3-whole", "llama-chunked-32"])
+def test_decoder_classifiers_equal_transformers(tmp_path, arch, config):
+    """A decoder's score head on its last token: three labels through softmax, one label's pair
+    scores (the tokenizer's pair, no token types), whole and in chunks of 32 tokens, with pairs
+    that share a query reading it from the prefix cache."""
+    path = str(build_tiny_model(arch, tmp_path / "three", seed=37, num_labels=3))
+    llm = LLM(path, **ENGINE, **config)
+    pooling = llm.engine.pooling
+    assert pooling.classifies and pooling.type == "last" and pooling.activation == "softmax"
+    rng = random.Random()
+    batch = texts(rng, 6, longest=60)
+    logits = hf_logits(path, batch)
+    probs = np.array([o.outputs.probs for o in llm.classify(batch)])
+    np.testing.assert_allclose(probs, torch.softmax(torch.from_numpy(logits), -1).numpy(), atol=TOLERANCE, rtol=0)
+    del llm
+    path = str(build_tiny_model(arch, tmp_path / "one", seed=38, num_labels=1))
+    llm = LLM(path, **ENGINE, **config)
+    query, documents = " ".join(texts(rng, 1, longest=10) * 6), texts(rng, 5, longest=25)  # a query of blocks
+    want = hf_logits(path, [query] * 5, documents)[:, 0]
+    got = [o.outputs.score for o in llm.score(query, documents, use_activation=False)]
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+    assert llm.get_stats().prefix_cache.hits > 0
+    with pytest.raises(ValueError, match="is a sequence classifier"):
+        resolve_runner("generate", path, ["Qwen3ForSequenceClassification"])
+    with pytest.raises(ValueError, match="pools its last token"):
+        LLM(path, **ENGINE, pooling_type="cls")
+    assert_nothing_left(llm)

@@ -187,6 +187,10 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope_parameters(config), backend.uses_kernels)
         layers = [self.make_layer(config, backend, rotary, i) for i in range(config.num_hidden_layers)]
         self.model = DecoderModel(config, layers, backend.uses_kernels, tp.dense)
+        self.make_head(config, backend, tp)
+
+    def make_head(self, config, backend: type[AttentionBackend], tp: TensorParallel) -> None:
+        """The language-model head (the embedding itself where the config ties them)."""
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, backend.uses_kernels, tp.dense)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -209,3 +213,31 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class ScoreHead:
+    """A decoder whose head scores instead of predicting the next token (``...ForSequenceClassification``:
+    Qwen3-Reranker's sequence-classification conversions, reward models): the last token's final
+    state through Hugging Face's ``score`` (a linear layer without bias, one output per label),
+    replicated under tensor parallelism, run by the model runner on each pooled row."""
+
+    config: object
+    score: nn.Linear
+
+    def make_head(self, config, backend: type[AttentionBackend], tp: TensorParallel) -> None:
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Each row's label scores (float32, before any activation) from its pooled float32 state."""
+        return self.score(pooled.to(self.score.weight.dtype)).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a sequence classifier has no language-model head: it serves scores (runner pooling)")
+
+
+class LlamaForSequenceClassification(ScoreHead, LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForSequenceClassification(ScoreHead, Qwen3ForCausalLM):
+    pass

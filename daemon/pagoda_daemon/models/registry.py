@@ -9,7 +9,12 @@ from pagoda_daemon.models.bert import (
     XLMRobertaModel,
     position_offset,
 )
-from pagoda_daemon.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from pagoda_daemon.models.llama import (
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
+)
 from pagoda_daemon.models.qwen3_moe import Qwen3MoeForCausalLM
 from pagoda_daemon.pooling import BODY_ARCHITECTURES, ENCODER_ARCHITECTURES, is_encoder
 
@@ -21,6 +26,8 @@ MODEL_REGISTRY = {
     "XLMRobertaModel": XLMRobertaModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 
 

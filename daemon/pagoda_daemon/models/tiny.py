@@ -115,22 +115,27 @@ def build_tiny_model(
     dtype: str = "float32",
     max_shard_size: str | None = None,
     weight_std: float = 0.08,
+    num_labels: int = 0,
     **config_overrides,
 ) -> Path:
     """Write config.json, *.safetensors and the tokenizer for a random `arch` model to out_dir.
 
     Weights are drawn wider than the usual 0.02 so that next-token logits are well
-    separated and greedy decoding is a sharp test of numerical parity.
+    separated and greedy decoding is a sharp test of numerical parity. With ``num_labels``: a
+    sequence classifier (``...ForSequenceClassification``, a ``score`` head) instead.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
+    if num_labels:
+        config_overrides["num_labels"] = num_labels
     config = tiny_config(arch, len(tokenizer), **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if num_labels else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
