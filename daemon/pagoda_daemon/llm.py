@@ -26,6 +26,7 @@ from pagoda_daemon.pooling import (
     NOTHING_SAMPLED,
     EnginePooling,
     PoolingParams,
+    as_texts,
     check_one_label,
     cosine,
     pair_up,
@@ -134,7 +135,7 @@ class LLM:
         """A score per pair, 1:N (one text against each of ``data_2``) or N:N (side by side): a
         cross-encoder's on each pair as one prompt (its one label, through its activation unless
         ``use_activation=False``), or an embedding model's cosine of the two texts' vectors."""
-        firsts, seconds = _as_texts(data_1), _as_texts(data_2)
+        firsts, seconds = as_texts(data_1), as_texts(data_2)
         pairs = pair_up(firsts, seconds)
         pooling = self._pooling("score")
         if pooling.classifies:
@@ -205,10 +206,6 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
         return [prompts]
     return list(prompts)  # type: ignore[arg-type]
-
-
-def _as_texts(data: str | Sequence[str]) -> list[str]:
-    return [data] if isinstance(data, str) else list(data)
 
 
 def _floats(pooled: bytes) -> list[float]:

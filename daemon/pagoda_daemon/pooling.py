@@ -21,6 +21,7 @@ vectors are unit length. No torch here: the API process reads this too.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,11 @@ def engine_pooling(config: Any, model_config: Any) -> EnginePooling | None:
                          found.normalize if config.pooling_normalize is None else config.pooling_normalize,
                          int(model_config.hidden_size), found.matryoshka,
                          tuple(d for d in cuts if isinstance(d, int) and not isinstance(d, bool)))
+
+
+def as_texts(side: str | Sequence[str]) -> list[str]:
+    """One side of a scoring request (a text, or several) as a list of texts."""
+    return [side] if isinstance(side, str) else list(side)
 
 
 def pair_up(firsts: list, seconds: list) -> list[tuple[int, int]]:

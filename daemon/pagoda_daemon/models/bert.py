@@ -119,7 +119,7 @@ class EncoderEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
-        if token_types is None or self.token_type_embeddings.num_embeddings == 1:
+        if token_types is None:
             return self.norm(hidden + self.token_type_embeddings.weight[0])  # one segment: token type 0
         return self.norm(hidden + self.token_type_embeddings(token_types))
 
@@ -171,7 +171,9 @@ class BertModel(nn.Module):
     """A BERT encoder's body, as ``BertModel`` and sentence-transformers checkpoints hold it."""
 
     causal = False
-    takes_token_types = True  # the model runner hands the body each token's type (pairs: 1 for the second text)
+    # whether the model runner hands the body each token's type: only a classifier's pairs carry a
+    # second segment, and only where the model has a second token type (BERT's, not XLM-RoBERTa's)
+    takes_token_types = False
     stacked_params = (
         ("qkv_proj", "query"),
         ("qkv_proj", "key"),
@@ -245,6 +247,7 @@ class BertForSequenceClassification(BertModel):
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, backend, max_positions, tp)
         self.classifier = ClassifierHead(config.hidden_size, config.num_labels)
+        self.takes_token_types = config.type_vocab_size > 1
 
     @classmethod
     def checkpoint_name(cls, name: str) -> str | None:  # type: ignore[override]

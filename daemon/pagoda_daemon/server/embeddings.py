@@ -67,11 +67,21 @@ class PoolingFields(BaseModel):
         return max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
 
 
-def split_inputs(value: str | list) -> list[str | list[int]]:
-    """Each input of an ``input`` field on its own: a text or a list of token ids."""
-    if isinstance(value, str) or (value and isinstance(value[0], int)):
-        return [value]  # type: ignore[list-item]
-    return list(value)
+class InputFields(BaseModel):
+    """The ``input`` form of a pooling body (/v1/embeddings, /classify): the inputs and whether
+    the tokenizer adds its special tokens to the texts."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    input: Inputs
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input on its own: a text or a list of token ids."""
+        value = self.input
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
 
 
 class _EmbeddingFields(PoolingFields):
@@ -86,13 +96,8 @@ class _EmbeddingFields(PoolingFields):
     normalize: bool | None = None  # None: as the model's sentence-transformers modules say
 
 
-class EmbeddingRequest(_EmbeddingFields):
-    input: Inputs
-    add_special_tokens: bool = True
-
-    def inputs(self) -> list[str | list[int]]:
-        """Each input on its own: a text or a list of token ids."""
-        return split_inputs(self.input)
+class EmbeddingRequest(_EmbeddingFields, InputFields):
+    pass
 
 
 class EmbeddingChatRequest(_EmbeddingFields, ChatTemplateFields):

@@ -19,8 +19,9 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field, PrivateAttr
 
+from pagoda_daemon.pooling import as_texts
 from pagoda_daemon.sampling_params import INT64_MAX
-from pagoda_daemon.server.embeddings import MAX_INPUTS, InputOrChat, Inputs, PoolingFields, split_inputs
+from pagoda_daemon.server.embeddings import MAX_INPUTS, InputFields, InputOrChat, PoolingFields
 from pagoda_daemon.server.errors import bad_request
 from pagoda_daemon.server.protocol import ChatTemplateFields
 
@@ -52,7 +53,7 @@ class ScoreRequest(_ScoringFields):
         return self._names
 
     def sides(self) -> tuple[list[str], list[str]]:
-        return _as_list(self.text_1), _as_list(self.text_2)
+        return as_texts(self.text_1), as_texts(self.text_2)
 
 
 class ScoreBody:
@@ -85,7 +86,7 @@ class RerankRequest(_ScoringFields):
     names: ClassVar[tuple[str, str]] = ("query", "documents")
 
     def sides(self) -> tuple[list[str], list[str]]:
-        return [self.query], _as_list(self.documents)
+        return [self.query], as_texts(self.documents)
 
 
 class _ClassifyFields(PoolingFields):
@@ -95,12 +96,8 @@ class _ClassifyFields(PoolingFields):
     use_activation: bool | None = None
 
 
-class ClassifyRequest(_ClassifyFields):
-    input: Inputs
-    add_special_tokens: bool = True
-
-    def inputs(self) -> list[str | list[int]]:
-        return split_inputs(self.input)
+class ClassifyRequest(_ClassifyFields, InputFields):
+    pass
 
 
 class ClassifyChatRequest(_ClassifyFields, ChatTemplateFields):
@@ -110,10 +107,6 @@ class ClassifyChatRequest(_ClassifyFields, ChatTemplateFields):
 
 
 ClassifyBody = InputOrChat(ClassifyRequest, ClassifyChatRequest)  # /classify
-
-
-def _as_list(side: str | list[str]) -> list[str]:
-    return [side] if isinstance(side, str) else list(side)
 
 
 def _usage(prompt_tokens: int) -> dict:

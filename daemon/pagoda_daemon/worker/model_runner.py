@@ -588,11 +588,9 @@ class ModelRunner:
                 with self._moe_dispatch(sched.num_scheduled_tokens, self._runs_eagerly(None, size)):
                     if self.piecewise is not None and self.piecewise.covers(size):  # graphs of all but attention
                         hidden = self.piecewise.run(size, inputs.meta, self.kv_caches)
-                    elif inputs.token_types is not None:
-                        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                            inputs.token_types)
                     else:
-                        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                        types = {"token_types": inputs.token_types} if inputs.token_types is not None else {}
+                        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, **types)
                 logits = self.model.compute_logits(hidden[inputs.lm_head_indices])[: len(rows)] if rows else None
         prompt_logprobs = self._prompt_logprobs(hidden, self._prompt_rows) if graph_size is None else {}
         pooled = self._pool(sched, hidden, inputs) if graph_size is None else None

@@ -60,7 +60,7 @@ class StepInputs:
     meta: AttentionMetadata | None = None
     # eager steps: the rows the LM head runs on, logits_indices padded (step_shapes.py)
     lm_head_indices: torch.Tensor | None = None
-    token_types: torch.Tensor | None = None  # for a model that takes them (encoders), per token row
+    token_types: torch.Tensor | None = None  # for a model that takes them (BERT classifiers), per token row
 
 
 class StagingBuffers:
@@ -88,7 +88,7 @@ class StagingBuffers:
         self.repetition_penalty = make(max_seqs, torch.float32)
         # LoRA: each token row's adapter slot (-1: the base model); lora/layers.py
         self.lora_slots = make(max_tokens, torch.int64)
-        # an encoder's token types (a text pair's second text: 1); models/bert.py
+        # a BERT classifier's token types (a text pair's second text: 1); models/bert.py
         self.token_types = make(max_tokens, torch.int64)
         # decode rows whose input token is the previous step's sample, still on the device
         self.pending_dst = make(max_seqs, torch.int64)
