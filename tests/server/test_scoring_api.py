@@ -113,7 +113,9 @@ def test_truncation_of_a_pair(reranker):
     ("/score", {"queries": "a", "documents": "b", "text_1": "c"}, "text_1"),
     ("/score", {"queries": "a", "documents": [1, 2]}, "text_2"),
     ("/score", {"queries": "a", "documents": ["ok"] * 2049}, "text_2"),
-    ("/score", {"queries": "a", "documents": ["ok"] * 17}, "input"),  # more than the server ever holds
+    ("/score", {"queries": "a", "documents": ["ok"] * 17}, "documents"),  # more than the server ever holds
+    ("/score", {"text_1": "a", "text_2": ["ok"] * 17}, "text_2"),
+    ("/rerank", {"query": "a", "documents": ["ok"] * 17}, "documents"),
     ("/score", {"queries": "a", "documents": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/score", {"queries": "a", "documents": "b", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
     ("/score", {"queries": "a", "documents": "b", "max_tokens_per_doc": -1}, "max_tokens_per_doc"),
@@ -179,7 +181,8 @@ def test_an_embedding_server_scores_by_cosine(tmp_path):
     from transformers import AutoTokenizer
 
     path = str(build_tiny_encoder("bert", tmp_path / "embed", seed=43, pooling="mean", normalize=True))
-    with running(path, log_dir=tmp_path, served_name="tiny-embed") as srv:
+    with running(path, "--max-num-seqs", "8", "--max-waiting-requests", "8",
+                 log_dir=tmp_path, served_name="tiny-embed") as srv:
         rng = random.Random()
         query, documents = texts(rng, 1)[0], texts(rng, 4)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -194,4 +197,6 @@ def test_an_embedding_server_scores_by_cosine(tmp_path):
         assert _post(srv, "/classify", {"input": "hi"}).status_code == 404
         cut = _post(srv, "/rerank", b'{"query": "a", "documents": ["b", "\\ud800"], "max_tokens_per_doc": 2}')
         assert cut.status_code == 400 and cut.json()["error"]["param"] == "documents.1", cut.text
+        many = _post(srv, "/rerank", {"query": "a", "documents": ["ok"] * 16})  # 17 texts, more than it holds
+        assert many.status_code == 400 and many.json()["error"]["param"] == "documents", many.text
         srv.wait_idle()

@@ -276,14 +276,15 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
                 check_one_label(pooling)
             except ValueError as e:
                 raise bad_request(str(e), param="model") from e
-            _check_batch_fits(client, settings, len(pairs), embeddings=True)
+            _check_batch_fits(client, settings, len(pairs), pooled=req.names[1])
             processed = await asyncio.to_thread(_process_pairs, client, req, pooling, firsts, seconds, pairs)
             outputs = await _serve_pooling(raw, client, settings, req, processed, "score", "score", tracer)
             if outputs is None:
                 return None
             return [float(np.frombuffer(v, dtype="<f4")[0]) for v in outputs], _prompt_tokens(processed)
         # an embedding model: each text one vector, each pair the cosine of its two
-        _check_batch_fits(client, settings, len(firsts) + len(seconds), embeddings=True)
+        _check_batch_fits(client, settings, len(firsts) + len(seconds),
+                          pooled=req.names[1] if len(seconds) >= len(firsts) else req.names[0])
         processed = await asyncio.to_thread(_process_sides, client, req, pooling.params(), firsts, seconds)
         vectors = await _serve_pooling(raw, client, settings, req, processed, "score", "score", tracer)
         if vectors is None:
@@ -428,11 +429,13 @@ def _capacity(client: EngineClient, settings: ServerSettings) -> int:
 
 
 def _check_batch_fits(client: EngineClient, settings: ServerSettings, num_requests: int,
-                      embeddings: bool = False) -> None:
-    """A batch larger than the server can ever hold is the caller's error (400), not a retry (503)."""
+                      pooled: str | None = None) -> None:
+    """A batch larger than the server can ever hold is the caller's error (400), not a retry (503).
+    ``pooled`` names the field that carries a pooling request's many inputs; a generation's
+    batch is its prompts times ``n``."""
     limit = _capacity(client, settings)
     if num_requests > limit:
-        what, param = ("inputs", "input") if embeddings else (
+        what, param = ("inputs", pooled) if pooled else (
             "generations (prompts x n)", "n" if num_requests == 1 else "prompt")
         raise bad_request(f"the request asks for {num_requests} {what}, more than this server ever holds at once "
                           f"({limit}); split it", param=param, code="too_many_generations")
@@ -529,7 +532,7 @@ async def _process_inputs(client: EngineClient, settings: ServerSettings,
     if isinstance(req, (EmbeddingChatRequest, ClassifyChatRequest)):  # one conversation, one input: fits any server
         return await asyncio.to_thread(_process_chat_input, client, req, params)
     inputs = req.inputs()
-    _check_batch_fits(client, settings, len(inputs), embeddings=True)
+    _check_batch_fits(client, settings, len(inputs), pooled="input")
     if all(isinstance(x, list) for x in inputs) and sum(len(x) for x in inputs) <= INLINE_PROMPT_TOKENS:
         return _process_pooling_inputs(client, inputs, req, params)
     return await asyncio.to_thread(_process_pooling_inputs, client, inputs, req, params)
