@@ -8,12 +8,14 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from pagoda_daemon.hf_overrides import parse_hf_overrides
 from pagoda_daemon.options import check_bounds, option
 
 RUNNERS = ("auto", "generate", "pooling")  # pooling.py: an engine generates text or serves embeddings
 POOLING_TYPES = ("auto", "last", "mean", "cls")  # pooling.py: the vector a pooling engine makes of a prompt
 SCHEDULING_POLICIES = ("fcfs", "priority")  # engine/scheduler.py: the order of its queue and running list
 
+MAX_TEMPLATE_BYTES = 1 << 20  # templates.py: a chat template (or its file) larger than this is not one
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
 # engine/grammar.py implements each; the first is the default (why: engine/grammar.py)
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
@@ -45,6 +47,14 @@ class EngineConfig:
     model_cache_dir: str | None = option(
         None, "where hf:// and s3:// models are fetched to (default: $PAGODA_CACHE_DIR, else ~/.cache/pagoda/models)")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model's)")
+    hf_overrides: str | None = option(
+        None, "a JSON object set on the model's config.json as it is read (vLLM's --hf-overrides); e.g. "
+        '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true} serves the original Qwen3-Reranker as a classifier (docs/embeddings.md)')
+    chat_template: str | None = option(
+        None, "a Jinja chat template, or a file holding one, used instead of the tokenizer's (vLLM's "
+        "--chat-template); a classifier renders each (query, document) pair by it (the score template: "
+        "docs/embeddings.md)")
     dtype: str = option("auto", "weights and activations; auto: the checkpoint's dtype on GPU, float32 on CPU",
                         choices=ALLOWED_DTYPES)
     device: str = option("auto", "auto | cpu | cuda[:N]; auto: cuda when available, else cpu")
@@ -239,6 +249,10 @@ class EngineConfig:
         if not self.model:
             raise ValueError("model must name a model directory")
         check_bounds(self)
+        if self.hf_overrides is not None:
+            parse_hf_overrides(self.hf_overrides)
+        if self.chat_template is not None and not 0 < len(self.chat_template) <= MAX_TEMPLATE_BYTES:
+            raise ValueError(f"chat_template must be a file or a template of 1 to {MAX_TEMPLATE_BYTES} characters")
         if self.world_size > 64:
             raise ValueError(f"tensor_parallel_size × expert_parallel_size = {self.world_size} ranks; at most 64")
         if self.world_size % self.nnodes:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -43,6 +44,8 @@ class LLM:
         from pagoda_daemon.models.fetch import resolve_model
 
         model = resolve_model(model, engine_args.get("model_cache_dir"))  # hf:// and s3:// are fetched first
+        if isinstance(engine_args.get("hf_overrides"), dict):  # vLLM's LLM takes the dict itself
+            engine_args["hf_overrides"] = json.dumps(engine_args["hf_overrides"])
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     @property
@@ -131,10 +134,12 @@ class LLM:
                 for out, v in outputs]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *, use_activation: bool | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+              truncate_prompt_tokens: int | None = None,
+              chat_template_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
         """A score per pair, 1:N (one text against each of ``data_2``) or N:N (side by side): a
         cross-encoder's on each pair as one prompt (its one label, through its activation unless
-        ``use_activation=False``), or an embedding model's cosine of the two texts' vectors."""
+        ``use_activation=False``; ``chat_template_kwargs``: the score template's variables), or an
+        embedding model's cosine of the two texts' vectors."""
         firsts, seconds = as_texts(data_1), as_texts(data_2)
         pairs = pair_up(firsts, seconds)
         pooling = self._pooling("score")
@@ -142,7 +147,8 @@ class LLM:
             check_one_label(pooling)
             encoded = self.engine.input_processor.process_pairs([(firsts[i], seconds[j]) for i, j in pairs],
                                                                 NOTHING_SAMPLED,
-                                                                truncate_prompt_tokens=truncate_prompt_tokens)
+                                                                truncate_prompt_tokens=truncate_prompt_tokens,
+                                                                template_variables=chat_template_kwargs)
             outputs = self._pool([(None, ids, pooling.classify_params(use_activation, start))
                                   for ids, start in encoded])
             return [ScoringRequestOutput(out.request_id, out.prompt_token_ids, ScoringOutput(_floats(v)[0]))

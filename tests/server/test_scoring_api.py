@@ -15,9 +15,10 @@ import httpx
 import numpy as np
 import pytest
 
-from pagoda_daemon.models.tiny import build_tiny_encoder
+from pagoda_daemon.models.tiny import build_tiny_encoder, build_tiny_model
 from tests.engine.test_cross_encoders import hf_logits, sigmoid, texts
 from tests.engine.test_pooling import reference
+from tests.engine.test_token_classifiers import NO, TEMPLATE, YES, last_logits, model_card_prompt
 from tests.server.conftest import running
 
 MODEL = "tiny-reranker"
@@ -123,7 +124,12 @@ def test_truncation_of_a_pair(reranker):
     ("/score", {"queries": "a", "documents": "b", "use_activation": "yes"}, "use_activation"),
     ("/score", {"queries": "a", "documents": "b", "priority": 2}, "priority"),
     ("/score", {"queries": "a", "documents": "b", "model": "other"}, "model"),
-    ("/score", {"queries": "a", "documents": "b", "instruction": "x"}, "instruction"),
+    ("/score", {"queries": "a", "documents": "b", "instruction": "x"}, "instruction"),  # no score template here
+    ("/score", {"queries": "a", "documents": "b", "instruction": ""}, "instruction"),
+    ("/score", {"queries": "a", "documents": "b", "instruction": 7}, "instruction"),
+    ("/rerank", {"query": "a", "documents": ["b"], "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    ("/rerank", {"query": "a", "documents": ["b"], "chat_template_kwargs": {"tools": 1}}, "chat_template_kwargs.tools"),
+    ("/rerank", {"query": "a", "documents": ["b"], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("/score", b'{"queries": "\\ud800", "documents": "b"}', "queries"),
     ("/score", b'{"queries": "a", "documents": ["b", "\\udfff"]}', "documents.1"),
     ("/score", b'{"queries": ["a", "\\ud800"], "documents": ["b", "c"]}', "queries.1"),
@@ -199,4 +205,44 @@ def test_an_embedding_server_scores_by_cosine(tmp_path):
         assert cut.status_code == 400 and cut.json()["error"]["param"] == "documents.1", cut.text
         many = _post(srv, "/rerank", {"query": "a", "documents": ["ok"] * 16})  # 17 texts, more than it holds
         assert many.status_code == 400 and many.json()["error"]["param"] == "documents", many.text
+        srv.wait_idle()
+
+
+def test_qwen3_reranker_served_as_vllm_serves_it(tmp_path):
+    """The original Qwen3-Reranker layout behind `pagoda serve --hf-overrides ... --chat-template`:
+    /rerank's scores equal the model card's reading of transformers' causal LM, with the default
+    instruction and with a request's own; a pair past the context is a 400 naming its document,
+    truncation cuts the document (a 400 where the template alone is past the limit)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    path = str(build_tiny_model("qwen3", tmp_path / "qwen3-reranker", seed=54))
+    tokens = AutoTokenizer.from_pretrained(path).convert_ids_to_tokens([NO, YES])
+    overrides = json.dumps({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": tokens,
+                            "is_original_qwen3_reranker": True})
+    with running(path, "--hf-overrides", overrides, "--chat-template", TEMPLATE, "--max-model-len", "512",
+                 log_dir=tmp_path, served_name="qwen3-reranker") as srv:
+        rng = random.Random()
+        query, documents = " ".join(texts(rng, 1, longest=10)), texts(rng, 5, longest=25)
+        for instruction in (None, "find the cats"):
+            extra = {"instruction": instruction} if instruction else {}
+            body = _post(srv, "/rerank", {"query": query, "documents": documents, **extra}).json()
+            prompts = [model_card_prompt(query, d, *([instruction] if instruction else [])) for d in documents]
+            logits = last_logits(path, prompts, [NO, YES])
+            want = np.exp(logits[:, 1]) / np.exp(logits).sum(-1)
+            assert len(body["results"]) == 5, body
+            for r in body["results"]:
+                assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=TOLERANCE)
+        # chat_template_kwargs set the same variable, and win over instruction (vLLM's order)
+        both = _post(srv, "/score", {"queries": query, "documents": documents[:1], "instruction": "ignored",
+                                     "chat_template_kwargs": {"instruction": "find the cats"}}).json()
+        assert both["data"][0]["score"] == pytest.approx(want[0], abs=TOLERANCE)
+        long = _post(srv, "/rerank", {"query": query, "documents": ["a", "fox " * 300]})  # past the context
+        assert long.status_code == 400 and long.json()["error"]["param"] == "documents.1", long.text
+        tight = _post(srv, "/rerank", {"query": query, "documents": ["a"], "truncate_prompt_tokens": 40})
+        assert tight.status_code == 400 and tight.json()["error"]["param"] == "truncate_prompt_tokens", tight.text
+        assert "no room for the document" in tight.json()["error"]["message"]
+        cut = _post(srv, "/rerank", {"query": query, "documents": ["fox " * 300], "truncate_prompt_tokens": -1})
+        assert cut.status_code == 200 and 400 < cut.json()["usage"]["prompt_tokens"] <= 512, cut.text
         srv.wait_idle()

@@ -75,7 +75,7 @@ class EngineCore:
         ``tokenizer``: the frontend's, where it shares this process (else the core loads its own
         when the first structured-output request arrives)."""
         enter = on_phase or (lambda _name: None)
-        self.model_config = model_config or loader.load_config(config.model)
+        self.model_config = model_config or loader.engine_model_config(config)
         # a pooling engine (embeddings, pooling.py) or a generating one; the workers see which
         self.pooling = engine_pooling(config, self.model_config)
         config = dataclasses.replace(config, runner="pooling" if self.pooling is not None else "generate")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from pagoda_daemon.sampling_params import SamplingParams, has_lone_surrogate, is_strict_int
+from pagoda_daemon.templates import PairFormat
 
 PromptType = str | list[int]
 
@@ -119,8 +120,10 @@ def _second_segment_start(token_type_ids: list[int] | None) -> int | None:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, scheduling_policy: str = "fcfs") -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, scheduling_policy: str = "fcfs",
+                 pair_format: PairFormat | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pair_format = pair_format or PairFormat()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.scheduling_policy = scheduling_policy
@@ -213,13 +216,16 @@ class InputProcessor:
 
     def process_pairs(self, pairs: list[tuple[str, str]], params: SamplingParams, *,
                       truncate_prompt_tokens: int | None = None, max_first_tokens: int = 0,
-                      max_second_tokens: int = 0) -> list[tuple[list[int], int | None]]:
+                      max_second_tokens: int = 0,
+                      template_variables: dict | None = None) -> list[tuple[list[int], int | None]]:
         """Text pairs (query, document) as a cross-encoder reads them: each one prompt made by the
         tokenizer's pair template (BERT: [CLS] a [SEP] b [SEP]), and the position where the second
         text's token type 1 starts (None: the tokenizer gives one segment type throughout).
         ``max_first_tokens``/``max_second_tokens`` (0: no limit) cut each text to that many of
         its tokens first; ``truncate_prompt_tokens`` then shortens the longer text until the pair
-        fits (sentence-transformers' CrossEncoder: the special tokens are kept). InvalidInput on
+        fits (sentence-transformers' CrossEncoder: the special tokens are kept). A ``pair_format``
+        that joins the pair into one text (a score template, with ``template_variables``; or the
+        two texts together) is cut in the document instead (``_process_joined``). InvalidInput on
         bad input, its ``index`` the pair at fault.
 
         One tokenizer call for all the pairs: benchmarks/rerank_bench.py's 4,096 passage pairs took
@@ -241,6 +247,10 @@ class InputProcessor:
                 raise
             firsts.append(self.first_tokens(first, max_first_tokens))
             seconds.append(self.first_tokens(second, max_second_tokens))
+        if self.pair_format.joined:
+            self._check_priority(params)
+            return [(self._process_joined(index, first, second, truncate_prompt_tokens, template_variables), None)
+                    for index, (first, second) in enumerate(zip(firsts, seconds, strict=True))]
         specials = self.tokenizer.num_special_tokens_to_add(pair=True)
         kwargs: dict = {}
         if truncate_prompt_tokens is not None:
@@ -262,6 +272,40 @@ class InputProcessor:
                 raise error
             out.append((list(ids), _second_segment_start(pair_types)))
         return out
+
+    def _process_joined(self, index: int, query: str, document: str, truncate_prompt_tokens: int | None,
+                        variables: dict | None) -> list[int]:
+        """One pair rendered as one text and tokenized. Past ``truncate_prompt_tokens`` the
+        document loses its last tokens until the prompt fits (the template's own text, around the
+        document, is kept: it holds where the answer is read); a prompt that cannot fit that way,
+        or past the context without truncation, is refused."""
+        limit = truncate_prompt_tokens or self.max_model_len
+        ids = self._render_and_encode(index, query, document, variables)
+        for _ in range(8):  # a cut's new token boundaries may leave it a token or two over
+            over = len(ids) - limit
+            if over <= 0 or truncate_prompt_tokens is None:
+                break
+            kept = len(self.tokenizer(document, add_special_tokens=False)["input_ids"]) - over
+            if kept < 1:
+                raise InvalidInput(f"truncate_prompt_tokens ({truncate_prompt_tokens}) leaves no room for the "
+                                   f"document of pair {index}: the prompt holds {len(ids)} tokens, its document "
+                                   f"{kept + over}", param="truncate_prompt_tokens")
+            document = self.first_tokens(document, kept)
+            ids = self._render_and_encode(index, query, document, variables)
+        if len(ids) > limit:
+            error = self._too_long_to_pool(len(ids))
+            error.index = index
+            raise error
+        return ids
+
+    def _render_and_encode(self, index: int, query: str, document: str, variables: dict | None) -> list[int]:
+        try:
+            text = self.pair_format.render(self.tokenizer, query, document, variables)
+        except Exception as e:  # Jinja raises many kinds, the template's raise_exception too
+            error = InvalidInput(f"the score template cannot render this pair: {e}", param="documents")
+            error.index = index
+            raise error from e
+        return list(self.tokenizer(text)["input_ids"])
 
     def first_tokens(self, text: str, limit: int) -> str:
         """The text up to the end of its first ``limit`` tokens (0: all of it), cut where the

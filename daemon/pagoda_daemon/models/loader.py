@@ -15,8 +15,16 @@ import torch
 from safetensors import safe_open
 
 from pagoda_daemon.distributed.parallel_state import SINGLE, TensorParallel
+from pagoda_daemon.hf_overrides import (
+    TWO_WAY,
+    apply_hf_overrides,
+    classifier_from_tokens,
+    classifier_token_ids,
+    parse_hf_overrides,
+)
 from pagoda_daemon.models.layers import MergedLinear
 from pagoda_daemon.models.registry import is_model_body, resolve_model_class
+from pagoda_daemon.templates import read_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +44,10 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def load_config(path: str | Path):
+def load_config(path: str | Path, hf_overrides: str | None = None, tokenizer: str | Path | None = None):
+    """The model's config.json with ``hf_overrides`` (a JSON object, hf_overrides.py) set on it;
+    a classifier made from tokens gets the vocabulary rows it reads (``classifier_token_ids``)
+    from the tokenizer (default: the model's)."""
     from transformers import AutoConfig
 
     p = check_model_dir(path)
@@ -44,8 +55,17 @@ def load_config(path: str | Path):
         config = AutoConfig.from_pretrained(str(p), trust_remote_code=False)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read the model config in {str(p)!r}: {e}") from e
+    if hf_overrides:
+        apply_hf_overrides(config, parse_hf_overrides(hf_overrides))
     resolve_model_class(config)  # fail early on unsupported architectures
+    if classifier_from_tokens(config) is not None:
+        config.classifier_token_ids = classifier_token_ids(config, load_tokenizer(tokenizer or p))
     return config
+
+
+def engine_model_config(config):
+    """The model config an engine of ``config`` (an EngineConfig) serves."""
+    return load_config(config.model, config.hf_overrides, config.tokenizer)
 
 
 def checkpoint_dtype(config) -> torch.dtype:
@@ -130,12 +150,19 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, Checkpoint
     if body:
         pending.pop("lm_head.weight", None)
     rename = getattr(model, "checkpoint_name", None)  # a model whose names differ from Hugging Face's (bert.py)
+    token_ids = getattr(model.config, "classifier_token_ids", None)  # a head made of the vocabulary's rows
+    vocabulary = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    rows = None
 
     for name, tensor in weights:
         if rename is not None and (name := rename(name)) is None:
             continue  # not a tensor of the model served (a task head)
         if body and not name.startswith("model."):
             name = "model." + name
+        if token_ids and name == vocabulary:
+            rows = torch.cat([tensor.read(0, i, 1) for i in token_ids]).float()
+        if token_ids and name == "lm_head.weight":
+            continue  # read for its rows alone: the classifier has no language-model head
         if tied and name == "lm_head.weight":
             continue  # tied checkpoints may still carry a copy of the embedding
         if "rotary_emb.inv_freq" in name:
@@ -160,10 +187,25 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, Checkpoint
             dest.copy_(part)
         pending[target].discard(piece)
 
+    if rows is not None and pending.get("score.weight"):
+        _fill_score_from_rows(params["score.weight"], rows, two_way=getattr(model.config, "method", None) == TWO_WAY)
+        pending["score.weight"].discard(None)
     missing = sorted(f"{t}{'' if p is None else f'[{p}]'}" for t, pieces in pending.items() for p in pieces)
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise WeightLoadError(f"the checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+@torch.no_grad()
+def _fill_score_from_rows(score: torch.Tensor, rows: torch.Tensor, two_way: bool) -> None:
+    """A classifier made from the vocabulary (hf_overrides.py): its one row the positive token's
+    minus the negative's (the two-way softmax as one logit), or each token's row as a label;
+    the difference taken in float32, as vLLM takes it."""
+    head = rows[1:2] - rows[0:1] if two_way else rows
+    if tuple(head.shape) != tuple(score.shape):
+        raise WeightLoadError(f"the classifier made from tokens has shape {tuple(head.shape)}, the model's score "
+                              f"head {tuple(score.shape)}")
+    score.copy_(head)
 
 
 def _expected_pieces(model, params) -> dict[str, set]:
@@ -265,6 +307,15 @@ def fill_dummy_weights(model: torch.nn.Module) -> None:
             param.fill_(1.0)
         else:
             param.uniform_(-1e-3, 1e-3)
+
+
+def engine_tokenizer(config):
+    """The tokenizer an engine of ``config`` (an EngineConfig) serves with: its chat template
+    the one ``chat_template`` gives, where it gives one."""
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    if config.chat_template:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+    return tokenizer
 
 
 def load_tokenizer(path: str | Path):

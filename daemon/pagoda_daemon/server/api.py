@@ -271,6 +271,10 @@ def build_app(client: EngineClient, settings: ServerSettings, tracer=None, *, ke
             pairs = pair_up(firsts, seconds)
         except ValueError as e:
             raise bad_request(str(e), param=req.names[1]) from e
+        variables = req.template_variable_field
+        if variables and (not pooling.classifies or client.pair_format.template is None):
+            raise bad_request(f"{variables} sets the score template's variables, and this server has no score "
+                              "template (serve a classifier with --chat-template)", param=variables)
         if pooling.classifies:  # a cross-encoder: each pair one prompt
             try:
                 check_one_label(pooling)
@@ -578,7 +582,8 @@ def _process_pairs(client: EngineClient, req: ScoreRequest | RerankRequest, pool
     try:
         encoded = processor.process_pairs([(firsts[i], seconds[j]) for i, j in pairs], sampling,
                                           truncate_prompt_tokens=truncate, max_first_tokens=req.max_tokens_per_query,
-                                          max_second_tokens=req.max_tokens_per_doc)
+                                          max_second_tokens=req.max_tokens_per_doc,
+                                          template_variables=req.template_variables())
     except InvalidInput as e:
         if e.index is None:
             raise bad_request(str(e), param=e.param, code=e.code) from e

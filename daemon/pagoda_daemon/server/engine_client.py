@@ -57,6 +57,7 @@ from pagoda_daemon.server.core_process import run_engine_core
 from pagoda_daemon.server.engine_router import EngineRouter, block_hashes
 from pagoda_daemon.server.errors import APIError
 from pagoda_daemon.server.output_collector import OutputCollector
+from pagoda_daemon.templates import engine_pair_format
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +132,10 @@ class EngineClient:
         self.config = config
         self.kv_events_endpoint = kv_events_endpoint
         self.metrics = metrics
-        self.model_config = model_config or loader.load_config(config.model)
-        self.tokenizer = loader.load_tokenizer(config.tokenizer or config.model)
+        self.model_config = model_config or loader.engine_model_config(config)
+        self.tokenizer = loader.engine_tokenizer(config)
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
+        self.pair_format = engine_pair_format(config, self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None  # needs max_model_len, known once ready
         self.ready_info: EngineReady | None = None  # once every core is ready: them together
@@ -375,7 +377,7 @@ class EngineClient:
             startup_seconds=max(e.startup_seconds for e in engines))
         info = self.ready_info
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, info.max_model_len,
-                                              self.config.scheduling_policy)
+                                              self.config.scheduling_policy, self.pair_format)
         if self.metrics is not None:
             self.metrics.set_placement(info.gpus, info.numa_nodes, info.expert_parallel_size)
             self.metrics.set_cache_config(info.block_size, info.num_kv_blocks, self.config.enable_prefix_caching)

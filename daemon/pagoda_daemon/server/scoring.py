@@ -15,18 +15,19 @@ embedding model scores it as the cosine of the two texts' vectors (pooling.py).
 from __future__ import annotations
 
 import time
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 
 from pagoda_daemon.pooling import as_texts
 from pagoda_daemon.sampling_params import INT64_MAX
 from pagoda_daemon.server.embeddings import MAX_INPUTS, InputFields, InputOrChat, PoolingFields
 from pagoda_daemon.server.errors import bad_request
-from pagoda_daemon.server.protocol import ChatTemplateFields
+from pagoda_daemon.server.protocol import RESERVED_TEMPLATE_KWARGS, ChatTemplateFields
 
 # vLLM's fields Pagoda does not serve: a 400 names them rather than answering otherwise
-UNSUPPORTED = ("mm_processor_kwargs", "chat_template", "chat_template_kwargs", "instruction", "truncation_side")
+UNSUPPORTED = ("mm_processor_kwargs", "chat_template", "truncation_side")
+MAX_INSTRUCTION_CHARS = 65536  # the prompt's token count bounds it too; this is before tokenizing
 # vLLM's names for the two sides of a score request, in the order they are looked for
 SIDE_NAMES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 
@@ -40,6 +41,29 @@ class _ScoringFields(PoolingFields):
     use_activation: bool | None = None  # None: the classifier's activation (a cross-encoder's sigmoid)
     max_tokens_per_query: TokenLimit = 0  # 0: no limit of the query's own
     max_tokens_per_doc: TokenLimit = 0
+    # the score template's variables (templates.py): a 400 where the server has no score template
+    instruction: Annotated[str, Field(min_length=1, max_length=MAX_INSTRUCTION_CHARS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_template_variables(self):
+        for key in self.chat_template_kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise bad_request(f"chat_template_kwargs may not set '{key}'", param=f"chat_template_kwargs.{key}")
+        return self
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """The score template's variables: ``chat_template_kwargs``, with ``instruction`` where they
+        do not set one (vLLM's order)."""
+        if self.instruction is None:
+            return self.chat_template_kwargs
+        return {"instruction": self.instruction, **(self.chat_template_kwargs or {})}
+
+    @property
+    def template_variable_field(self) -> str | None:
+        """The field that sets template variables, if any (a 400 names it without a template)."""
+        return "instruction" if self.instruction is not None else (
+            "chat_template_kwargs" if self.chat_template_kwargs else None)
 
 
 class ScoreRequest(_ScoringFields):

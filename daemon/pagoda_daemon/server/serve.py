@@ -231,9 +231,9 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]),
                               **values_from_args(options, EngineConfig))
         from pagoda_daemon.distributed.layout import check_layout
-        from pagoda_daemon.models.loader import load_config
+        from pagoda_daemon.models.loader import engine_model_config
 
-        model_config = load_config(config.model)  # a bad path or architecture fails here, before any process
+        model_config = engine_model_config(config)  # a bad path, architecture or override fails here
         check_layout(model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts, config.elastic_ep_max_size, config.data_experts_engines)
         _keys(options)
@@ -247,6 +247,11 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         from pagoda_daemon.pooling import engine_pooling
 
         pooling = engine_pooling(config, model_config)  # None: the model generates
+        if config.chat_template:  # a template that cannot be read, or cannot render a pair, refused now
+            from pagoda_daemon.models.loader import engine_tokenizer
+            from pagoda_daemon.templates import engine_pair_format
+
+            engine_pair_format(config, model_config, engine_tokenizer(config))
         name = options["served_model_name"] or Path(options["model"]).resolve().name
         adapters = None
         if config.enable_lora and config.node_rank == 0:  # each read and checked against the model now
