@@ -6,6 +6,12 @@ tokenizer whose pair template is XLM-RoBERTa's (<s> query </s></s> document </s>
     python -m benchmarks.rerank_bench benchmarks/configs/bge-reranker-base --engine pagoda
     PYTHONPATH=/tmp/vsite python3 -m benchmarks.rerank_bench MODEL_DIR --engine vllm
 
+With ``--qwen3-reranker`` the model is the original Qwen3-Reranker layout instead (a
+``Qwen3ForCausalLM`` config such as benchmarks/configs/qwen3-0.6b), served as vLLM serves it: the
+hf_overrides of ``QWEN3_RERANKER`` (the "no" and "yes" rows of its tied head) and the score template
+examples/templates/qwen3_reranker.jinja (vLLM's ``LLM.score(chat_template=...)``, Pagoda's
+``chat_template`` option); the word-level tokenizer holds "no" and "yes".
+
 Both sides take the same texts (a fresh set each round) and tokenize the pairs themselves, as a
 user's call does; a ROUND line per round and a RESULT line (the last) per workload report
 pairs/s and pair tokens/s.
@@ -30,15 +36,22 @@ for k, v in {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": 
 WORKLOADS = {"passages": (64, 64, (8, 32), (64, 400)), "snippets": (256, 16, (4, 16), (16, 96))}
 
 
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                  "is_original_qwen3_reranker": True}
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "templates",
+                        "qwen3_reranker.jinja")
+
+
 def save_pair_tokenizer(vocab_size: int, path: str) -> None:
-    """One word per id (w4 .. w{vocab-1}) after XLM-RoBERTa's specials <s> <pad> </s> <unk>, and
-    its pair template. The specials look like no word: a special named like one ("w1") would be
-    cut out of the words that start with it ("w123": "w1" + an unknown "23")."""
+    """One word per id (w4 .. w{vocab-3}, then "no" and "yes") after XLM-RoBERTa's specials <s>
+    <pad> </s> <unk>, and its pair template. The specials look like no word: a special named like
+    one ("w1") would be cut out of the words that start with it ("w123": "w1" + an unknown "23")."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     specials = ("<s>", "<pad>", "</s>", "<unk>")
-    vocab = {**{name: i for i, name in enumerate(specials)}, **{f"w{i}": i for i in range(len(specials), vocab_size)}}
+    vocab = {**{name: i for i, name in enumerate(specials)},
+             **{f"w{i}": i for i in range(len(specials), vocab_size - 2)}, "no": vocab_size - 2, "yes": vocab_size - 1}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
@@ -53,7 +66,7 @@ def pairs_of(name: str, rounds: int, vocab_size: int, seed: int = 0) -> list[tup
     rng = random.Random(seed)
 
     def text(lo: int, hi: int) -> str:
-        return " ".join(f"w{rng.randrange(5, vocab_size)}" for _ in range(rng.randint(lo, hi)))
+        return " ".join(f"w{rng.randrange(5, vocab_size - 2)}" for _ in range(rng.randint(lo, hi)))
 
     out = []
     for _ in range(rounds):
@@ -70,15 +83,17 @@ def build_llm(args):
     if args.engine == "vllm":
         from vllm import LLM
 
+        extra = {"hf_overrides": QWEN3_RERANKER} if args.qwen3_reranker else {}
         return LLM(model=args.model, runner="pooling", load_format="dummy", dtype=args.dtype,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, seed=0, gpu_memory_utilization=0.90,
-                   attention_config={"backend": "FLASH_ATTN"})
+                   attention_config={"backend": "FLASH_ATTN"}, **extra)
     from pagoda_daemon import LLM
 
+    extra = {"hf_overrides": QWEN3_RERANKER, "chat_template": TEMPLATE} if args.qwen3_reranker else {}
     return LLM(args.model, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
-               gpu_memory_utilization=0.90)
+               gpu_memory_utilization=0.90, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda", help="Pagoda's: cpu only to smoke-test this script")
+    ap.add_argument("--qwen3-reranker", action="store_true",
+                    help="serve a Qwen3ForCausalLM config as the original Qwen3-Reranker (hf_overrides, score template)")
     args = ap.parse_args(argv)
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
@@ -112,14 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         result: dict = {}
         for round_index, (firsts, seconds) in enumerate(pairs_of(name, args.rounds, config["vocab_size"])):
             start = time.perf_counter()
-            outputs = llm.score(firsts, seconds, use_tqdm=False) if args.engine == "vllm" else llm.score(firsts,
-                                                                                                          seconds)
+            if args.engine == "vllm":
+                template = {"chat_template": open(TEMPLATE).read()} if args.qwen3_reranker else {}
+                outputs = llm.score(firsts, seconds, use_tqdm=False, **template)
+            else:
+                outputs = llm.score(firsts, seconds)
             seconds_taken = time.perf_counter() - start
             tokens = sum(len(o.prompt_token_ids) for o in outputs)
             result = {"engine": args.engine, "workload": name, "round": round_index, "seconds": round(seconds_taken, 3),
                       "pairs": len(outputs), "pair_tokens": tokens, "pairs_s": round(len(outputs) / seconds_taken, 1),
                       "pair_tok_s": round(tokens / seconds_taken, 1), "dtype": args.dtype, "init_s": round(init_s, 1),
-                      "model": os.path.basename(model_dir), **version}
+                      "model": os.path.basename(model_dir),
+                      **({"layout": "qwen3-reranker"} if args.qwen3_reranker else {}), **version}
             print("ROUND", json.dumps(result), flush=True)
         print("RESULT", json.dumps(result), flush=True)
     return 0

@@ -791,12 +791,18 @@ if has rerank-vllm; then
   # Reranking throughput: vLLM 0.26.0's LLM.score then Pagoda's, each in a process of its own, on
   # bge-reranker-base's shape (XLM-RoBERTa cross-encoder, random weights, bf16) and the same
   # text pairs (benchmarks/rerank_bench.py). Needs the vLLM kit as for `vllm` (a `vllm-stash` call
-  # right before); RERANK_NO_VLLM=1: Pagoda alone.
-  step "Reranking beside vLLM: ${RERANK_WORKLOADS:-passages,snippets} (bge-reranker-base shape, random weights, bf16)"
-  rerank_args=($CFG/bge-reranker-base --workloads "${RERANK_WORKLOADS:-passages,snippets}")
+  # right before); RERANK_NO_VLLM=1: Pagoda alone. RERANK_QWEN3=1: the original Qwen3-Reranker layout
+  # on Qwen3-0.6B's shape instead (hf_overrides and the score template, rerank_bench --qwen3-reranker).
+  if [ -n "${RERANK_QWEN3:-}" ]; then
+    rerank_args=($CFG/qwen3-0.6b --qwen3-reranker); rerank_shape="Qwen3-Reranker-0.6B layout"
+  else
+    rerank_args=($CFG/bge-reranker-base); rerank_shape="bge-reranker-base shape"
+  fi
+  step "Reranking beside vLLM: ${RERANK_WORKLOADS:-passages,snippets} ($rerank_shape, random weights, bf16)"
+  rerank_args+=(--workloads "${RERANK_WORKLOADS:-passages,snippets}")
   if [ -z "${RERANK_NO_VLLM:-}" ]; then
     unpack_vllm || status=1
-    PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 200 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine vllm \
+    PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 260 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine vllm \
       > "$OUT/rerank-vllm.log" 2>&1 || { status=1; grep -B12 -m1 Error "$OUT/rerank-vllm.log"; }
     grep -E '^RESULT|^ROUND' "$OUT/rerank-vllm.log" | tee -a "$OUT/rerank.jsonl"
   fi
