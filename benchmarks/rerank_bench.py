@@ -125,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         import vllm
 
         version = {"vllm": vllm.__version__}
+    template = {}  # vLLM takes the score template per call, Pagoda as an engine option
+    if args.engine == "vllm" and args.qwen3_reranker:
+        with open(TEMPLATE) as f:
+            template = {"chat_template": f.read()}
     for name in args.workloads.split(","):
         result: dict = {}
         for round_index, (firsts, seconds) in enumerate(pairs_of(name, args.rounds, config["vocab_size"])):
             start = time.perf_counter()
             if args.engine == "vllm":
-                template = {"chat_template": open(TEMPLATE).read()} if args.qwen3_reranker else {}
                 outputs = llm.score(firsts, seconds, use_tqdm=False, **template)
             else:
                 outputs = llm.score(firsts, seconds)

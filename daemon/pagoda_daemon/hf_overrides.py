@@ -33,7 +33,7 @@ def parse_hf_overrides(text: str) -> dict[str, Any]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_OVERRIDES_BYTES:
         raise ValueError(f"hf_overrides is longer than {MAX_OVERRIDES_BYTES} bytes")
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant)
     except ValueError as e:
         raise ValueError(f"hf_overrides must be a JSON object: {e}") from e
     if not isinstance(value, dict) or not value:
@@ -44,6 +44,10 @@ def parse_hf_overrides(text: str) -> dict[str, Any]:
                                       or not all(isinstance(a, str) for a in architectures)):
         raise ValueError("hf_overrides: architectures must be a non-empty list of names")
     return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a config may hold")
 
 
 def apply_hf_overrides(config: Any, overrides: dict[str, Any]) -> None:

@@ -31,8 +31,12 @@ _PROBE = ("what is the capital of France?", "Paris is the capital of France.")
 
 
 def read_chat_template(value: str) -> str:
-    """The template's text: the file ``value`` names, else ``value`` itself where it reads as
-    Jinja (holds ``{{`` or ``{%``), as vLLM resolves ``--chat-template``. ValueError otherwise."""
+    """The template's text: ``value`` itself where it reads as Jinja (holds ``{{`` or ``{%``),
+    else the file it names. (vLLM looks for a file first; Pagoda never reads a file named by a
+    template's text, which is what lets the operator render one from an InferenceService.)
+    ValueError for neither."""
+    if "{{" in value or "{%" in value:
+        return value
     path = Path(value)
     try:
         is_file = len(value) < 4096 and "\n" not in value and path.is_file()
@@ -45,8 +49,6 @@ def read_chat_template(value: str) -> str:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read chat_template {value!r}: {e}") from e
-    if "{{" in value or "{%" in value:
-        return value
     raise ValueError(f"chat_template {value[:80]!r} is neither a file nor a Jinja template")
 
 

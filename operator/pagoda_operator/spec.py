@@ -8,6 +8,7 @@ reports as ``Degraded/InvalidSpec`` while leaving running children untouched.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 # capabilities, so both sides refuse the same things.
 from pagoda_daemon import capabilities, model_uri
 from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.hf_overrides import parse_hf_overrides
 from pagoda_daemon.lora.names import AdapterError, check_name
 from pagoda_daemon.options import declared, refusals
 
@@ -144,6 +146,10 @@ class Engine:
     enforce_eager: bool = False
     scheduling_policy: str | None = None  # fcfs | priority; unset: the daemon's (fcfs)
     runner: str | None = None  # auto | generate | pooling (embeddings); unset: the daemon's (auto)
+    # the daemon's hf_overrides (a JSON object, as compact JSON) and chat_template (the Jinja text
+    # itself: a pod's files are never named), e.g. to serve the original Qwen3-Reranker
+    hf_overrides: str | None = None
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -308,6 +314,14 @@ def _get(d: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _json_text(value: Any) -> str | None:
+    """A JSON object field as the compact JSON a daemon option takes (None when unset; a
+    non-finite number is written as Python's JSON writes it, for the check to refuse)."""
+    if value is None:
+        return None
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
 def _rule(d: Mapping[str, Any], minimum: int, maximum: int, default_metric: str) -> Autoscaling:
     """The rule spec.autoscaling and spec.parallelism.elastic share: metric, target, tolerance,
     stabilisation windows, between `minimum` and `maximum`."""
@@ -403,6 +417,8 @@ def parse(
         enforce_eager=bool(_get(e, "enforceEager", False)),
         scheduling_policy=_get(e, "schedulingPolicy"),
         runner=_get(e, "runner"),
+        hf_overrides=_json_text(_get(e, "hfOverrides")),
+        chat_template=_get(e, "chatTemplate"),
     )
     kv = _get(spec, "kvOffload", {})
     disk = _get(kv, "disk", {})
@@ -879,6 +895,8 @@ def daemon_config(spec: ServiceSpec) -> dict[str, Any]:
         "num_kv_blocks": e.num_kv_blocks,
         "scheduling_policy": e.scheduling_policy,  # only when set: pods without it stay as rendered
         "runner": e.runner,  # likewise
+        "hf_overrides": e.hf_overrides,  # likewise
+        "chat_template": e.chat_template,  # likewise
         "otlp_traces_endpoint": spec.tracing.otlp_endpoint,
         "kv_offload_cpu_gib": kv.cpu_gib,
         "kv_offload_disk_path": kv.disk_path,
@@ -919,6 +937,7 @@ CRD_FIELD_OF_OPTION = {
 # spec.kvOffload.writePolicy's values: the daemon's option's
 WRITE_POLICIES: tuple[str, ...] = next(d.info.choices or () for d in declared(EngineConfig)
                                        if d.name == "kv_offload_write_policy")
+MAX_CRD_TEMPLATE_CHARS = 65536  # engine.chatTemplate: the CRD's maxLength; an object's whole size is bounded too
 # spec.engine.runner's values, likewise
 RUNNERS: tuple[str, ...] = next(d.info.choices or () for d in declared(EngineConfig) if d.name == "runner")
 # spec.parallelism.all2allBackend's values, likewise
@@ -1105,6 +1124,25 @@ def _field_errors(s: ServiceSpec) -> list[str]:
         errors.append(f"kvOffload.writePolicy {policy!r} must be one of {', '.join(WRITE_POLICIES)}")
     if s.engine.runner is not None and s.engine.runner not in RUNNERS:
         errors.append(f"engine.runner {s.engine.runner!r} must be one of {', '.join(RUNNERS)}")
+    errors += _model_override_errors(s.engine)
+    return errors
+
+
+def _model_override_errors(e: Engine) -> list[str]:
+    """engine.hfOverrides must be what the daemon's hf_overrides takes; engine.chatTemplate the
+    Jinja text itself, never a path: the daemon reads a chat_template without ``{{`` or ``{%`` as
+    a file, and a pod's files are not the requesting user's to read back through prompts."""
+    errors = []
+    if e.hf_overrides is not None:
+        try:
+            parse_hf_overrides(e.hf_overrides)
+        except ValueError as err:
+            errors.append(f"engine.hfOverrides: {err}")
+    template = e.chat_template
+    if template is not None and (not isinstance(template, str) or not ("{{" in template or "{%" in template)
+                                 or len(template) > MAX_CRD_TEMPLATE_CHARS):
+        errors.append(f"engine.chatTemplate must be a Jinja template of at most {MAX_CRD_TEMPLATE_CHARS} characters "
+                      "(the text itself, holding {{ or {%; not a path)")
     return errors
 
 

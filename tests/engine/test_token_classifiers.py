@@ -156,6 +156,8 @@ def test_token_rows_as_labels_on_an_untied_model(tmp_path):
     ('{"architectures": []}', "non-empty list"),
     ('{"architectures": [1]}', "non-empty list"),
     ('{"a": "' + "x" * 70000 + '"}', "longer than"),
+    ('{"rope_theta": NaN}', "NaN is not a number"),
+    ('{"max_position_embeddings": -Infinity}', "-Infinity is not a number"),
 ])
 def test_malformed_overrides(text, message):
     with pytest.raises(ValueError, match=message):
