@@ -49,3 +49,22 @@ def test_the_overrides_and_the_template_render_as_the_daemons_options():
 def test_what_the_daemon_could_not_take_is_refused(engine, needle):
     with pytest.raises(InvalidSpec, match=needle):
         _parse(engine=engine)
+
+
+def test_the_reranker_example_is_valid_and_renders_the_model_cards_prompt():
+    """examples/reranker-inferenceservice.yaml passes the CRD's schema and the operator's rules,
+    and its template renders a pair as examples/templates/qwen3_reranker.jinja does."""
+    from pagoda_daemon.models.tiny import build_tokenizer
+    from pagoda_daemon.templates import PairFormat
+    from tests.engine.test_token_classifiers import TEMPLATE as TEMPLATE_FILE
+    from tests.operator.test_manifests import ROOT, isvc_schema, load, validate
+
+    doc = load(ROOT / "examples" / "reranker-inferenceservice.yaml")
+    assert validate(doc, isvc_schema()) == []
+    config = daemon_config(parse(doc["metadata"]["name"], "default", doc["spec"]))
+    assert json.loads(config["hf_overrides"]) == QWEN3_RERANKER and config["runner"] == "pooling"
+    tokenizer = build_tokenizer()
+    for variables in (None, {"instruction": "find the cats"}):
+        pair = ("what is the capital of France?", "Paris is the capital.", variables)
+        assert (PairFormat(read_chat_template(config["chat_template"])).render(tokenizer, *pair)
+                == PairFormat(read_chat_template(TEMPLATE_FILE)).render(tokenizer, *pair))
