@@ -105,7 +105,7 @@ def test_truncation_cuts_the_document_and_keeps_the_template(reranker):
     llm = LLM(path, **ENGINE, hf_overrides=overrides, chat_template=TEMPLATE)
     tokenizer = llm.tokenizer
     rng = random.Random()
-    query, document = " ".join(texts(rng, 1, longest=5)), " ".join(texts(rng, 1, longest=25) * 2)
+    query, document = " ".join(texts(rng, 1, longest=5)), " ".join(texts(rng, 12, longest=25))  # 12 words or more
     whole = len(tokenizer(model_card_prompt(query, document))["input_ids"])
     doc_tokens = len(tokenizer(document, add_special_tokens=False)["input_ids"])
     assert doc_tokens > 8

@@ -100,11 +100,12 @@ def test_the_operator_imports_only_the_daemons_declarations():
         [
             f"import sys; sys.path.insert(0, {path!r})",
             "import pagoda_operator.cli, pagoda_operator.handlers, pagoda_operator.reconcile",
-            # the daemon's option and capability declarations, its layout rules and its rule for
-            # adapter names (standard library only), nothing else
+            # the daemon's option and capability declarations, its layout rules, its rule for
+            # adapter names and its parse of hf_overrides (standard library only), nothing else
             "declarations = {'pagoda_daemon', 'pagoda_daemon.config', 'pagoda_daemon.options', "
             "'pagoda_daemon.capabilities', 'pagoda_daemon.model_uri', 'pagoda_daemon.distributed', "
-            "'pagoda_daemon.distributed.layout', 'pagoda_daemon.lora', 'pagoda_daemon.lora.names'}",
+            "'pagoda_daemon.distributed.layout', 'pagoda_daemon.lora', 'pagoda_daemon.lora.names', "
+            "'pagoda_daemon.hf_overrides'}",
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pagoda_daemon', 'transformers', "
             "'fastapi', 'zmq', 'numpy') and m not in declarations]",
             "assert not bad, bad",
