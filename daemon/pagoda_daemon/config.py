@@ -16,6 +16,13 @@ POOLING_TYPES = ("auto", "last", "mean", "cls")  # pooling.py: the vector a pool
 SCHEDULING_POLICIES = ("fcfs", "priority")  # engine/scheduler.py: the order of its queue and running list
 
 MAX_TEMPLATE_BYTES = 1 << 20  # templates.py: a chat template (or its file) larger than this is not one
+
+
+def is_template_text(value: str) -> bool:
+    """Whether a chat_template value is the Jinja text itself (else it names a file): the
+    daemon's reading (templates.py) and the operator's rule for engine.chatTemplate."""
+    return "{{" in value or "{%" in value
+
 ALLOWED_BLOCK_SIZES = (16, 32, 64, 128)
 # engine/grammar.py implements each; the first is the default (why: engine/grammar.py)
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")

@@ -52,10 +52,8 @@ def _no_constant(name: str) -> Any:
 
 def apply_hf_overrides(config: Any, overrides: dict[str, Any]) -> None:
     """Set each key on the config (a transformers PretrainedConfig), merging a JSON object into
-    a nested config (``text_config``) key by key, as vLLM does; then check what the keys ask of a
-    classifier made from tokens."""
+    a nested config (``text_config``) key by key, as vLLM does."""
     _merge(config, overrides)
-    classifier_from_tokens(config)
 
 
 def _merge(config: Any, overrides: dict[str, Any]) -> None:
@@ -98,14 +96,11 @@ def classifier_from_tokens(config: Any) -> tuple[str, list[str]] | None:
     return method, tokens
 
 
-def classifier_token_ids(config: Any, tokenizer: Any) -> list[int] | None:
-    """The vocabulary rows a classifier made from tokens reads (None: the config asks for none),
-    each token looked up as the tokenizer spells it; ValueError for one it does not hold."""
-    found = classifier_from_tokens(config)
-    if found is None:
-        return None
+def classifier_token_ids(config: Any, tokens: list[str], tokenizer: Any) -> list[int]:
+    """The vocabulary rows a classifier made from ``tokens`` reads, each token looked up as the
+    tokenizer spells it; ValueError for one it does not hold."""
     ids = []
-    for token in found[1]:
+    for token in tokens:
         index = tokenizer.convert_tokens_to_ids(token)
         if not isinstance(index, int) or index == getattr(tokenizer, "unk_token_id", None) or index < 0 \
                 or index >= int(config.vocab_size):

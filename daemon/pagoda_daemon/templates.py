@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagoda_daemon.config import MAX_TEMPLATE_BYTES
+from pagoda_daemon.config import MAX_TEMPLATE_BYTES, is_template_text
 from pagoda_daemon.pooling import is_classifier
 
 # The probe pair rendered at start-up, so that a template that cannot render a pair fails the
@@ -35,7 +35,7 @@ def read_chat_template(value: str) -> str:
     else the file it names. (vLLM looks for a file first; Pagoda never reads a file named by a
     template's text, which is what lets the operator render one from an InferenceService.)
     ValueError for neither."""
-    if "{{" in value or "{%" in value:
+    if is_template_text(value):
         return value
     path = Path(value)
     try:

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 # Standard library only (the operator image has no torch): the daemon's declared options and
 # capabilities, so both sides refuse the same things.
 from pagoda_daemon import capabilities, model_uri
-from pagoda_daemon.config import EngineConfig
+from pagoda_daemon.config import EngineConfig, is_template_text
 from pagoda_daemon.hf_overrides import parse_hf_overrides
 from pagoda_daemon.lora.names import AdapterError, check_name
 from pagoda_daemon.options import declared, refusals
@@ -1139,7 +1139,7 @@ def _model_override_errors(e: Engine) -> list[str]:
         except ValueError as err:
             errors.append(f"engine.hfOverrides: {err}")
     template = e.chat_template
-    if template is not None and (not isinstance(template, str) or not ("{{" in template or "{%" in template)
+    if template is not None and (not isinstance(template, str) or not is_template_text(template)
                                  or len(template) > MAX_CRD_TEMPLATE_CHARS):
         errors.append(f"engine.chatTemplate must be a Jinja template of at most {MAX_CRD_TEMPLATE_CHARS} characters "
                       "(the text itself, holding {{ or {%; not a path)")

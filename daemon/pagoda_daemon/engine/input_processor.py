@@ -225,7 +225,7 @@ class InputProcessor:
         its tokens first; ``truncate_prompt_tokens`` then shortens the longer text until the pair
         fits (sentence-transformers' CrossEncoder: the special tokens are kept). A ``pair_format``
         that joins the pair into one text (a score template, with ``template_variables``; or the
-        two texts together) is cut in the document instead (``_process_joined``). InvalidInput on
+        two texts together) is cut in the document instead (``_fit_joined``). InvalidInput on
         bad input, its ``index`` the pair at fault.
 
         One tokenizer call for all the pairs: benchmarks/rerank_bench.py's 4,096 passage pairs took

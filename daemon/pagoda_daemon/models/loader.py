@@ -58,8 +58,9 @@ def load_config(path: str | Path, hf_overrides: str | None = None, tokenizer: st
     if hf_overrides:
         apply_hf_overrides(config, parse_hf_overrides(hf_overrides))
     resolve_model_class(config)  # fail early on unsupported architectures
-    if classifier_from_tokens(config) is not None:
-        config.classifier_token_ids = classifier_token_ids(config, load_tokenizer(tokenizer or p))
+    from_tokens = classifier_from_tokens(config)
+    if from_tokens is not None:
+        config.classifier_token_ids = classifier_token_ids(config, from_tokens[1], load_tokenizer(tokenizer or p))
     return config
 
 
@@ -161,10 +162,10 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, Checkpoint
             name = "model." + name
         if token_ids and name == vocabulary:
             rows = torch.cat([tensor.read(0, i, 1) for i in token_ids]).float()
-        if token_ids and name == "lm_head.weight":
-            continue  # read for its rows alone: the classifier has no language-model head
-        if tied and name == "lm_head.weight":
-            continue  # tied checkpoints may still carry a copy of the embedding
+        if name == "lm_head.weight" and (tied or token_ids):
+            # tied checkpoints may still carry a copy of the embedding; a classifier made from
+            # tokens read its rows above and has no language-model head
+            continue
         if "rotary_emb.inv_freq" in name:
             continue
         located = _locate(model, params, name, stacked, expert_param)

@@ -572,6 +572,14 @@ class NamedToolChoice(BaseModel):
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """A 400 naming the first of a request's ``chat_template_kwargs`` that would replace one of
+    the template's own arguments (chat, and the score template's variables)."""
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"chat_template_kwargs may not set '{key}'", param=f"chat_template_kwargs.{key}")
+
+
 class ChatTemplateFields(BaseModel):
     """The fields that render a conversation (the chat endpoint's and /tokenize's)."""
 
@@ -600,9 +608,7 @@ class ChatTemplateFields(BaseModel):
                               "(set add_generation_prompt to false)", param="continue_final_message")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs an assistant message last", param="continue_final_message")
-        for key in self.chat_template_kwargs or {}:
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise bad_request(f"chat_template_kwargs may not set '{key}'", param=f"chat_template_kwargs.{key}")
+        check_template_kwargs(self.chat_template_kwargs)
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) != len(names):
             raise bad_request("tools: two functions have the same name", param="tools")

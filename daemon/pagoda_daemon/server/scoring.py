@@ -23,7 +23,7 @@ from pagoda_daemon.pooling import as_texts
 from pagoda_daemon.sampling_params import INT64_MAX
 from pagoda_daemon.server.embeddings import MAX_INPUTS, InputFields, InputOrChat, PoolingFields
 from pagoda_daemon.server.errors import bad_request
-from pagoda_daemon.server.protocol import RESERVED_TEMPLATE_KWARGS, ChatTemplateFields
+from pagoda_daemon.server.protocol import ChatTemplateFields, check_template_kwargs
 
 # vLLM's fields Pagoda does not serve: a 400 names them rather than answering otherwise
 UNSUPPORTED = ("mm_processor_kwargs", "chat_template", "truncation_side")
@@ -47,9 +47,7 @@ class _ScoringFields(PoolingFields):
 
     @model_validator(mode="after")
     def _check_template_variables(self):
-        for key in self.chat_template_kwargs or {}:
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise bad_request(f"chat_template_kwargs may not set '{key}'", param=f"chat_template_kwargs.{key}")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
 
     def template_variables(self) -> dict[str, Any] | None:
