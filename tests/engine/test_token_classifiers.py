@@ -82,6 +82,19 @@ def test_qwen3_reranker_scores_equal_the_model_card(reranker):
     assert_nothing_left(llm)
 
 
+def test_the_tokenizer_is_loaded_once(reranker, monkeypatch):
+    """The engine's tokenizer serves the classifier's token ids, the score template's check and
+    the prompts alike: one load per engine, not one for each."""
+    from pagoda_daemon.models import loader
+
+    loads = []
+    load_tokenizer = loader.load_tokenizer
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: loads.append(path) or load_tokenizer(path))
+    path, overrides = reranker
+    llm = LLM(path, **ENGINE, hf_overrides=overrides, chat_template=TEMPLATE)
+    assert loads == [path] and llm.engine.model_config.classifier_token_ids == [NO, YES]
+
+
 def _tensor_parallel(_: int, path: str, overrides: dict, query: str, documents: list[str], out: str) -> None:
     torch.set_num_threads(1)
     llm = LLM(path, tensor_parallel_size=2, **ENGINE, hf_overrides=overrides, chat_template=TEMPLATE)

@@ -24,7 +24,6 @@ from pagoda_daemon.models import loader
 from pagoda_daemon.outputs import RequestOutput, RequestOutputKind
 from pagoda_daemon.pooling import PoolingParams
 from pagoda_daemon.sampling_params import SamplingParams
-from pagoda_daemon.templates import engine_pair_format
 
 
 class LLMEngine:
@@ -33,16 +32,15 @@ class LLMEngine:
             raise ValueError("data_parallel_size above 1 runs one engine per data-parallel rank behind `pagoda serve`; "
                              "offline, start one LLM per set of GPUs")
         self.config = config
-        self.model_config = loader.engine_model_config(config)
-        self.tokenizer = loader.engine_tokenizer(config)
-        pair_format = engine_pair_format(config, self.model_config, self.tokenizer)  # a bad template fails first
+        model = loader.load_engine_model(config)  # a bad model, override or template fails first
+        self.model_config, self.tokenizer = model.config, model.tokenizer
         self.core = EngineCore(config, self.model_config, tokenizer=self.tokenizer)
         self.pooling = self.core.pooling  # None: the engine generates
         # As the server's engine does before it reports ready: every kernel compiled now, not
         # during the caller's first batch. (The heap is not frozen: it is the caller's process.)
         self.core.warm_up()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
-                                              self.config.scheduling_policy, pair_format)
+                                              self.config.scheduling_policy, model.pair_format)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
         self._ids = itertools.count()

@@ -6,10 +6,13 @@ missing, unexpected or mis-shaped tensor is an error that names it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -24,7 +27,7 @@ from pagoda_daemon.hf_overrides import (
 )
 from pagoda_daemon.models.layers import MergedLinear
 from pagoda_daemon.models.registry import is_model_body, resolve_model_class
-from pagoda_daemon.templates import read_chat_template
+from pagoda_daemon.templates import PairFormat, engine_pair_format, read_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,10 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def load_config(path: str | Path, hf_overrides: str | None = None, tokenizer: str | Path | None = None):
+def load_config(path: str | Path, hf_overrides: str | None = None, tokenizer: Callable[[], Any] | None = None):
     """The model's config.json with ``hf_overrides`` (a JSON object, hf_overrides.py) set on it;
     a classifier made from tokens gets the vocabulary rows it reads (``classifier_token_ids``)
-    from the tokenizer (default: the model's)."""
+    from ``tokenizer()`` (default: the model's tokenizer), called for such a classifier only."""
     from transformers import AutoConfig
 
     p = check_model_dir(path)
@@ -60,13 +63,33 @@ def load_config(path: str | Path, hf_overrides: str | None = None, tokenizer: st
     resolve_model_class(config)  # fail early on unsupported architectures
     from_tokens = classifier_from_tokens(config)
     if from_tokens is not None:
-        config.classifier_token_ids = classifier_token_ids(config, from_tokens[1], load_tokenizer(tokenizer or p))
+        tokenizer_now = tokenizer() if tokenizer is not None else load_tokenizer(p)
+        config.classifier_token_ids = classifier_token_ids(config, from_tokens[1], tokenizer_now)
     return config
 
 
 def engine_model_config(config):
-    """The model config an engine of ``config`` (an EngineConfig) serves."""
-    return load_config(config.model, config.hf_overrides, config.tokenizer)
+    """The model config an engine of ``config`` (an EngineConfig) serves (the tokenizer loaded only
+    for a classifier made of tokens: load_engine_model where the tokenizer is wanted too)."""
+    return load_config(config.model, config.hf_overrides, functools.partial(load_tokenizer, config.tokenizer or config.model))
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What an engine's front end reads of its model, each read once: the config (with its
+    overrides), the tokenizer (with the chat template) and how a text pair becomes a prompt."""
+
+    config: Any
+    tokenizer: Any
+    pair_format: PairFormat
+
+
+def load_engine_model(config) -> EngineModel:
+    """The EngineModel of an engine of ``config``; ValueError for a model, override, tokenizer or
+    template it cannot serve."""
+    tokenizer = engine_tokenizer(config)
+    model_config = load_config(config.model, config.hf_overrides, lambda: tokenizer)
+    return EngineModel(model_config, tokenizer, engine_pair_format(config, model_config, tokenizer))
 
 
 def checkpoint_dtype(config) -> torch.dtype:

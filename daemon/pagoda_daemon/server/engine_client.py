@@ -57,7 +57,6 @@ from pagoda_daemon.server.core_process import run_engine_core
 from pagoda_daemon.server.engine_router import EngineRouter, block_hashes
 from pagoda_daemon.server.errors import APIError
 from pagoda_daemon.server.output_collector import OutputCollector
-from pagoda_daemon.templates import engine_pair_format
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +127,14 @@ class ResizeBusy(Exception):
 
 class EngineClient:
     def __init__(self, config: EngineConfig, metrics=None, log_level: str = "INFO",
-                 kv_events_endpoint: str | None = None, model_config=None, stats_log_interval: float = 0.0) -> None:
+                 kv_events_endpoint: str | None = None, model: loader.EngineModel | None = None,
+                 stats_log_interval: float = 0.0) -> None:
         self.config = config
         self.kv_events_endpoint = kv_events_endpoint
         self.metrics = metrics
-        self.model_config = model_config or loader.engine_model_config(config)
-        self.tokenizer = loader.engine_tokenizer(config)
+        model = model or loader.load_engine_model(config)
+        self.model_config, self.tokenizer, self.pair_format = model.config, model.tokenizer, model.pair_format
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, self.model_config)
-        self.pair_format = engine_pair_format(config, self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None  # needs max_model_len, known once ready
         self.ready_info: EngineReady | None = None  # once every core is ready: them together

@@ -231,9 +231,10 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]),
                               **values_from_args(options, EngineConfig))
         from pagoda_daemon.distributed.layout import check_layout
-        from pagoda_daemon.models.loader import engine_model_config
+        from pagoda_daemon.models.loader import load_engine_model
 
-        model_config = engine_model_config(config)  # a bad path, architecture or override fails here
+        model = load_engine_model(config)  # a bad path, architecture, override, tokenizer or template fails here
+        model_config = model.config
         check_layout(model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts, config.elastic_ep_max_size, config.data_experts_engines)
         _keys(options)
@@ -247,11 +248,6 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         from pagoda_daemon.pooling import engine_pooling
 
         pooling = engine_pooling(config, model_config)  # None: the model generates
-        if config.chat_template:  # a template that cannot be read, or cannot render a pair, refused now
-            from pagoda_daemon.models.loader import engine_tokenizer
-            from pagoda_daemon.templates import engine_pair_format
-
-            engine_pair_format(config, model_config, engine_tokenizer(config))
         name = options["served_model_name"] or Path(options["model"]).resolve().name
         adapters = None
         if config.enable_lora and config.node_rank == 0:  # each read and checked against the model now
@@ -269,7 +265,7 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         from pagoda_daemon.executor.multiproc import run_node
 
         return run_node(config, model_config, max_len, options["node_ready_port"])
-    return asyncio.run(_serve(config, model_config, options, name, args.log_level.upper(), max_len, pooling,
+    return asyncio.run(_serve(config, model, options, name, args.log_level.upper(), max_len, pooling,
                               kv_source_headers, adapters))
 
 
@@ -299,7 +295,7 @@ def _keys(options: dict) -> tuple[APIKeys, APIKeys]:
     return keys, admin_keys
 
 
-async def _serve(config, model_config, options: dict, served_name: str, log_level: str, max_model_len: int,
+async def _serve(config, model, options: dict, served_name: str, log_level: str, max_model_len: int,
                  pooling=None, kv_source_headers=None, adapters=None) -> int:
     import uvicorn
 
@@ -321,7 +317,7 @@ async def _serve(config, model_config, options: dict, served_name: str, log_leve
     tracer = _make_tracer(options.get("otlp_traces_endpoint"))
     client = EngineClient(config, metrics=metrics, log_level=log_level,
                           stats_log_interval=0.0 if options["disable_log_stats"] else options["log_stats_interval"],
-                          kv_events_endpoint=options.get("kv_events_endpoint"), model_config=model_config)
+                          kv_events_endpoint=options.get("kv_events_endpoint"), model=model)
     settings = ServerSettings(served_name, options["max_waiting_requests"], tool_call_parser=options["tool_call_parser"],
                               reasoning_parser=options["reasoning_parser"], kv_source_headers=kv_source_headers,
                               adapters=adapters, pooling=pooling)
