@@ -266,3 +266,40 @@ def test_the_embeddings_endpoint(tmp_path):
                      *common]) == 0
         assert (tmp_path / "sweep" / "embed" / "throughput_vs_latency.png").stat().st_size > 0
     assert main(["serve", "--base-url", "http://127.0.0.1:9", "--dataset", "multi-turn", *common]) == 2
+
+
+def test_the_rerank_endpoint(tmp_path):
+    """--endpoint rerank against a cross-encoder server: a query and its documents a request (random
+    token ids sent as text), every document ranked in the reply, the server's token count and the
+    end-to-end latency summarized, a sweep over documents per query plotted on those axes; what
+    the endpoint cannot send is refused before a request leaves."""
+    from pagoda_daemon.models.tiny import build_tiny_encoder
+    from tests.server.conftest import running
+
+    path = str(build_tiny_encoder("bert", tmp_path / "reranker", seed=43, num_labels=1))
+    vocab = str(json.loads((tmp_path / "reranker" / "config.json").read_text())["vocab_size"])
+    common = ["--model", "rerank", "--endpoint", "rerank", "--vocab-size", vocab, "--no-progress",
+              "--decode-prompts-with", path, "--query-len", "6", "--input-len", "30", "--range-ratio", "0.5"]
+    with running(path, "--max-model-len", "128", log_dir=tmp_path, served_name="rerank") as srv:
+        before = _served(srv.url)
+        out = tmp_path / "point.json"
+        assert main(["serve", "--base-url", srv.url, "--num-prompts", "5", "--documents-per-query", "7",
+                     "--max-concurrency", "2", "--result-file", str(out), *common]) == 0
+        result = json.loads(out.read_text())
+        assert result["completed"] == 5 and result["failed"] == 0
+        assert _served(srv.url) - before == 5 * 7  # one engine request per pair
+        sent = datasets.rerank_requests(5, 7, 6, 30, int(vocab), range_ratio=0.5, seed=0)
+        assert all(len(r.documents) == 7 for r in sent)
+        # every pair holds the query, the document and the pair's special tokens, as the server counts them
+        assert result["prompt_tokens"] >= sum(7 * len(r.prompt) + sum(map(len, r.documents)) for r in sent) * 0.5
+        assert result["output_tokens"] == 0 and result["ttft_ms"]["p50"] is None
+        assert 0 < result["e2el_ms"]["p50"] <= result["e2el_ms"]["p99"] and result["total_token_throughput"] > 0
+        assert main(["sweep", "--server", f"pagoda={srv.url}", "--workload-var", "documents_per_query",
+                     "--values", "2,6", "--experiment-name", "rerank", "--output-dir", str(tmp_path / "sweep"),
+                     "--num-prompts", "3", *common]) == 0
+        points = [json.loads(p.read_text()) for p in (tmp_path / "sweep" / "rerank").rglob("iter-*.json")]
+        assert sorted(p["completed"] for p in points) == [3, 3] and len({p["prompt_tokens"] for p in points}) == 2
+        assert (tmp_path / "sweep" / "rerank" / "throughput_vs_latency.svg").stat().st_size > 0
+    without_text = [a for a in common if a not in ("--decode-prompts-with", path)]
+    for argv in (without_text, [*common, "--dataset", "shared-prefix"], [*common, "--dataset", "multi-turn"]):
+        assert main(["serve", "--base-url", "http://127.0.0.1:9", *argv]) == 2

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagoda_daemon.bench import datasets
-from pagoda_daemon.bench.run import ENDPOINTS, PointConfig, run_point
+from pagoda_daemon.bench.run import ENDPOINTS, POOLING_ENDPOINTS, PointConfig, run_point
 from pagoda_daemon.bench.sweep import WORKLOAD_VARS, parse_values, plot, run_sweep
 
 
@@ -98,7 +98,10 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
                    help="multi-turn: seconds a user pauses between an answer and the next turn")
     p.add_argument("--decode-prompts-with", metavar="TOKENIZER_DIR", default=None,
                    help="random and shared-prefix prompts sent as text: their token ids decoded by this tokenizer "
-                        "(the server's tokenizer is then measured too)")
+                        "(the server's tokenizer is then measured too; the rerank endpoint needs it)")
+    p.add_argument("--documents-per-query", type=_positive_int, default=16,
+                   help="rerank: documents of --input-len tokens ranked in each request")
+    p.add_argument("--query-len", type=_positive_int, default=32, help="rerank: tokens of each query")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +158,12 @@ def _requests(a: dict, seed: int) -> list[datasets.BenchRequest]:
         raise ValueError("--document-len applies to --dataset multi-turn on --endpoint completions")
     if a["dataset"] == "multi-turn" and a["endpoint"] == "embeddings":
         raise ValueError("--endpoint embeddings sends one input per request: --dataset multi-turn has turns")
+    if a["endpoint"] == "rerank":  # a query and its documents of random token ids, sent as text
+        if a["dataset"] != "random" or not a["decode_prompts_with"] or a["vocab_size"] is None:
+            raise ValueError("--endpoint rerank takes --dataset random with --vocab-size and --decode-prompts-with "
+                             "(its queries and documents are sent as text)")
+        return datasets.rerank_requests(a["num_prompts"], a["documents_per_query"], a["query_len"], a["input_len"],
+                                        a["vocab_size"], range_ratio=a["range_ratio"], seed=seed)
     if a["dataset"] in ("random", "shared-prefix") and a["vocab_size"] is None:
         raise ValueError(f"--dataset {a['dataset']} needs --vocab-size (the model's vocabulary size)")
     if a["dataset"] == "random":
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.experiment_name, resume=args.resume, progress=not args.no_progress,
                            log=lambda line: print(line, file=sys.stderr))
         base = args.output_dir / args.experiment_name / (
-            "throughput_vs_latency" if args.endpoint == "embeddings" else "throughput_vs_ttft")
+            "throughput_vs_latency" if args.endpoint in POOLING_ENDPOINTS else "throughput_vs_ttft")
         for path in plot(points, base, title=f"{args.experiment_name}: {args.workload_var} swept"):
             print(path)
         return 0

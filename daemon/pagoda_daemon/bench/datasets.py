@@ -19,13 +19,15 @@ FIRST_ORDINARY_TOKEN = 100
 @dataclass(frozen=True)
 class BenchRequest:
     """One request: a prompt (token ids or text) or a conversation's user turns, and how many
-    tokens to ask for."""
+    tokens to ask for; on the rerank endpoint the prompt is the query and ``documents`` what it
+    ranks."""
 
     prompt: list[int] | str | None
     output_len: int
     # multi-turn, sent in order, each after the previous answer: user messages (chat), or each
     # turn's whole prompt as token ids (completions: the conversation so far, then the new turn)
     turns: tuple[str | list[int], ...] = field(default=())
+    documents: tuple[str | list[int], ...] = field(default=())
 
 
 DATASETS = ("random", "shared-prefix", "jsonl", "multi-turn")
@@ -46,6 +48,17 @@ def random_requests(num: int, input_len: int, output_len: int, vocab_size: int, 
     rng = random.Random(seed)
     return [BenchRequest(_ids(rng, _length(rng, input_len, range_ratio), vocab_size),
                          _length(rng, output_len, range_ratio)) for _ in range(num)]
+
+
+def rerank_requests(num: int, documents: int, query_len: int, document_len: int, vocab_size: int, *,
+                    range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
+    """`num` queries of about `query_len` random token ids, each with `documents` documents of
+    about `document_len`: a retriever's top documents, reranked (sent as text, ``as_text``)."""
+    rng = random.Random(seed)
+    return [BenchRequest(_ids(rng, _length(rng, query_len, range_ratio), vocab_size), 1,
+                         documents=tuple(_ids(rng, _length(rng, document_len, range_ratio), vocab_size)
+                                         for _ in range(documents)))
+            for _ in range(num)]
 
 
 def shared_prefix_requests(num: int, num_prefixes: int, prefix_len: int, input_len: int, output_len: int,
@@ -118,11 +131,12 @@ def conversation_requests(num: int, turns: int, shared_len: int, turn_len: int, 
 def as_text(requests: Sequence[BenchRequest], decode: Callable[[list[int]], str]) -> list[BenchRequest]:
     """Token-id prompts sent as text instead (vLLM's random dataset sends text), so that the
     server's tokenizer is part of what is measured. The server tokenizes the text again, which
-    may change a prompt's length by a few tokens where the tokenizer merges across ids."""
-    return [dataclasses.replace(r, prompt=decode(r.prompt)) if isinstance(r.prompt, list) else r for r in requests]
+    may change a prompt's length by a few tokens where the tokenizer merges across ids. A rerank
+    request's documents are decoded too."""
 
+    def text(prompt: str | list[int]) -> str:
+        return decode(prompt) if isinstance(prompt, list) else prompt
 
-def describe(requests: Sequence[BenchRequest]) -> dict:
-    ids = [len(r.prompt) for r in requests if isinstance(r.prompt, list)]
-    return {"num_requests": len(requests), "prompt_tokens_sent": sum(ids) if ids else None,
-            "output_tokens_requested": sum(r.output_len * max(1, len(r.turns)) for r in requests)}
+    return [dataclasses.replace(r, prompt=text(r.prompt) if r.prompt is not None else None,
+                                documents=tuple(text(d) for d in r.documents)) for r in requests]
+

@@ -1,8 +1,9 @@
 """One point of a serving benchmark: requests sent to an OpenAI-compatible endpoint with open-loop
 arrivals (Poisson, or gamma for burstier traffic) or at a fixed concurrency, every response
 streamed, and the latencies users feel summarized (TTFT, TPOT, ITL, end-to-end, goodput). On the
-embeddings endpoint each request is one input and its reply one vector (base64, as the openai
-client asks), and the latency is end to end.
+pooling endpoints nothing is generated and the latency is end to end: on embeddings each request
+is one input and its reply one vector (base64, as the openai client asks); on rerank each request
+is one query and its documents, and the reply ranks every one of them.
 
 Open loop means a request is sent at its arrival time whether or not earlier ones have
 finished, as real users do; `max_concurrency` caps what is in flight for closed-loop runs."""
@@ -24,7 +25,8 @@ import httpx
 from pagoda_daemon.bench import server_metrics
 from pagoda_daemon.bench.datasets import BenchRequest
 
-ENDPOINTS = ("completions", "chat", "embeddings")
+ENDPOINTS = ("completions", "chat", "embeddings", "rerank")
+POOLING_ENDPOINTS = ("embeddings", "rerank")  # one reply, not streamed: no TTFT
 PERCENTILES = (50, 90, 99)
 
 
@@ -139,20 +141,29 @@ def encoded_body(config: PointConfig, request: BenchRequest) -> bytes | None:
     request's send. None where the body depends on earlier answers (conversations, chat)."""
     if config.endpoint == "embeddings":
         return json.dumps({"model": config.model, "input": request.prompt, "encoding_format": "base64"}).encode()
+    if config.endpoint == "rerank":
+        return json.dumps({"model": config.model, "query": _as_text(request.prompt),
+                           "documents": [_as_text(d) for d in request.documents]}).encode()
     if config.endpoint != "completions" or request.turns:
         return None
     return json.dumps({**_common_fields(config, request), "prompt": request.prompt}).encode()
 
 
-async def _embed(client: httpx.AsyncClient, url: str, body: bytes, headers: dict, result: RequestResult) -> None:
-    """POST one embeddings request; its input tokens into `result`."""
+async def _pool(client: httpx.AsyncClient, config: PointConfig, request: BenchRequest, body: bytes, headers: dict,
+                result: RequestResult) -> None:
+    """POST one pooling request (embeddings: one vector back; rerank: a result per document);
+    its input tokens into `result` (vLLM's rerank usage has only ``total_tokens``)."""
+    url = config.base_url + ("/v1/embeddings" if config.endpoint == "embeddings" else "/v1/rerank")
     response = await client.post(url, content=body, headers={**headers, "Content-Type": "application/json"})
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
     reply = response.json()
-    if len(reply.get("data") or []) != 1:
+    if config.endpoint == "embeddings" and len(reply.get("data") or []) != 1:
         raise RuntimeError("the reply does not hold one vector")
-    result.prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens", 0)
+    if config.endpoint == "rerank" and len(reply.get("results") or []) != len(request.documents):
+        raise RuntimeError(f"the reply ranks {len(reply.get('results') or [])} of {len(request.documents)} documents")
+    usage = reply.get("usage") or {}
+    result.prompt_tokens = usage.get("prompt_tokens", usage.get("total_tokens", 0))
 
 
 async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRequest,
@@ -168,8 +179,8 @@ async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRe
         result = RequestResult(ok=False, start_s=start_s)
         t0 = time.perf_counter()
         try:
-            if config.endpoint == "embeddings":
-                await _embed(client, config.base_url + "/v1/embeddings", encoded or b"", headers, result)
+            if config.endpoint in POOLING_ENDPOINTS:
+                await _pool(client, config, request, encoded or b"", headers, result)
                 result.ok = True
             elif config.endpoint == "completions":  # a turn of a token-id conversation is its whole prompt
                 body = encoded or json.dumps({**common, "prompt": request.prompt if turn is None else turn}).encode()
@@ -179,7 +190,7 @@ async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRe
                 body = json.dumps({**common, "messages": list(messages)}).encode()
                 reply = await _stream(client, config.base_url + "/v1/chat/completions", body, headers, result, t0)
                 messages.append({"role": "assistant", "content": reply})
-            if config.endpoint != "embeddings":
+            if config.endpoint not in POOLING_ENDPOINTS:
                 result.ok = result.ttft_s is not None
                 if not result.ok:
                     result.error = "the stream ended without a token"
@@ -195,7 +206,8 @@ async def _send(client: httpx.AsyncClient, config: PointConfig, request: BenchRe
 def _as_text(prompt: list[int] | str | None) -> str:
     if isinstance(prompt, str):
         return prompt
-    raise ValueError("the chat endpoint takes text prompts: use a JSONL or multi-turn dataset")
+    raise ValueError("the chat and rerank endpoints take text: use a JSONL or multi-turn dataset (chat), or "
+                     "--decode-prompts-with a tokenizer")
 
 
 # Connections per httpx client. httpcore's pool scans every connection against every queued

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from pagoda_daemon.bench.datasets import BenchRequest
-from pagoda_daemon.bench.run import PointConfig, run_point
+from pagoda_daemon.bench.run import POOLING_ENDPOINTS, PointConfig, run_point
 
 # The variables a sweep may move: those of the point config and those of the dataset.
 POINT_VARS = {"request_rate": float, "max_concurrency": int, "burstiness": float}
-DATASET_VARS = {"input_len": int, "output_len": int, "num_prompts": int, "document_len": int}
+DATASET_VARS = {"input_len": int, "output_len": int, "num_prompts": int, "document_len": int,
+                "documents_per_query": int}
 WORKLOAD_VARS = {**POINT_VARS, **DATASET_VARS}
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -101,14 +102,14 @@ class Axis:
 
 def axes(point: dict) -> tuple[Axis, Axis]:
     """(the latency, the throughput) a point is plotted by: median TTFT and output tokens/s, or, on
-    the embeddings endpoint (nothing is generated), median end-to-end latency and input tokens/s."""
-    if point["config"]["endpoint"] == "embeddings":
+    the pooling endpoints (nothing is generated), median end-to-end latency and input tokens/s."""
+    if point["config"]["endpoint"] in POOLING_ENDPOINTS:
         return Axis("e2el_ms", "median latency"), Axis("total_token_throughput", "input tokens/s")
     return Axis("ttft_ms", "median TTFT"), Axis("output_throughput", "output tokens/s")
 
 
 def plot(points: Sequence[dict], out_base: Path, title: str = "") -> list[Path]:
-    """Throughput against median latency (output tokens/s against TTFT; on the embeddings endpoint,
+    """Throughput against median latency (output tokens/s against TTFT; on the pooling endpoints,
     input tokens/s against end-to-end latency), one line per server (mean over iterations at each
     value), as PNG and SVG."""
     import matplotlib
