@@ -14,7 +14,8 @@ examples/templates/qwen3_reranker.jinja (vLLM's ``LLM.score(chat_template=...)``
 
 Both sides take the same texts (a fresh set each round) and tokenize the pairs themselves, as a
 user's call does; a ROUND line per round and a RESULT line (the last) per workload report
-pairs/s and pair tokens/s.
+pairs/s and pair tokens/s, and for Pagoda the seconds of the round spent making the pairs'
+prompts (``prompts_s``: rendering and tokenizing, on the host) apart from the engine's.
 """
 
 from __future__ import annotations
@@ -125,6 +126,19 @@ def main(argv: list[str] | None = None) -> int:
         import vllm
 
         version = {"vllm": vllm.__version__}
+    prompts_s = [0.0]  # Pagoda's: the round's seconds in InputProcessor.process_pairs
+    if args.engine == "pagoda":
+        processor = llm.engine.input_processor
+        process_pairs = processor.process_pairs
+
+        def timed_process_pairs(*a, **k):
+            began = time.perf_counter()
+            try:
+                return process_pairs(*a, **k)
+            finally:
+                prompts_s[0] += time.perf_counter() - began
+
+        processor.process_pairs = timed_process_pairs
     template = {}  # vLLM takes the score template per call, Pagoda as an engine option
     if args.engine == "vllm" and args.qwen3_reranker:
         with open(TEMPLATE) as f:
@@ -132,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads.split(","):
         result: dict = {}
         for round_index, (firsts, seconds) in enumerate(pairs_of(name, args.rounds, config["vocab_size"])):
+            prompts_s[0] = 0.0
             start = time.perf_counter()
             if args.engine == "vllm":
                 outputs = llm.score(firsts, seconds, use_tqdm=False, **template)
@@ -143,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                       "pairs": len(outputs), "pair_tokens": tokens, "pairs_s": round(len(outputs) / seconds_taken, 1),
                       "pair_tok_s": round(tokens / seconds_taken, 1), "dtype": args.dtype, "init_s": round(init_s, 1),
                       "model": os.path.basename(model_dir),
+                      **({"prompts_s": round(prompts_s[0], 3)} if args.engine == "pagoda" else {}),
                       **({"layout": "qwen3-reranker"} if args.qwen3_reranker else {}), **version}
             print("ROUND", json.dumps(result), flush=True)
         print("RESULT", json.dumps(result), flush=True)

@@ -9,7 +9,8 @@
 #                                               kv-offload|kv-offload-tests|kv-offload-fit|kv-load-bandwidth|elastic|elastic-bench|serve-sweep|multi-gpu-ab|pd|prefill-ab|
 #                                               prefill-profile|kernels-prefill|kernels-moe|
 #                                               all-reduce|dp|eplb|api-compat|lora-tests|lora-bench|lora-vllm|
-#                                               pooling-tests|embed-vllm|embed-serve|rerank-vllm] ...
+#                                               pooling-tests|embed-vllm|embed-serve|rerank-vllm|rerank-serve|
+#                                               rerank-rounds] ...
 #
 # e2e: end-to-end engine benchmarks on random-weight models (benchmarks/throughput.py). The default
 # throughput run times the workload E2E_ROUNDS times (2) on one engine, with the Triton
@@ -809,6 +810,63 @@ if has rerank-vllm; then
   timeout 200 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine pagoda > "$OUT/rerank-pagoda.log" 2>&1 \
     || { status=1; tail -n 30 "$OUT/rerank-pagoda.log"; }
   grep -E '^RESULT|^ROUND' "$OUT/rerank-pagoda.log" | tee -a "$OUT/rerank.jsonl"
+fi
+if has rerank-serve; then
+  # /v1/rerank of `pagoda serve` and then `vllm serve` (0.26.0), both serving the original
+  # Qwen3-Reranker layout on Qwen3-0.6B's shape (random weights, the word-level tokenizer of
+  # rerank_bench with "no" and "yes") through the same --hf-overrides and --chat-template, driven by
+  # `pagoda bench sweep --endpoint rerank` over max_concurrency (RERANK_CONCURRENCY): RERANK_QUERIES
+  # (256) queries a point, each with 16 documents of 70-394 words (a query of 8-32), fresh ones each
+  # point. Needs the vLLM kit as for `vllm` (a `vllm-stash` call first); RERANK_NO_VLLM=1: Pagoda
+  # alone. Pagoda's server takes fastapi, uvicorn, pydantic and pyzmq from the kit.
+  step "Reranking served: pagoda serve, then vllm serve, concurrency ${RERANK_CONCURRENCY:-1,8,32,128}"
+  [ -z "${RERANK_NO_VLLM:-}" ] && { unpack_vllm || status=1; }
+  R=/tmp/rerank-served; mkdir -p $R && cp $CFG/qwen3-0.6b/config.json $R/
+  python3 -c "from benchmarks.rerank_bench import save_pair_tokenizer as s; s(151936, '$R')" || status=1
+  overrides=$(python3 -c "import json; from benchmarks.rerank_bench import QWEN3_RERANKER as o; print(json.dumps(o))")
+  rerank_sweep() {  # LABEL=URL...
+    local servers=(); for s in "$@"; do servers+=(--server "$s"); done
+    PYTHONPATH=$PYTHONPATH:/tmp/vsite python3 -m pagoda_daemon bench sweep "${servers[@]}" --model m \
+      --endpoint rerank --dataset random --vocab-size 151934 --decode-prompts-with $R \
+      --num-prompts "${RERANK_QUERIES:-256}" --documents-per-query 16 --query-len 20 --input-len 232 \
+      --range-ratio 0.6 --workload-var max_concurrency --values "${RERANK_CONCURRENCY:-1,8,32,128}" \
+      --experiment-name rerank-serve --output-dir "$OUT/bench" --resume --no-progress 2>&1 | tail -8 || status=1
+  }
+  PYTHONPATH=$PYTHONPATH:/tmp/vsite python3 -m pagoda_daemon serve $R --load-format dummy --max-model-len 4096 \
+    --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 --hf-overrides "$overrides" \
+    --chat-template examples/templates/qwen3_reranker.jinja > "$OUT/pagoda-rerank-serve.log" 2>&1 &
+  pid=$!
+  if wait_ready 18000 /ready $pid; then rerank_sweep pagoda=http://127.0.0.1:18000
+  else status=1; tail -20 "$OUT/pagoda-rerank-serve.log"; fi
+  kill -TERM $pid; wait $pid
+  if [ -z "${RERANK_NO_VLLM:-}" ]; then
+    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
+      PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server --model $R --load-format dummy \
+      --max-model-len 4096 --port 18001 --served-model-name m --seed 0 --runner pooling \
+      --hf-overrides "$overrides" --chat-template examples/templates/qwen3_reranker.jinja \
+      > "$OUT/vllm-rerank-serve.log" 2>&1 &
+    pid=$!
+    if wait_ready 18001 /health $pid; then rerank_sweep vllm=http://127.0.0.1:18001
+    else status=1; tail -20 "$OUT/vllm-rerank-serve.log"; fi
+    kill -TERM $pid; wait $pid
+  fi
+  # every point (both servers', resumed: nothing is sent again) on one chart
+  servers=(pagoda=http://127.0.0.1:18000); [ -z "${RERANK_NO_VLLM:-}" ] && servers+=(vllm=http://127.0.0.1:18001)
+  rerank_sweep "${servers[@]}"
+  for f in "$OUT"/bench/rerank-serve/*/*/iter-*.json; do  # <server>/<var>=<value>/iter-<n>.json
+    d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/rerank-serve-$(basename "$(dirname "$(dirname "$f")")")-${d//=/-}-$(basename "$f")"
+  done
+fi
+if has rerank-rounds; then
+  # Pagoda's offline LLM.score round after round on one engine (Qwen3-Reranker layout,
+  # RERANK_ROUNDS rounds of the passages workload), each round's host time for its prompts apart
+  # (prompts_s); then the same under cProfile, its stats in $OUT/rerank-rounds.pstats.
+  step "Reranking round after round: ${RERANK_ROUNDS:-6} rounds of passages, Pagoda alone"
+  timeout 240 python3 -m benchmarks.rerank_bench $CFG/qwen3-0.6b --qwen3-reranker --workloads passages \
+    --rounds "${RERANK_ROUNDS:-6}" --engine pagoda 2>&1 | grep -E '^ROUND|Error' | tee -a "$OUT/rerank-rounds.jsonl"
+  timeout 240 python3 -m cProfile -o "$OUT/rerank-rounds.pstats" -m benchmarks.rerank_bench $CFG/qwen3-0.6b \
+    --qwen3-reranker --workloads passages --rounds 3 --engine pagoda 2>&1 | grep -E '^ROUND|Error' \
+    | sed 's/^ROUND/PROFILED/' | tee -a "$OUT/rerank-rounds.jsonl"
 fi
 if has embed-serve; then
   # /v1/embeddings of `pagoda serve` and then `vllm serve` (0.26.0), both --runner pooling on the
