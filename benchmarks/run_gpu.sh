@@ -788,6 +788,12 @@ if has embed-vllm; then
   python3 -m benchmarks.embed_bench $M "${embed_args[@]}" 2>&1 \
     | grep -E '^RESULT|^ROUND|Error' | tee -a "$OUT/embed.jsonl" || status=1
 fi
+# The rerank steps run the tokenizers library at its own default (parallel over the cores, as in a
+# user's process), not at the TOKENIZERS_PARALLELISM=false this script sets for everything else;
+# RERANK_TOKENIZERS_SERIAL=1 keeps it off. One tokenizer call for a batch of pairs (Pagoda's
+# LLM.score) is parallel only then.
+if [ -n "${RERANK_TOKENIZERS_SERIAL:-}" ]; then tokenizers_default=(env); tokenizers_label="tokenizers serial"
+else tokenizers_default=(env -u TOKENIZERS_PARALLELISM); tokenizers_label="tokenizers at their default"; fi
 if has rerank-vllm; then
   # Reranking throughput: vLLM 0.26.0's LLM.score then Pagoda's, each in a process of its own, on
   # bge-reranker-base's shape (XLM-RoBERTa cross-encoder, random weights, bf16) and the same
@@ -799,15 +805,16 @@ if has rerank-vllm; then
   else
     rerank_args=($CFG/bge-reranker-base); rerank_shape="bge-reranker-base shape"
   fi
-  step "Reranking beside vLLM: ${RERANK_WORKLOADS:-passages,snippets} ($rerank_shape, random weights, bf16)"
+  step "Reranking beside vLLM: ${RERANK_WORKLOADS:-passages,snippets} ($rerank_shape, random weights, bf16, ${tokenizers_label})"
   rerank_args+=(--workloads "${RERANK_WORKLOADS:-passages,snippets}")
   if [ -z "${RERANK_NO_VLLM:-}" ]; then
     unpack_vllm || status=1
-    PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 260 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine vllm \
+    PYTHONPATH=/tmp/vsite:$PYTHONPATH "${tokenizers_default[@]}" timeout 260 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine vllm \
       > "$OUT/rerank-vllm.log" 2>&1 || { status=1; grep -B12 -m1 Error "$OUT/rerank-vllm.log"; }
     grep -E '^RESULT|^ROUND' "$OUT/rerank-vllm.log" | tee -a "$OUT/rerank.jsonl"
   fi
-  timeout 200 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine pagoda > "$OUT/rerank-pagoda.log" 2>&1 \
+  "${tokenizers_default[@]}" timeout 200 python3 -m benchmarks.rerank_bench "${rerank_args[@]}" --engine pagoda \
+    > "$OUT/rerank-pagoda.log" 2>&1 \
     || { status=1; tail -n 30 "$OUT/rerank-pagoda.log"; }
   grep -E '^RESULT|^ROUND' "$OUT/rerank-pagoda.log" | tee -a "$OUT/rerank.jsonl"
 fi
@@ -819,7 +826,7 @@ if has rerank-serve; then
   # (256) queries a point, each with 16 documents of 70-394 words (a query of 8-32), fresh ones each
   # point. Needs the vLLM kit as for `vllm` (a `vllm-stash` call first); RERANK_NO_VLLM=1: Pagoda
   # alone. Pagoda's server takes fastapi, uvicorn, pydantic and pyzmq from the kit.
-  step "Reranking served: pagoda serve, then vllm serve, concurrency ${RERANK_CONCURRENCY:-1,8,32,128}"
+  step "Reranking served: pagoda serve, then vllm serve, concurrency ${RERANK_CONCURRENCY:-1,8,32,128} ($tokenizers_label)"
   [ -z "${RERANK_NO_VLLM:-}" ] && { unpack_vllm || status=1; }
   R=/tmp/rerank-served; mkdir -p $R && cp $CFG/qwen3-0.6b/config.json $R/
   python3 -c "from benchmarks.rerank_bench import save_pair_tokenizer as s; s(151936, '$R')" || status=1
@@ -832,7 +839,7 @@ if has rerank-serve; then
       --range-ratio 0.6 --workload-var max_concurrency --values "${RERANK_CONCURRENCY:-1,8,32,128}" \
       --experiment-name rerank-serve --output-dir "$OUT/bench" --resume --no-progress 2>&1 | tail -8 || status=1
   }
-  PYTHONPATH=$PYTHONPATH:/tmp/vsite python3 -m pagoda_daemon serve $R --load-format dummy --max-model-len 4096 \
+  PYTHONPATH=$PYTHONPATH:/tmp/vsite "${tokenizers_default[@]}" python3 -m pagoda_daemon serve $R --load-format dummy --max-model-len 4096 \
     --port 18000 --served-model-name m --device cuda --dtype bfloat16 --seed 0 --hf-overrides "$overrides" \
     --chat-template examples/templates/qwen3_reranker.jinja > "$OUT/pagoda-rerank-serve.log" 2>&1 &
   pid=$!
@@ -841,8 +848,8 @@ if has rerank-serve; then
   kill -TERM $pid; wait $pid
   if [ -z "${RERANK_NO_VLLM:-}" ]; then
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TRANSFORMERS_OFFLINE=1 \
-      PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.openai.api_server --model $R --load-format dummy \
-      --max-model-len 4096 --port 18001 --served-model-name m --seed 0 --runner pooling \
+      PYTHONPATH=/tmp/vsite "${tokenizers_default[@]}" python3 -m vllm.entrypoints.openai.api_server --model $R \
+      --load-format dummy --max-model-len 4096 --port 18001 --served-model-name m --seed 0 --runner pooling \
       --hf-overrides "$overrides" --chat-template examples/templates/qwen3_reranker.jinja \
       > "$OUT/vllm-rerank-serve.log" 2>&1 &
     pid=$!
@@ -853,9 +860,12 @@ if has rerank-serve; then
   # every point (both servers', resumed: nothing is sent again) on one chart
   servers=(pagoda=http://127.0.0.1:18000); [ -z "${RERANK_NO_VLLM:-}" ] && servers+=(vllm=http://127.0.0.1:18001)
   rerank_sweep "${servers[@]}"
-  for f in "$OUT"/bench/rerank-serve/*/*/iter-*.json; do  # <server>/<var>=<value>/iter-<n>.json
-    d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/rerank-serve-$(basename "$(dirname "$(dirname "$f")")")-${d//=/-}-$(basename "$f")"
-  done
+  # few files come back from the device: every point's summary in one JSONL, the chart, the logs in one archive
+  python3 -c "import json, pathlib, sys; [print(json.dumps(json.loads(p.read_text()))) for p in
+    sorted(pathlib.Path(sys.argv[1]).glob('*/*/iter-*.json'))]" "$OUT/bench/rerank-serve" > "$OUT/rerank-serve.jsonl"
+  cp "$OUT"/bench/rerank-serve/throughput_vs_latency.png "$OUT/rerank-serve.png"
+  cp "$OUT"/bench/rerank-serve/throughput_vs_latency.svg "$OUT/rerank-serve.svg"
+  rm -rf "$OUT/bench/rerank-serve"
 fi
 if has rerank-rounds; then
   # Pagoda's offline LLM.score round after round on one engine (Qwen3-Reranker layout,

@@ -87,9 +87,9 @@ class EngineModel:
 def load_engine_model(config) -> EngineModel:
     """The EngineModel of an engine of ``config``; ValueError for a model, override, tokenizer or
     template it cannot serve."""
-    tokenizer = engine_tokenizer(config)
-    model_config = load_config(config.model, config.hf_overrides, lambda: tokenizer)
-    return EngineModel(model_config, tokenizer, engine_pair_format(config, model_config, tokenizer))
+    tokenizer = functools.cache(lambda: engine_tokenizer(config))
+    model_config = load_config(config.model, config.hf_overrides, tokenizer)  # the model's own faults named first
+    return EngineModel(model_config, tokenizer(), engine_pair_format(config, model_config, tokenizer()))
 
 
 def checkpoint_dtype(config) -> torch.dtype:
