@@ -43,8 +43,8 @@ def models(tmp_path_factory) -> dict[str, str]:
     }
 
 
-def texts(rng: random.Random, n: int, longest: int = 10) -> list[str]:
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, longest))) for _ in range(n)]
+def texts(rng: random.Random, n: int, longest: int = 10, shortest: int = 1) -> list[str]:
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(shortest, longest))) for _ in range(n)]
 
 
 def hf_logits(path: str, firsts: list[str], seconds: list[str] | None = None, **tokenize) -> np.ndarray:
@@ -256,7 +256,9 @@ def test_decoder_classifiers_equal_transformers(tmp_path, arch, config):
     del llm
     path = str(build_tiny_model(arch, tmp_path / "one", seed=38, num_labels=1))
     llm = LLM(path, **ENGINE, **config)
-    query, documents = " ".join(texts(rng, 1, longest=10) * 6), texts(rng, 5, longest=25)  # a query of blocks
+    # a query of blocks: 18 words or more, so that its first 16-token block holds the query alone
+    # (a query of one word six times could end inside the first block: no block shared, no hit)
+    query, documents = " ".join(texts(rng, 1, longest=10, shortest=3) * 6), texts(rng, 5, longest=25)
     want = hf_logits(path, [query] * 5, documents)[:, 0]
     got = [o.outputs.score for o in llm.score(query, documents, use_activation=False)]
     np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
