@@ -231,10 +231,12 @@ def run_serve(args: argparse.Namespace, explicit: set[str]) -> int:
         config = EngineConfig(model=options["model"], enable_kv_events=bool(options["kv_events_endpoint"]),
                               **values_from_args(options, EngineConfig))
         from pagoda_daemon.distributed.layout import check_layout
-        from pagoda_daemon.models.loader import load_engine_model
+        from pagoda_daemon.models.loader import engine_model_config, load_engine_model
 
-        model = load_engine_model(config)  # a bad path, architecture, override, tokenizer or template fails here
-        model_config = model.config
+        # a bad path, architecture, override, tokenizer or template fails here; a worker pod of a
+        # group (node_rank > 0) serves no API, so it loads no tokenizer and renders no template
+        model = load_engine_model(config) if config.node_rank == 0 else None
+        model_config = model.config if model is not None else engine_model_config(config)
         check_layout(model_config, config.tensor_parallel_size, config.expert_parallel_size, config.enable_eplb,
                      config.num_redundant_experts, config.elastic_ep_max_size, config.data_experts_engines)
         _keys(options)
