@@ -33,8 +33,10 @@ demo: setup
 ## Lint plus every test CI runs: unit tests, then end-to-end tests against a real
 ## Kubernetes API server (built once from Debian's source and cached in ~/.cache/pagoda).
 test: setup lint cluster-tools unit e2e
+	@echo "== make test done $$(date -u +%FT%TZ)"
 
 lint: setup
+	@echo "== make $@ started $$(date -u +%FT%TZ)"
 	$(BIN)/ruff check .
 	$(BIN)/mypy --cache-dir $(HOME)/.cache/pagoda/mypy
 
@@ -43,14 +45,17 @@ lint: setup
 ## (2026-11-30). Tests that assert a wall-clock bound are marked `serial` and run alone after.
 UNIT_WORKERS ?= 2
 unit: setup
+	@echo "== make $@ started $$(date -u +%FT%TZ)"
 	$(BIN)/python -m pytest tests -m "not serial" -n $(UNIT_WORKERS) --dist worksteal --durations=25
 	$(BIN)/python -m pytest tests -m serial --durations=5
 
 ## Kubernetes binaries and helm for the e2e tests (and helm lint/template in the unit tests).
 cluster-tools:
+	@echo "== make $@ started $$(date -u +%FT%TZ)"
 	e2e/cluster/ensure-k8s.sh
 
 e2e: setup cluster-tools
+	@echo "== make $@ started $$(date -u +%FT%TZ)"
 	PATH="$(CURDIR)/$(BIN):$$PATH" PAGODA_E2E_BUILD=1 $(BIN)/python -m pytest e2e --durations=25
 
 ## Copy the CRDs into the Helm chart (the chart must carry the same files; a test checks).
