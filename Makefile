@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0
 EXTRAS ?= daemon,kernels,operator,dev
 
-.PHONY: setup quickstart quickstart-down demo test lint unit unit-parallel unit-serial cluster-tools helm e2e-tools e2e sync-crds clean
+.PHONY: setup quickstart quickstart-down demo test lint unit cluster-tools e2e sync-crds clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,15 +31,8 @@ demo: setup
 	$(BIN)/pagoda demo
 
 ## Lint plus every test CI runs: unit tests, then end-to-end tests against a real
-## Kubernetes API server and node (built once from Debian's source and cached in ~/.cache/pagoda).
-## What the e2e tests need built (cold on 2 cores: Kubernetes 7 m 10 s, then the kubelet, the
-## node's packages, the image layers and the clients' environments) is built beside the parallel
-## unit tests at the lowest CPU priority, since those tests spend much of their time waiting on
-## servers they started. The serial unit tests (wall-clock bounds) run after both.
-test: setup lint
-	$(MAKE) --no-print-directory helm
-	$(MAKE) --no-print-directory -j2 unit-parallel e2e-tools
-	$(MAKE) --no-print-directory unit-serial e2e
+## Kubernetes API server (built once from Debian's source and cached in ~/.cache/pagoda).
+test: setup lint cluster-tools unit e2e
 	@echo "== make test done $$(date -u +%FT%TZ)"
 
 lint: setup
@@ -51,40 +44,15 @@ lint: setup
 ## servers and rank processes it started, so two workers took it from 24 m 33 s to 14 m 14 s
 ## (2026-11-30). Tests that assert a wall-clock bound are marked `serial` and run alone after.
 UNIT_WORKERS ?= 2
-UNIT_PARALLEL = $(BIN)/python -m pytest tests -m "not serial" -n $(UNIT_WORKERS) --dist worksteal --durations=25
-UNIT_SERIAL = $(BIN)/python -m pytest tests -m serial --durations=5
 unit: setup
 	@echo "== make $@ started $$(date -u +%FT%TZ)"
-	$(UNIT_PARALLEL)
-	$(UNIT_SERIAL)
-
-unit-parallel: setup
-	@echo "== make $@ started $$(date -u +%FT%TZ)"
-	$(UNIT_PARALLEL)
-
-unit-serial: setup
-	@echo "== make $@ started $$(date -u +%FT%TZ)"
-	$(UNIT_SERIAL)
+	$(BIN)/python -m pytest tests -m "not serial" -n $(UNIT_WORKERS) --dist worksteal --durations=25
+	$(BIN)/python -m pytest tests -m serial --durations=5
 
 ## Kubernetes binaries and helm for the e2e tests (and helm lint/template in the unit tests).
 cluster-tools:
 	@echo "== make $@ started $$(date -u +%FT%TZ)"
 	e2e/cluster/ensure-k8s.sh
-
-helm:
-	e2e/cluster/ensure-k8s.sh --helm-only
-
-## Everything the e2e tests build when it is missing, built ahead: as root (the real node) the
-## image layers, the kubelet and the node's packages too, as e2e/conftest.py would. The steps
-## that wait on the network and disk go first (37% of the CPU idle while they ran, 2026-12-03),
-## the Go build last.
-ROOT_USER := $(shell test "$$(id -u)" = 0 && echo 1)
-e2e-tools: setup
-	@echo "== make $@ started $$(date -u +%FT%TZ)"
-	$(if $(ROOT_USER),PYTHON=$(CURDIR)/$(BIN)/python nice -n 19 e2e/image/build-images.sh --prepare-only)
-	nice -n 19 e2e/clients/ensure-clients.sh
-	nice -n 19 e2e/cluster/ensure-k8s.sh $(if $(ROOT_USER),--with-kubelet)
-	@echo "== make $@ done $$(date -u +%FT%TZ)"
 
 e2e: setup cluster-tools
 	@echo "== make $@ started $$(date -u +%FT%TZ)"

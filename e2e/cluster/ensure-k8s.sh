@@ -26,7 +26,6 @@
 #   --with-kubelet   also build cmd/kubelet and pause, install the node's Debian packages
 #                    (or PAGODA_K8S_WITH_KUBELET=1)
 #   --with-kubectl   build cmd/kubectl even if one is on PATH (or PAGODA_K8S_WITH_KUBECTL=1)
-#   --helm-only      fetch helm alone (the unit tests' helm lint/template need nothing else)
 #   --check          install/build nothing; exit 0 if everything is present, 1 if not
 #   --print-bin-dir  print the bin directory and exit
 # Set PAGODA_K8S_REBUILD=1 to throw away the cached binaries and build them again.
@@ -65,7 +64,6 @@ for arg in "$@"; do
   case "$arg" in
     --with-kubelet) WITH_KUBELET=1 ;;
     --with-kubectl) WITH_KUBECTL=1 ;;
-    --helm-only) HELM_ONLY=1 ;;
     --check) CHECK_ONLY=1 ;;
     --print-bin-dir) PRINT_BIN_DIR=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; /shellcheck/d; s/^# \{0,1\}//'; exit 0 ;;
@@ -89,7 +87,6 @@ if [ "$WITH_KUBELET" = 1 ]; then COMPONENTS+=(kubelet pause); RUNTIME_PKGS+=("${
 # kubectl: a system one (e.g. /usr/bin/kubectl 1.32) works against this 1.20 server. Without
 # one we build 1.20's from the same tree: a little more build time, and no apt source needed.
 if [ "$WITH_KUBECTL" = 1 ] || ! command -v kubectl >/dev/null 2>&1; then COMPONENTS+=(kubectl); fi
-if [ "${HELM_ONLY:-0}" = 1 ]; then COMPONENTS=(); RUNTIME_PKGS=(); fi
 
 missing_components() {
   local c
@@ -171,7 +168,7 @@ apt_install() {
 if [ "${#MISSING_PKGS[@]}" != 0 ]; then
   run_step apt-install "installing Debian packages: ${MISSING_PKGS[*]}" apt_install
 fi
-[ "${HELM_ONLY:-0}" = 1 ] || command -v etcd >/dev/null || die "etcd is not on PATH after installing etcd-server"
+command -v etcd >/dev/null || die "etcd is not on PATH after installing etcd-server"
 
 # ---- 2. Kubernetes source -------------------------------------------------------------
 # Fetch Debian's source package with apt, but with apt's config, lists and cache pointed
