@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from test_real_containers import PORT, cond, manifest, wait_ready
 
 NAME = "elastic-moe"
@@ -82,11 +83,11 @@ def _wait_size(local_cluster, ns: str, size: int, timeout: float, settled: bool 
                                   what=f"{ns}/{NAME} serving with {size} expert-parallel ranks")
 
 
-def _sample(metrics: str, series: str) -> float | None:
-    for line in metrics.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return None
+def _transitions(metrics: str) -> dict[str, float]:
+    """pagoda:elastic_ep_transitions_total of MODEL by outcome, from a /metrics body."""
+    return {s.labels["outcome"]: s.value for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+            if s.name == "pagoda:elastic_ep_transitions_total" and s.labels.get("model_name") == MODEL}
 
 
 def test_elastic_ep_grows_under_load_and_shrinks_when_idle(local_cluster):
@@ -136,9 +137,10 @@ def test_elastic_ep_grows_under_load_and_shrinks_when_idle(local_cluster):
         metrics = httpx.get(f"http://{ip}:{PORT}/metrics", timeout=10).text
         # 2 -> 3 -> 2, or more round trips if the load dipped for longer than the window: an even
         # count of finished transitions, none failed
-        done = _sample(metrics, f'pagoda:elastic_ep_transitions_total{{model_name="{MODEL}",outcome="done"}}')
-        assert done is not None and done >= 2 and done % 2 == 0, done
-        assert not _sample(metrics, f'pagoda:elastic_ep_transitions_total{{model_name="{MODEL}",outcome="failed"}}')
+        transitions = _transitions(metrics)
+        done = transitions.get("done")
+        assert done is not None and done >= 2 and done % 2 == 0, transitions
+        assert not transitions.get("failed"), transitions
         assert f'pagoda:expert_parallel_size{{model_name="{MODEL}"}} 2.0' in metrics
     finally:
         local_cluster.delete_namespace(ns)
