@@ -23,6 +23,7 @@ from pagoda_daemon.config import EngineConfig
 from pagoda_daemon.engine.messages import EngineStats, LoRAStats
 from pagoda_daemon.server.engine_router import MIN_SLACK, EngineRouter, block_hashes
 from pagoda_daemon.telemetry.kv_events import offset_endpoint
+from tests.processes import warm_start_method
 
 
 @pytest.mark.parametrize("options, message", [
@@ -302,7 +303,7 @@ def check_engines_step_together(path: str, tmp_path: Path, device: str, eplb: di
 
     prompts = random_prompts(512, [75, 9, 30, 61, 5, 90, 40, 12], seed=int(torch.randint(0, 2**31, ()).item()))
     split = [prompts[:7], prompts[7:]]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(warm_start_method())
     procs = [ctx.Process(target=_lockstep_engine,
                          args=(path, d, str(tmp_path / "rdv"), split[d], str(tmp_path / f"{d}"), eplb, device))
              for d in range(2)]

@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks.parity import CONFIGS, hf_greedy, random_prompts
+from tests.processes import warm_start_method
 
 CASES = ["default", "chunked-prefill-16", "shared-prefix-cached", "tiny-cache-preemption"]
 # The executor's step plans must carry prefix-cache hits, what async scheduling feeds forward,
@@ -98,7 +99,7 @@ def _executor_main(_: int, size: int, path: str, seed: int, out_dir: str, expert
 
 def run_ranks(size: int, path: str, seed: int, out_dir: Path, expert: int = 1, extra: dict | None = None) -> list[dict]:
     mp.start_processes(_rank_main, args=(size, _free_port(), path, seed, str(out_dir), expert, extra), nprocs=size,
-                       start_method="spawn")
+                       start_method=warm_start_method())
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(size)]
 
 
@@ -210,7 +211,7 @@ def test_ranks_started_by_the_executor_match_transformers(tiny_models, tmp_path,
     path = tiny_models[arch]
     seed = int(torch.randint(0, 2**31, ()).item())
     mp.start_processes(_executor_main, args=(tensor * expert, path, seed, str(tmp_path), expert, extra), nprocs=1,
-                       start_method="spawn")
+                       start_method=warm_start_method())
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     if extra and extra.get("enable_eplb"):  # moved, and (in the background) switched as the plans said
         from pagoda_daemon.distributed.eplb import initial_placement

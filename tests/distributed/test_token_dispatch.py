@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from tests.processes import warm_start_method
+
 SIZE, SLOTS_PER_RANK, TOP_K, HIDDEN = 3, 4, 3, 8
 ROWS = [7, 0, 12]  # the middle rank lends its experts only
 
@@ -52,7 +54,7 @@ def test_each_token_reaches_only_the_ranks_holding_its_experts_and_its_outputs_c
     import torch.multiprocessing as mp
 
     seed = int(torch.randint(0, 2**31, ()).item())
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(warm_start_method())
     init = f"file://{tmp_path / 'rdv'}"
     procs = [ctx.Process(target=_rank, args=(r, init, seed, str(tmp_path / f"{r}.json"))) for r in range(SIZE)]
     for p in procs:

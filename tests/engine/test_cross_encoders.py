@@ -23,6 +23,7 @@ from pagoda_daemon.models.bert import BertForSequenceClassification, XLMRobertaF
 from pagoda_daemon.models.tiny import build_tiny_embedding_model, build_tiny_encoder, build_tiny_model
 from pagoda_daemon.pooling import classifier_activation, resolve_runner
 from tests.engine.test_pooling import reference
+from tests.processes import warm_start_method
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=16)
 TOLERANCE = 2e-5  # float32 on both sides
@@ -227,7 +228,7 @@ def test_tensor_parallel(models, tmp_path):
     rng = random.Random()
     firsts, seconds = texts(rng, 4), texts(rng, 4, longest=25)
     out = str(tmp_path / "scores.npy")
-    mp.spawn(_tensor_parallel, args=(path, firsts, seconds, out), nprocs=1)
+    mp.start_processes(_tensor_parallel, args=(path, firsts, seconds, out), nprocs=1, start_method=warm_start_method())
     np.testing.assert_allclose(np.load(out), hf_logits(path, firsts, seconds)[:, 0], atol=TOLERANCE, rtol=0)
 
 

@@ -20,6 +20,7 @@ from pagoda_daemon.models.loader import WeightLoadError
 from pagoda_daemon.models.tiny import build_tiny_encoder
 from pagoda_daemon.pooling import resolve_runner
 from tests.engine.test_pooling import assert_close, assert_nothing_left, reference
+from tests.processes import warm_start_method
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=16)
 # the tiny encoders' position tables hold 256 positions (XLM-RoBERTa's 258 less its offset of 2)
@@ -139,5 +140,5 @@ def test_tensor_parallel(encoders, tmp_path):
     path = encoders["xlmr-mean"]
     prompts = prompts_up_to(random.Random(), 5, 100)
     out = str(tmp_path / "vectors.npy")
-    mp.spawn(_tensor_parallel, args=(path, prompts, out), nprocs=1)
+    mp.start_processes(_tensor_parallel, args=(path, prompts, out), nprocs=1, start_method=warm_start_method())
     assert_close(list(np.load(out)), reference(path, prompts, "mean", False))

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from pagoda_daemon import LLM
 from pagoda_daemon.models.tiny import build_tiny_embedding_model
 from pagoda_daemon.pooling import EnginePooling, PoolingParams, model_pooling, resolve_runner
+from tests.processes import warm_start_method
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=16, max_model_len=256)
 TOLERANCE = 2e-5  # float32 on both sides; the sums run in another order
@@ -198,5 +199,5 @@ def test_tensor_parallel(embedding_models, tmp_path):
     path = embedding_models["llama-mean"]
     prompts = random_prompts(random.Random(), 5)
     out = str(tmp_path / "vectors.npy")
-    mp.spawn(_tensor_parallel, args=(path, prompts, out), nprocs=1)
+    mp.start_processes(_tensor_parallel, args=(path, prompts, out), nprocs=1, start_method=warm_start_method())
     assert_close(list(np.load(out)), reference(path, prompts, "mean", False))

@@ -21,6 +21,7 @@ from pagoda_daemon.hf_overrides import classifier_from_tokens, parse_hf_override
 from pagoda_daemon.models.tiny import build_tiny_model
 from pagoda_daemon.templates import read_chat_template
 from tests.engine.test_cross_encoders import assert_nothing_left, texts
+from tests.processes import warm_start_method
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=16)
 TOLERANCE = 2e-5  # float32 on both sides
@@ -108,7 +109,7 @@ def test_tensor_parallel(reranker, tmp_path):
     rng = random.Random()
     query, documents = " ".join(texts(rng, 1, longest=10)), texts(rng, 4, longest=25)
     out = str(tmp_path / "scores.npy")
-    mp.spawn(_tensor_parallel, args=(path, overrides, query, documents, out), nprocs=1)
+    mp.start_processes(_tensor_parallel, args=(path, overrides, query, documents, out), nprocs=1, start_method=warm_start_method())
     logits = last_logits(path, [model_card_prompt(query, d) for d in documents], [NO, YES])
     np.testing.assert_allclose(np.load(out), logits[:, 1] - logits[:, 0], atol=TOLERANCE, rtol=0)
 

@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.kv_offload.test_offload import ENGINE, ORDER, corrupt, run, workload
+from tests.processes import warm_start_method
 
 
 def _main(_: int, path: str, out_dir: str) -> None:
@@ -51,7 +52,7 @@ def _main(_: int, path: str, out_dir: str) -> None:
 
 
 def test_offload_at_tensor_parallel_2_gives_the_same_tokens(tiny_models, tmp_path):
-    mp.start_processes(_main, args=(tiny_models["llama"], str(tmp_path)), nprocs=1, start_method="spawn")
+    mp.start_processes(_main, args=(tiny_models["llama"], str(tmp_path)), nprocs=1, start_method=warm_start_method())
     result = json.loads((tmp_path / "result.json").read_text())
     off, on = result["off"], result["on"]
     assert on["block_bytes"] == [4096, 4096]  # each rank holds half the KV heads
@@ -97,7 +98,7 @@ def _transfer_main(_: int, path: str, out_dir: str) -> None:
 
 
 def test_blocks_fetched_from_another_host_at_tensor_parallel_2_give_the_same_tokens(tiny_models, tmp_path):
-    mp.start_processes(_transfer_main, args=(tiny_models["llama"], str(tmp_path)), nprocs=1, start_method="spawn")
+    mp.start_processes(_transfer_main, args=(tiny_models["llama"], str(tmp_path)), nprocs=1, start_method=warm_start_method())
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["decode"] == result["prefill"] == result["off"]
     # every prompt's 6 full blocks, both ranks' halves (4,096 bytes each)

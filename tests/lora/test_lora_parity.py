@@ -20,6 +20,7 @@ from benchmarks.lora_parity import (
     engine_greedy,
     make_adapter,
 )
+from tests.processes import warm_start_method
 
 MAX_TOKENS = 10
 ENGINE = {"device": "cpu", "max_loras": 2, "max_lora_rank": 16, "num_kv_blocks": 128}
@@ -102,7 +103,7 @@ def test_adapters_under_tensor_parallelism_match_peft(tiny_models, adapters, tmp
     path = tiny_models[arch]
     seed = random.randrange(2**31)
     mp.start_processes(_tensor_parallel_main, args=(path, adapters[arch], seed, str(tmp_path / "out.json")),
-                       nprocs=1, start_method="spawn")
+                       nprocs=1, start_method=warm_start_method())
     result = json.loads((tmp_path / "out.json").read_text())
     jobs = [(prompt, name) for prompt, name in result["jobs"]]
     assert divergences(path, adapters[arch], jobs, result["got"], MAX_TOKENS) == [None] * len(jobs), seed
