@@ -137,6 +137,23 @@ def test_truncation_cuts_the_document_and_keeps_the_template(reranker):
     assert_nothing_left(llm)
 
 
+def test_a_cut_never_keeps_more_tokens_than_asked_among_a_characters_byte_pieces(reranker):
+    """Byte-level BPE splits 東 into pieces that share its offsets; a cut among them drops the
+    character, so the text re-tokenizes to at most the tokens asked for (a truncation that kept
+    the character failed: the prompt stayed over its limit however often it was cut)."""
+    path, overrides = reranker
+    llm = LLM(path, **ENGINE, hf_overrides=overrides, chat_template=TEMPLATE)
+    rng = random.Random()
+    for text in ["of over 東", "vu Paris 東京 cats", " ".join(texts(rng, 12, longest=25))]:
+        n = len(llm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        for limit in range(1, n + 1):
+            cut = llm.engine.input_processor.first_tokens(text, limit)
+            assert text.startswith(cut), (text, limit, cut)
+            assert len(llm.tokenizer(cut, add_special_tokens=False)["input_ids"]) <= limit, (text, limit, cut)
+    assert llm.engine.input_processor.first_tokens("東", 1) == ""
+    assert_nothing_left(llm)
+
+
 def test_token_rows_as_labels_on_an_untied_model(tmp_path):
     """no_post_processing: each token's logit is a label (softmax over three), on a Llama whose
     language-model head is its own tensor; without a template a pair is its two texts joined."""

@@ -316,12 +316,20 @@ class InputProcessor:
 
     def first_tokens(self, text: str, limit: int) -> str:
         """The text up to the end of its first ``limit`` tokens (0: all of it), cut where the
-        tokenizer says that token ends, so re-tokenizing gives those tokens. A text that is not
-        one (not a string, a lone surrogate) comes back as it is: the checks after refuse it."""
+        tokenizer says that token ends, so re-tokenizing gives those tokens. The byte pieces of
+        one character share its offsets: a cut among them drops the whole character (keeping it
+        would keep every piece, more than ``limit`` tokens, and a truncation loop cutting again
+        would get the same text back). A text that is not one (not a string, a lone surrogate)
+        comes back as it is: the checks after refuse it."""
         if limit <= 0 or not isinstance(text, str) or has_lone_surrogate(text):
             return text
         offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        return text if len(offsets) <= limit else text[: offsets[limit - 1][1]]
+        if len(offsets) <= limit:
+            return text
+        cut = limit
+        while cut > 0 and offsets[cut][0] < offsets[cut - 1][1]:  # token `cut` shares a character with the one before
+            cut -= 1
+        return text[: offsets[cut - 1][1]] if cut > 0 else ""
 
     def _check_priority(self, params: SamplingParams) -> None:
         if params.priority != 0 and self.scheduling_policy != "priority":  # as vLLM refuses it
